@@ -1,0 +1,197 @@
+// The attention operator: out = softmax(scale · q kᵀ (modified, masked)) · v.
+//
+// Layout (FlashAttention's BSHD), any strides but a contiguous last dimension:
+//   q   [B, Lq, Hq,  d ]      k [B, Lk, Hkv, d]      v [B, Lk, Hkv, dv]
+//   out [B, Lq, Hq,  dv]      lse [B, Hq, Lq]        probs [B, Hq, Lq, Lk]
+// Packed variable-length batches (opt.cu_seqlens_q/k given) drop the batch
+// dimension: q [total_q, Hq, d], k [total_k, Hkv, d], v [total_k, Hkv, dv],
+// out [total_q, Hq, dv], lse [Hq, total_q], probs [Hq, total_q, max_seqlen_k].
+//
+// Order of operations for one score (DESIGN.md):
+//   s = scale·(q·k);  s = softcap·tanh(s/softcap) if softcap > 0;
+//   s += alibi bias + additive mask;  s = score_mod(s, b, h, i, j);
+//   keys that are not visible (causal, window, key length, boolean mask, mask_mod)
+//   are removed; softmax over the visible keys; weighted sum of the values.
+// A query row with no visible key gives out = 0 and lse = −∞ (PyTorch gives NaN).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <type_traits>
+
+#include "attn/error.hpp"
+#include "attn/tensor.hpp"
+
+namespace attn {
+
+/// Causal alignment. With Lq queries and Lk keys (Lk = the batch's key length):
+///   TopLeft:     key j visible to query i iff j ≤ i             (PyTorch is_causal)
+///   BottomRight: key j visible to query i iff j ≤ i + Lk − Lq   (FlashAttention ≥ 2.1;
+///                the last query sees every key, as decoding with a KV cache needs)
+enum class Causal : uint8_t { None, TopLeft, BottomRight };
+
+/// Sliding window around the bottom-right-aligned diagonal i' = i + Lk − Lq:
+/// key j visible iff i' − left ≤ j ≤ i' + right. −1 means unbounded on that side.
+/// {-1, 0} with causal None equals BottomRight causal.
+struct Window {
+  int left = -1;
+  int right = -1;
+};
+
+/// Every option of the operator; all optional and combinable.
+struct AttentionOptions {
+  /// Multiplies q·k. Default (unset): 1/√d. Must be finite and > 0.
+  std::optional<float> scale;
+  Causal causal = Causal::None;
+  Window window;
+  /// Boolean (DType::boolean, true = may attend, PyTorch's convention) or additive
+  /// f32 mask, broadcastable over [B, Hq, Lq, Lk] by NumPy's rules (rank ≤ 4,
+  /// aligned to the right, size-1 dimensions broadcast). With cu_seqlens the last
+  /// two dimensions are indexed by sequence-local positions (sizes ≥ max lengths).
+  TensorView mask;
+  /// f32 [Hq] or [B, Hq]: adds −slope·|i' − j| to each score (ALiBi).
+  TensorView alibi_slopes;
+  /// Gemma-2 soft-capping: s ← softcap·tanh(s/softcap). 0 = off; else > 0.
+  float softcap = 0.0f;
+  /// Packed variable-length batch: int32 [B+1] prefix sums of the sequence lengths
+  /// (as flash_attn_varlen_func). Give both or neither.
+  TensorView cu_seqlens_q;
+  TensorView cu_seqlens_k;
+  /// int32 [B]: batch b uses only keys j < key_lengths[b] (padded batches, KV
+  /// caches). Causal and window alignment then use key_lengths[b] as Lk.
+  TensorView key_lengths;
+  /// Dropout on the probabilities (the training issue); must be 0 for now.
+  float dropout_p = 0.0f;
+  uint64_t seed = 0;
+  uint64_t offset = 0;
+};
+
+/// Fused attention forward, f32. Computes `out`; optionally writes `lse` (natural
+/// log-sum-exp of the final scores, −∞ for rows with no visible key) and `probs`
+/// (the explicit softmax probabilities, 0 where masked) when those views are given.
+/// Throws attn::Error (naming the argument) before writing anything if an argument
+/// is invalid. Bitwise identical results for any number of threads.
+void attention(const TensorView& q, const TensorView& k, const TensorView& v,
+               const TensorView& out, const AttentionOptions& options = {},
+               const TensorView& lse = {}, const TensorView& probs = {});
+
+/// The same operator computed by the plain float64 reference (src/reference/):
+/// explicit Lq×Lk scores, no tiling, no SIMD, no threads. Slow; for checking.
+/// Outputs are rounded to f32.
+void attention_reference(const TensorView& q, const TensorView& k, const TensorView& v,
+                         const TensorView& out, const AttentionOptions& options = {},
+                         const TensorView& lse = {}, const TensorView& probs = {});
+
+/// Number of threads the kernels use (default: all cores, or ATTN_NUM_THREADS).
+void set_num_threads(int n);
+int num_threads();
+
+// ---------------------------------------------------------------------------
+// User-defined score modifiers and mask predicates (FlexAttention's idea).
+//
+//   float score_mod(float s, int b, int h, int i, int j);  // returns the new score
+//   bool  mask_mod(int b, int h, int i, int j);            // false removes key j
+//
+// b: batch, h: query head, i / j: query / key position within the sequence.
+// score_mod sees the score after softcap, ALiBi and the additive mask, and is not
+// called for keys already removed (or scored −∞). Pass attn::NoScoreMod{} or
+// attn::NoMaskMod{} for the one you do not need.
+// ---------------------------------------------------------------------------
+
+struct NoScoreMod {
+  float operator()(float s, int, int, int, int) const { return s; }
+};
+struct NoMaskMod {
+  bool operator()(int, int, int, int) const { return true; }
+};
+
+namespace detail {
+
+/// Type-erased user modifiers. The kernels call `tile` once per score tile
+/// (rows × cols scores at s, row stride ld, query rows i0.., key columns j0..);
+/// the per-element lambda is inlined there, in the caller's translation unit.
+/// The reference calls `score` and `mask` per element, in double precision.
+struct UserMods {
+  const void* ctx = nullptr;
+  void (*tile)(const void* ctx, float* s, int64_t ld, int b, int h, int i0, int rows,
+               int j0, int cols) = nullptr;
+  double (*score)(const void* ctx, double s, int b, int h, int i, int j) = nullptr;
+  bool (*mask)(const void* ctx, int b, int h, int i, int j) = nullptr;
+};
+
+void attention_with_mods(const TensorView& q, const TensorView& k, const TensorView& v,
+                         const TensorView& out, const AttentionOptions& options,
+                         const TensorView& lse, const TensorView& probs,
+                         const UserMods* mods);
+void attention_reference_with_mods(const TensorView& q, const TensorView& k,
+                                   const TensorView& v, const TensorView& out,
+                                   const AttentionOptions& options, const TensorView& lse,
+                                   const TensorView& probs, const UserMods* mods);
+
+template <class ScoreMod, class MaskMod>
+struct ModPair {
+  ScoreMod score_mod;
+  MaskMod mask_mod;
+};
+
+template <class ScoreMod, class MaskMod>
+void apply_mods_to_tile(const void* ctx, float* s, int64_t ld, int b, int h, int i0,
+                        int rows, int j0, int cols) {
+  const auto& m = *static_cast<const ModPair<ScoreMod, MaskMod>*>(ctx);
+  for (int r = 0; r < rows; ++r) {
+    float* row = s + r * ld;
+    for (int c = 0; c < cols; ++c) {
+      if (row[c] == -INFINITY) continue;
+      if constexpr (!std::is_same_v<MaskMod, NoMaskMod>) {
+        if (!m.mask_mod(b, h, i0 + r, j0 + c)) {
+          row[c] = -INFINITY;
+          continue;
+        }
+      }
+      if constexpr (!std::is_same_v<ScoreMod, NoScoreMod>) {
+        row[c] = static_cast<float>(m.score_mod(row[c], b, h, i0 + r, j0 + c));
+      }
+    }
+  }
+}
+
+template <class ScoreMod, class MaskMod>
+UserMods make_user_mods(const ModPair<ScoreMod, MaskMod>& pair) {
+  UserMods u;
+  u.ctx = &pair;
+  u.tile = &apply_mods_to_tile<ScoreMod, MaskMod>;
+  u.score = [](const void* c, double s, int b, int h, int i, int j) -> double {
+    return static_cast<const ModPair<ScoreMod, MaskMod>*>(c)->score_mod(s, b, h, i, j);
+  };
+  u.mask = [](const void* c, int b, int h, int i, int j) -> bool {
+    return static_cast<const ModPair<ScoreMod, MaskMod>*>(c)->mask_mod(b, h, i, j);
+  };
+  return u;
+}
+
+}  // namespace detail
+
+/// attention() with a user score modifier and mask predicate (see above). Keys
+/// removed by mask_mod are skipped tile by tile where a whole tile is removed.
+template <class ScoreMod, class MaskMod>
+void attention(const TensorView& q, const TensorView& k, const TensorView& v,
+               const TensorView& out, const AttentionOptions& options, ScoreMod score_mod,
+               MaskMod mask_mod, const TensorView& lse = {}, const TensorView& probs = {}) {
+  const detail::ModPair<ScoreMod, MaskMod> pair{score_mod, mask_mod};
+  const detail::UserMods mods = detail::make_user_mods(pair);
+  detail::attention_with_mods(q, k, v, out, options, lse, probs, &mods);
+}
+
+/// attention_reference() with a user score modifier and mask predicate.
+template <class ScoreMod, class MaskMod>
+void attention_reference(const TensorView& q, const TensorView& k, const TensorView& v,
+                         const TensorView& out, const AttentionOptions& options,
+                         ScoreMod score_mod, MaskMod mask_mod, const TensorView& lse = {},
+                         const TensorView& probs = {}) {
+  const detail::ModPair<ScoreMod, MaskMod> pair{score_mod, mask_mod};
+  const detail::UserMods mods = detail::make_user_mods(pair);
+  detail::attention_reference_with_mods(q, k, v, out, options, lse, probs, &mods);
+}
+
+}  // namespace attn

@@ -1,0 +1,6 @@
+// Umbrella header: everything public in attn.
+#pragma once
+
+#include "attn/attention.hpp"
+#include "attn/error.hpp"
+#include "attn/tensor.hpp"

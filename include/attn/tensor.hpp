@@ -1,0 +1,98 @@
+// Tensors: a non-owning strided view (TensorView) and an owning, 64-byte-aligned
+// buffer (Tensor). Shapes and strides are in elements, outermost dimension first.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace attn {
+
+/// Element types. f32 is what the kernels compute with; boolean (one byte, 0 or 1)
+/// is for masks; i32 for sequence offsets and lengths. bf16 and f16 are storage
+/// types reserved for the low-precision paths.
+enum class DType : uint8_t { f32, bf16, f16, boolean, i32 };
+
+/// Size of one element in bytes.
+size_t dtype_size(DType t);
+/// "f32", "bf16", "f16", "bool", "i32".
+const char* dtype_name(DType t);
+
+/// A view of memory someone else owns: data pointer, element type, shape and
+/// strides (in elements). At most 8 dimensions.
+///
+///   TensorView(ptr, DType::f32, {B, L, H, d})            // contiguous, row-major
+///   TensorView(ptr, DType::f32, {B, L, H, d}, strides)   // any strides, e.g. a BHSD
+///                                                        // buffer seen as BSHD
+/// A default-constructed view is "absent" (used for optional arguments).
+class TensorView {
+ public:
+  static constexpr int kMaxRank = 8;
+
+  TensorView() = default;
+  TensorView(const void* data, DType dtype, std::initializer_list<int64_t> shape);
+  TensorView(const void* data, DType dtype, std::vector<int64_t> shape);
+  TensorView(const void* data, DType dtype, std::vector<int64_t> shape,
+             std::vector<int64_t> strides);
+
+  /// True for a default-constructed view (no tensor given).
+  bool empty() const { return rank_ < 0; }
+  int rank() const { return rank_ < 0 ? 0 : rank_; }
+  DType dtype() const { return dtype_; }
+  int64_t size(int dim) const { return shape_[dim]; }
+  int64_t stride(int dim) const { return strides_[dim]; }
+  std::vector<int64_t> shape() const;
+  std::vector<int64_t> strides() const;
+  /// Number of elements (product of the shape; 1 for rank 0).
+  int64_t numel() const;
+  /// True when the strides are those of a packed row-major array.
+  bool is_contiguous() const;
+
+  void* data() const { return const_cast<void*>(data_); }
+  template <class T>
+  T* data_as() const { return static_cast<T*>(const_cast<void*>(data_)); }
+
+  /// "f32[2, 17, 8, 64]" (strides appended when not contiguous), for messages.
+  std::string describe() const;
+
+ private:
+  const void* data_ = nullptr;
+  DType dtype_ = DType::f32;
+  int rank_ = -1;
+  int64_t shape_[kMaxRank] = {};
+  int64_t strides_[kMaxRank] = {};
+};
+
+/// Owning, contiguous, 64-byte-aligned storage. Converts to a TensorView.
+/// Contents are uninitialised after construction (use fill / copies).
+class Tensor {
+ public:
+  Tensor() = default;
+  Tensor(DType dtype, std::vector<int64_t> shape);
+
+  TensorView view() const;
+  operator TensorView() const { return view(); }  // NOLINT: views are cheap
+
+  DType dtype() const { return dtype_; }
+  const std::vector<int64_t>& shape() const { return shape_; }
+  int64_t numel() const;
+  void* data() { return buffer_.get(); }
+  const void* data() const { return buffer_.get(); }
+  template <class T>
+  T* data_as() { return static_cast<T*>(data()); }
+  template <class T>
+  const T* data_as() const { return static_cast<const T*>(data()); }
+
+ private:
+  struct FreeAligned {
+    void operator()(void* p) const;
+  };
+  DType dtype_ = DType::f32;
+  std::vector<int64_t> shape_;
+  std::unique_ptr<void, FreeAligned> buffer_;
+};
+
+}  // namespace attn

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs every Debian package attn needs to build, test and benchmark.
+# Idempotent: when everything is present it prints nothing and does not touch apt.
+set -euo pipefail
+
+PACKAGES=(
+  build-essential cmake ninja-build pkg-config
+  libhwy-dev            # Highway: SIMD with runtime dispatch
+  libopenblas-dev       # CBLAS for the baseline and (later) the nn modules
+  libgtest-dev libgmock-dev
+  libbenchmark-dev
+  libcli11-dev nlohmann-json3-dev libpng-dev
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+SUDO=""
+[ "$(id -u)" -ne 0 ] && SUDO="sudo"
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -1,0 +1,78 @@
+// Public entry points: check the arguments, then run the fused kernel or the
+// float64 reference.
+#include <algorithm>
+#include <vector>
+
+#include "attn/attention.hpp"
+#include "cpu/attention_forward.hpp"
+#include "problem.hpp"
+#include "reference/attention_reference.hpp"
+
+namespace attn {
+namespace detail {
+
+void attention_with_mods(const TensorView& q, const TensorView& k, const TensorView& v,
+                         const TensorView& out, const AttentionOptions& options,
+                         const TensorView& lse, const TensorView& probs, const UserMods* mods) {
+  const Problem p = make_problem("attention", q, k, v, out, options, lse, probs, mods);
+  attention_forward_cpu(p, num_threads());
+}
+
+namespace {
+
+// Number of elements from a view's first element to its last, inclusive.
+int64_t span(const TensorView& t) {
+  if (t.empty() || t.numel() == 0) return 0;
+  int64_t last = 0;
+  for (int i = 0; i < t.rank(); ++i) last += (t.size(i) - 1) * t.stride(i);
+  return last + 1;
+}
+
+// Copies a float64 buffer laid out like `view` into the view (f32), element by
+// element through the view's strides.
+void round_into(const TensorView& view, const std::vector<double>& src) {
+  if (view.empty() || view.numel() == 0) return;
+  float* dst = view.data_as<float>();
+  std::vector<int64_t> idx(static_cast<size_t>(view.rank()), 0);
+  for (int64_t n = 0; n < view.numel(); ++n) {
+    int64_t at = 0;
+    for (int i = 0; i < view.rank(); ++i) at += idx[static_cast<size_t>(i)] * view.stride(i);
+    dst[at] = static_cast<float>(src[static_cast<size_t>(at)]);
+    for (int i = view.rank() - 1; i >= 0; --i) {
+      if (++idx[static_cast<size_t>(i)] < view.size(i)) break;
+      idx[static_cast<size_t>(i)] = 0;
+    }
+  }
+}
+
+}  // namespace
+
+void attention_reference_with_mods(const TensorView& q, const TensorView& k,
+                                   const TensorView& v, const TensorView& out,
+                                   const AttentionOptions& options, const TensorView& lse,
+                                   const TensorView& probs, const UserMods* mods) {
+  const Problem p = make_problem("attention_reference", q, k, v, out, options, lse, probs, mods);
+  std::vector<double> o(static_cast<size_t>(span(out))), l(static_cast<size_t>(span(lse))),
+      pr(static_cast<size_t>(span(probs)));
+  reference_forward<double>(p, o.data(), lse.empty() ? nullptr : l.data(),
+                            probs.empty() ? nullptr : pr.data());
+  round_into(out, o);
+  round_into(lse, l);
+  round_into(probs, pr);
+}
+
+}  // namespace detail
+
+void attention(const TensorView& q, const TensorView& k, const TensorView& v,
+               const TensorView& out, const AttentionOptions& options, const TensorView& lse,
+               const TensorView& probs) {
+  detail::attention_with_mods(q, k, v, out, options, lse, probs, nullptr);
+}
+
+void attention_reference(const TensorView& q, const TensorView& k, const TensorView& v,
+                         const TensorView& out, const AttentionOptions& options,
+                         const TensorView& lse, const TensorView& probs) {
+  detail::attention_reference_with_mods(q, k, v, out, options, lse, probs, nullptr);
+}
+
+}  // namespace attn

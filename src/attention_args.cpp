@@ -1,0 +1,357 @@
+// Argument checking for attention(): every invalid argument becomes an attn::Error
+// naming the argument, what was expected and what was given, before any output
+// is touched. The result is a normalised Problem (src/problem.hpp).
+#include <climits>
+#include <cmath>
+#include <sstream>
+#include <string>
+
+#include "problem.hpp"
+
+namespace attn::detail {
+namespace {
+
+// Builds "fn: <what>" messages.
+class Checker {
+ public:
+  explicit Checker(const char* fn) : fn_(fn) {}
+
+  [[noreturn]] void fail(const std::string& what) const {
+    throw Error(std::string(fn_) + ": " + what);
+  }
+  void require(bool ok, const std::string& what) const {
+    if (!ok) fail(what);
+  }
+
+  // A tensor argument that must be present, of dtype `dt` and rank `rank`.
+  void tensor(const TensorView& t, const char* name, DType dt, int rank,
+              const char* layout) const {
+    if (t.empty()) fail(std::string(name) + " is required, got none");
+    if (t.dtype() != dt) {
+      fail(std::string(name) + " must have dtype " + dtype_name(dt) + ", got " +
+           dtype_name(t.dtype()) +
+           (dt == DType::f32 && (t.dtype() == DType::bf16 || t.dtype() == DType::f16)
+                ? " (this build computes f32 inputs only)"
+                : ""));
+    }
+    if (t.rank() != rank) {
+      fail(std::string(name) + " must have rank " + std::to_string(rank) + " " + layout +
+           ", got " + t.describe());
+    }
+    if (t.data() == nullptr && t.numel() > 0) {
+      fail(std::string(name) + " has a null data pointer but " + std::to_string(t.numel()) +
+           " elements");
+    }
+  }
+
+  // The last dimension must be contiguous (stride 1) unless it has one element.
+  void last_contiguous(const TensorView& t, const char* name) const {
+    const int r = t.rank() - 1;
+    if (r >= 0 && t.size(r) > 1 && t.stride(r) != 1) {
+      fail(std::string(name) + " must have a contiguous last dimension (stride 1), got " +
+           t.describe());
+    }
+  }
+
+  void dim_equals(const TensorView& t, const char* name, int dim, int64_t expected,
+                  const char* meaning) const {
+    if (t.size(dim) != expected) {
+      fail(std::string(name) + ".shape[" + std::to_string(dim) + "] (" + meaning +
+           ") must be " + std::to_string(expected) + ", got " + std::to_string(t.size(dim)) +
+           " in " + t.describe());
+    }
+  }
+
+ private:
+  const char* fn_;
+};
+
+std::vector<int32_t> read_i32(const TensorView& t) {
+  std::vector<int32_t> v(static_cast<size_t>(t.size(0)));
+  const int32_t* p = t.data_as<const int32_t>();
+  for (size_t i = 0; i < v.size(); ++i) v[i] = p[static_cast<int64_t>(i) * t.stride(0)];
+  return v;
+}
+
+// Checks cu_seqlens (int32 [B+1], non-decreasing, from ≥ 0 to ≤ total).
+std::vector<int32_t> check_cu_seqlens(const Checker& c, const TensorView& t, const char* name,
+                                      int64_t total) {
+  c.require(t.dtype() == DType::i32,
+            std::string(name) + " must have dtype i32, got " + dtype_name(t.dtype()));
+  c.require(t.rank() == 1 && t.size(0) >= 2,
+            std::string(name) + " must be a rank-1 i32 tensor of length B+1 >= 2, got " +
+                t.describe());
+  c.require(t.data() != nullptr, std::string(name) + " has a null data pointer");
+  std::vector<int32_t> cu = read_i32(t);
+  c.require(cu[0] >= 0, std::string(name) + "[0] must be >= 0, got " + std::to_string(cu[0]));
+  for (size_t i = 1; i < cu.size(); ++i) {
+    if (cu[i] < cu[i - 1]) {
+      c.fail(std::string(name) + " must be non-decreasing, got " + name + "[" +
+             std::to_string(i - 1) + "]=" + std::to_string(cu[i - 1]) + " > " + name + "[" +
+             std::to_string(i) + "]=" + std::to_string(cu[i]));
+    }
+  }
+  if (cu.back() > total) {
+    c.fail(std::string(name) + "[B]=" + std::to_string(cu.back()) +
+           " goes beyond the tensor's " + std::to_string(total) + " tokens");
+  }
+  return cu;
+}
+
+}  // namespace
+
+Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
+                     const TensorView& v, const TensorView& out, const AttentionOptions& opt,
+                     const TensorView& lse, const TensorView& probs, const UserMods* mods) {
+  const Checker c(fn);
+  const bool varlen = !opt.cu_seqlens_q.empty() || !opt.cu_seqlens_k.empty();
+  if (varlen && (opt.cu_seqlens_q.empty() || opt.cu_seqlens_k.empty())) {
+    c.fail(std::string("cu_seqlens_q and cu_seqlens_k must be given together, got only ") +
+           (opt.cu_seqlens_q.empty() ? "cu_seqlens_k" : "cu_seqlens_q"));
+  }
+  const int rank = varlen ? 3 : 4;
+  const char* qlay = varlen ? "[total_q, Hq, d]" : "[B, Lq, Hq, d]";
+  const char* klay = varlen ? "[total_k, Hkv, d]" : "[B, Lk, Hkv, d]";
+  const char* vlay = varlen ? "[total_k, Hkv, dv]" : "[B, Lk, Hkv, dv]";
+  const char* olay = varlen ? "[total_q, Hq, dv]" : "[B, Lq, Hq, dv]";
+  c.tensor(q, "q", DType::f32, rank, qlay);
+  c.tensor(k, "k", DType::f32, rank, klay);
+  c.tensor(v, "v", DType::f32, rank, vlay);
+  c.tensor(out, "out", DType::f32, rank, olay);
+  c.last_contiguous(q, "q");
+  c.last_contiguous(k, "k");
+  c.last_contiguous(v, "v");
+  c.last_contiguous(out, "out");
+
+  const int o = varlen ? 0 : 1;  // index of the position dimension
+  const int64_t Hq = q.size(o + 1), Hkv = k.size(o + 1), d = q.size(o + 2),
+                dv = v.size(o + 2);
+  const int64_t Lq = q.size(o), Lk = k.size(o);
+  if (!varlen) {
+    c.dim_equals(k, "k", 0, q.size(0), "batch B, as q.shape[0]");
+    c.dim_equals(v, "v", 0, q.size(0), "batch B, as q.shape[0]");
+    c.dim_equals(out, "out", 0, q.size(0), "batch B, as q.shape[0]");
+  }
+  c.require(Hq >= 1, "q.shape[" + std::to_string(o + 1) + "] (query heads) must be >= 1, got " +
+                         q.describe());
+  c.require(Hkv >= 1, "k.shape[" + std::to_string(o + 1) + "] (kv heads) must be >= 1, got " +
+                          k.describe());
+  c.require(d >= 1, "q.shape[" + std::to_string(o + 2) + "] (head dim d) must be >= 1, got " +
+                        q.describe());
+  c.require(dv >= 1, "v.shape[" + std::to_string(o + 2) + "] (value head dim dv) must be >= 1, got " +
+                         v.describe());
+  c.dim_equals(k, "k", o + 2, d, "head dim d, as q's last dimension");
+  c.dim_equals(v, "v", o, Lk, "keys Lk, as k");
+  c.dim_equals(v, "v", o + 1, Hkv, "kv heads, as k");
+  c.dim_equals(out, "out", o, Lq, "queries Lq, as q");
+  c.dim_equals(out, "out", o + 1, Hq, "query heads Hq, as q");
+  c.dim_equals(out, "out", o + 2, dv, "value head dim dv, as v's last dimension");
+  if (Hq % Hkv != 0) {
+    c.fail("k.shape[" + std::to_string(o + 1) + "] (kv heads) must divide q.shape[" +
+           std::to_string(o + 1) + "] (query heads): got Hq=" + std::to_string(Hq) +
+           ", Hkv=" + std::to_string(Hkv));
+  }
+  c.require(Lq < INT_MAX && Lk < INT_MAX && d < INT_MAX && dv < INT_MAX && Hq < INT_MAX,
+            "sizes must be below 2^31, got q " + q.describe() + ", k " + k.describe());
+
+  Problem p;
+  p.B = varlen ? static_cast<int>(opt.cu_seqlens_q.size(0) - 1) : static_cast<int>(q.size(0));
+  p.Hq = static_cast<int>(Hq);
+  p.Hkv = static_cast<int>(Hkv);
+  p.d = static_cast<int>(d);
+  p.dv = static_cast<int>(dv);
+  p.q = q.data_as<const float>();
+  p.k = k.data_as<const float>();
+  p.v = v.data_as<const float>();
+  p.out = out.data_as<float>();
+  p.q_row = q.stride(o), p.q_head = q.stride(o + 1);
+  p.k_row = k.stride(o), p.k_head = k.stride(o + 1);
+  p.v_row = v.stride(o), p.v_head = v.stride(o + 1);
+  p.out_row = out.stride(o), p.out_head = out.stride(o + 1);
+
+  // --- scalar options ---
+  p.scale = opt.scale.has_value() ? *opt.scale : static_cast<float>(1.0 / std::sqrt(double(d)));
+  if (!std::isfinite(p.scale) || p.scale <= 0.0f) {
+    std::ostringstream os;
+    os << "scale must be finite and > 0, got " << p.scale;
+    c.fail(os.str());
+  }
+  if (!std::isfinite(opt.softcap) || opt.softcap < 0.0f) {
+    std::ostringstream os;
+    os << "softcap must be finite and >= 0 (0 = off), got " << opt.softcap;
+    c.fail(os.str());
+  }
+  p.softcap = opt.softcap;
+  if (opt.window.left < -1 || opt.window.right < -1) {
+    c.fail("window must have left >= -1 and right >= -1 (-1 = unbounded), got {" +
+           std::to_string(opt.window.left) + ", " + std::to_string(opt.window.right) + "}");
+  }
+  p.window_left = opt.window.left;
+  p.window_right = opt.window.right;
+  p.causal = opt.causal;
+  if (!(opt.dropout_p >= 0.0f && opt.dropout_p < 1.0f)) {
+    std::ostringstream os;
+    os << "dropout_p must be in [0, 1), got " << opt.dropout_p;
+    c.fail(os.str());
+  }
+  if (opt.dropout_p != 0.0f) {
+    c.fail("dropout_p > 0 is not supported by this version of attn yet (issue #3); got " +
+           std::to_string(opt.dropout_p));
+  }
+
+  // --- sequences ---
+  std::vector<int32_t> cu_q, cu_k;
+  if (varlen) {
+    cu_q = check_cu_seqlens(c, opt.cu_seqlens_q, "cu_seqlens_q", Lq);
+    cu_k = check_cu_seqlens(c, opt.cu_seqlens_k, "cu_seqlens_k", Lk);
+    c.require(cu_q.size() == cu_k.size(),
+              "cu_seqlens_k must have the length of cu_seqlens_q (B+1 = " +
+                  std::to_string(cu_q.size()) + "), got " + std::to_string(cu_k.size()));
+  }
+  std::vector<int32_t> key_lengths;
+  if (!opt.key_lengths.empty()) {
+    const TensorView& t = opt.key_lengths;
+    c.require(t.dtype() == DType::i32,
+              std::string("key_lengths must have dtype i32, got ") + dtype_name(t.dtype()));
+    c.require(t.rank() == 1 && t.size(0) == p.B,
+              "key_lengths must be i32 [B] with B=" + std::to_string(p.B) + ", got " +
+                  t.describe());
+    c.require(t.data() != nullptr || p.B == 0, "key_lengths has a null data pointer");
+    key_lengths = read_i32(t);
+  }
+  p.seqs.resize(static_cast<size_t>(p.B));
+  int max_lq = 0, max_lk = 0;
+  for (int b = 0; b < p.B; ++b) {
+    Sequence& s = p.seqs[static_cast<size_t>(b)];
+    int64_t q0 = 0, k0 = 0;
+    if (varlen) {
+      q0 = cu_q[b], k0 = cu_k[b];
+      s.Lq = cu_q[b + 1] - cu_q[b];
+      s.Lk = cu_k[b + 1] - cu_k[b];
+      s.q_offset = q0 * p.q_row;
+      s.k_offset = k0 * p.k_row;
+      s.v_offset = k0 * p.v_row;
+      s.out_offset = q0 * p.out_row;
+    } else {
+      s.Lq = static_cast<int>(Lq);
+      s.Lk = static_cast<int>(Lk);
+      s.q_offset = b * q.stride(0);
+      s.k_offset = b * k.stride(0);
+      s.v_offset = b * v.stride(0);
+      s.out_offset = b * out.stride(0);
+    }
+    if (!key_lengths.empty()) {
+      const int32_t kl = key_lengths[static_cast<size_t>(b)];
+      if (kl < 0 || kl > s.Lk) {
+        c.fail("key_lengths[" + std::to_string(b) + "] must be in [0, " + std::to_string(s.Lk) +
+               "] (the keys of that sequence), got " + std::to_string(kl));
+      }
+      s.Lk = kl;
+    }
+    max_lq = std::max(max_lq, s.Lq);
+    max_lk = std::max(max_lk, varlen ? cu_k[b + 1] - cu_k[b] : static_cast<int>(Lk));
+  }
+
+  // --- ALiBi slopes ---
+  if (!opt.alibi_slopes.empty()) {
+    const TensorView& t = opt.alibi_slopes;
+    c.require(t.dtype() == DType::f32,
+              std::string("alibi_slopes must have dtype f32, got ") + dtype_name(t.dtype()));
+    const bool per_head = t.rank() == 1 && t.size(0) == Hq;
+    const bool per_batch = t.rank() == 2 && t.size(0) == p.B && t.size(1) == Hq;
+    c.require(per_head || per_batch, "alibi_slopes must be f32 [Hq] or [B, Hq] with B=" +
+                                         std::to_string(p.B) + ", Hq=" + std::to_string(Hq) +
+                                         ", got " + t.describe());
+    c.require(t.data() != nullptr, "alibi_slopes has a null data pointer");
+    p.alibi = t.data_as<const float>();
+    p.alibi_h = t.stride(t.rank() - 1);
+    p.alibi_b = per_batch ? t.stride(0) : 0;
+  }
+
+  // --- mask, broadcast over [B, Hq, Lq, Lk] ---
+  if (!opt.mask.empty()) {
+    const TensorView& m = opt.mask;
+    c.require(m.dtype() == DType::boolean || m.dtype() == DType::f32,
+              std::string("mask must be boolean (true = attend) or f32 (additive), got ") +
+                  dtype_name(m.dtype()));
+    c.require(m.rank() <= 4, "mask must have rank <= 4 (broadcast over [B, Hq, Lq, Lk]), got " +
+                                 m.describe());
+    c.require(m.data() != nullptr || m.numel() == 0, "mask has a null data pointer");
+    const int64_t full[4] = {p.B, Hq, max_lq, max_lk};
+    const char* names[4] = {"B", "Hq", varlen ? "max seqlen_q" : "Lq",
+                            varlen ? "max seqlen_k" : "Lk"};
+    int64_t strides[4] = {0, 0, 0, 0};
+    for (int i = 0; i < m.rank(); ++i) {
+      const int dim = 4 - m.rank() + i;  // aligned to the right, as NumPy broadcasting
+      const int64_t sz = m.size(i);
+      const bool ok = sz == 1 || (varlen && dim >= 2 ? sz >= full[dim] : sz == full[dim]);
+      if (!ok) {
+        c.fail("mask " + m.describe() + " is not broadcastable to [B, Hq, Lq, Lk] = [" +
+               std::to_string(full[0]) + ", " + std::to_string(full[1]) + ", " +
+               std::to_string(full[2]) + ", " + std::to_string(full[3]) + "]: dimension " +
+               std::to_string(i) + " (" + names[dim] + ") must be 1 or " +
+               std::to_string(full[dim]) + (varlen && dim >= 2 ? " or more" : "") + ", got " +
+               std::to_string(sz));
+      }
+      strides[dim] = sz == 1 ? 0 : m.stride(i);
+    }
+    c.require(strides[3] == 0 || strides[3] == 1,
+              "mask must have a contiguous last dimension (stride 1) or broadcast it, got " +
+                  m.describe());
+    p.mask_b = strides[0], p.mask_h = strides[1], p.mask_i = strides[2], p.mask_j = strides[3];
+    if (m.dtype() == DType::boolean) {
+      p.bool_mask = m.data_as<const uint8_t>();
+    } else {
+      p.add_mask = m.data_as<const float>();
+    }
+  }
+
+  // --- optional outputs ---
+  if (!lse.empty()) {
+    if (varlen) {
+      c.tensor(lse, "lse", DType::f32, 2, "[Hq, total_q]");
+      c.dim_equals(lse, "lse", 0, Hq, "query heads Hq");
+      c.dim_equals(lse, "lse", 1, Lq, "total_q");
+    } else {
+      c.tensor(lse, "lse", DType::f32, 3, "[B, Hq, Lq]");
+      c.dim_equals(lse, "lse", 0, p.B, "batch B");
+      c.dim_equals(lse, "lse", 1, Hq, "query heads Hq");
+      c.dim_equals(lse, "lse", 2, Lq, "queries Lq");
+    }
+    p.lse = lse.data_as<float>();
+    p.lse_h = lse.stride(varlen ? 0 : 1);
+    p.lse_i = lse.stride(varlen ? 1 : 2);
+    for (int b = 0; b < p.B; ++b) {
+      p.seqs[static_cast<size_t>(b)].lse_offset =
+          varlen ? int64_t{cu_q[b]} * p.lse_i : b * lse.stride(0);
+    }
+  }
+  if (!probs.empty()) {
+    if (varlen) {
+      c.tensor(probs, "probs", DType::f32, 3, "[Hq, total_q, max_seqlen_k]");
+      c.dim_equals(probs, "probs", 0, Hq, "query heads Hq");
+      c.dim_equals(probs, "probs", 1, Lq, "total_q");
+      c.dim_equals(probs, "probs", 2, max_lk, "max seqlen_k");
+    } else {
+      c.tensor(probs, "probs", DType::f32, 4, "[B, Hq, Lq, Lk]");
+      c.dim_equals(probs, "probs", 0, p.B, "batch B");
+      c.dim_equals(probs, "probs", 1, Hq, "query heads Hq");
+      c.dim_equals(probs, "probs", 2, Lq, "queries Lq");
+      c.dim_equals(probs, "probs", 3, Lk, "keys Lk");
+    }
+    c.last_contiguous(probs, "probs");
+    const int o2 = varlen ? 0 : 1;
+    p.probs = probs.data_as<float>();
+    p.probs_h = probs.stride(o2);
+    p.probs_i = probs.stride(o2 + 1);
+    p.probs_cols = static_cast<int>(probs.size(o2 + 2));
+    for (int b = 0; b < p.B; ++b) {
+      p.seqs[static_cast<size_t>(b)].probs_offset =
+          varlen ? int64_t{cu_q[b]} * p.probs_i : b * probs.stride(0);
+    }
+  }
+  p.mods = mods;
+  return p;
+}
+
+}  // namespace attn::detail

@@ -1,0 +1,286 @@
+// Fused attention forward on the CPU: FlashAttention-2's algorithm, with Highway
+// SIMD (runtime dispatch) and OpenMP threads.
+//
+// For each work item (sequence b, query head h, tile of Bq queries):
+//   O = 0, m = −∞, l = 0
+//   for each key tile of Bk keys that the band leaves partly visible:
+//     S = (scale·Q)·Kᵀ                 QkBlock, K pre-packed as [d][Bk] panels
+//     S = modifiers and masks (S)     ApplyScoreMods
+//     P = exp(S − m_new), α = exp(m − m_new), l = α·l + rowsum(P)   SoftmaxTile
+//     O = α·O + P·V                   PvRows, V pre-packed as [Bk][dvp]
+//   out = O / l, lse = m + log(l)     (rows with no visible key: 0 and −∞)
+// The Lq×Lk matrix never exists; extra memory is the packed K/V (the size of k
+// and v) plus one tile workspace per thread, both reused across calls.
+#include "cpu/attention_forward.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "cpu/workspace.hpp"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "cpu/attention_forward.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+
+#include <hwy/highway.h>
+
+#include "cpu/score_mods-inl.h"
+#include "cpu/tile_kernels-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace attn::detail::HWY_NAMESPACE {
+namespace {
+
+int RoundUp(int x, int m) { return (x + m - 1) / m * m; }
+int KeyTiles(int lk) { return (lk + kBk - 1) / kBk; }
+
+/// Where the packed K and V of each (sequence, kv head) start in the pack buffer.
+struct PackLayout {
+  int dvp = 0;                   // dv rounded up to a whole vector
+  std::vector<size_t> seq_base;  // per sequence: offset of kv head 0's panels
+  size_t total = 0;              // floats
+
+  size_t HeadFloats(int lk, int d) const {
+    return static_cast<size_t>(KeyTiles(lk)) * kBk * static_cast<size_t>(d + dvp);
+  }
+  float* K(float* pack, const Problem& p, int b, int hk) const {
+    return pack + seq_base[b] + hk * HeadFloats(p.seqs[b].Lk, p.d);
+  }
+  float* V(float* pack, const Problem& p, int b, int hk) const {
+    return K(pack, p, b, hk) + static_cast<size_t>(KeyTiles(p.seqs[b].Lk)) * kBk * p.d;
+  }
+};
+
+PackLayout MakePackLayout(const Problem& p) {
+  PackLayout pl;
+  pl.dvp = RoundUp(p.dv, kLanes);
+  pl.seq_base.resize(p.seqs.size());
+  for (size_t b = 0; b < p.seqs.size(); ++b) {
+    pl.seq_base[b] = pl.total;
+    pl.total += p.Hkv * pl.HeadFloats(p.seqs[b].Lk, p.d);
+  }
+  return pl;
+}
+
+/// Packs key tile `tile` of (b, hk): K transposed into a [d][Bk] panel, V into
+/// [Bk][dvp] rows; keys beyond Lk and columns beyond dv are zero (P is 0 there,
+/// and 0·0 keeps the products NaN-free).
+void PackTile(const Problem& p, const PackLayout& pl, float* pack, int b, int hk, int tile) {
+  const Sequence& seq = p.seqs[b];
+  const int j0 = tile * kBk, nk = std::min(kBk, seq.Lk - j0);
+  float* kt = pl.K(pack, p, b, hk) + static_cast<size_t>(tile) * kBk * p.d;
+  float* vt = pl.V(pack, p, b, hk) + static_cast<size_t>(j0) * pl.dvp;
+  const float* k = p.k + seq.k_offset + hk * p.k_head + int64_t{j0} * p.k_row;
+  const float* v = p.v + seq.v_offset + hk * p.v_head + int64_t{j0} * p.v_row;
+  for (int c = 0; c < p.d; ++c) {
+    float* dst = kt + static_cast<size_t>(c) * kBk;
+    for (int j = 0; j < nk; ++j) dst[j] = k[j * p.k_row + c];
+    for (int j = nk; j < kBk; ++j) dst[j] = 0.0f;
+  }
+  for (int j = 0; j < kBk; ++j) {
+    float* dst = vt + static_cast<size_t>(j) * pl.dvp;
+    if (j < nk) {
+      std::memcpy(dst, v + j * p.v_row, sizeof(float) * p.dv);
+      std::fill(dst + p.dv, dst + pl.dvp, 0.0f);
+    } else {
+      std::fill(dst, dst + pl.dvp, 0.0f);
+    }
+  }
+}
+
+/// The per-thread tile workspace, carved from one reusable buffer.
+struct TileScratch {
+  float* q;      // [Bq][d]    scaled query rows (padding rows zero)
+  float* s;      // [Bq][Bk]   scores, then probabilities
+  float* o;      // [Bq][dvp]  unnormalised output accumulator
+  float* m;      // [Bq]       running max
+  float* l;      // [Bq]       running sum
+  float* alpha;  // [Bq]       rescale factors of the current tile
+  float* tmp;    // [Bq]       row maxima
+  int* lo;       // [Bq]       band per row
+  int* hi;       // [Bq]
+
+  TileScratch(int d, int dvp) {
+    const size_t qf = size_t{kBq} * d, sf = size_t{kBq} * kBk, of = size_t{kBq} * dvp;
+    // Each piece starts on a 64-byte boundary (all sizes are multiples of 16 floats).
+    const size_t qf16 = (qf + 15) / 16 * 16;
+    float* base = thread_scratch(kSlotTile, qf16 + sf + of + 6 * kBq + 64);
+    q = base;
+    s = q + qf16;
+    o = s + sf;
+    m = o + of;
+    l = m + kBq;
+    alpha = l + kBq;
+    tmp = alpha + kBq;
+    lo = reinterpret_cast<int*>(tmp + kBq);
+    hi = lo + kBq;
+  }
+};
+
+/// Loads the query tile scaled by `scale` (so S needs no extra multiply) and zeros
+/// the padding rows.
+void LoadQueryTile(const Problem& p, const float* q, int rows, float* dst) {
+  for (int r = 0; r < kBq; ++r) {
+    float* row = dst + static_cast<size_t>(r) * p.d;
+    if (r < rows) {
+      const float* src = q + int64_t{r} * p.q_row;
+      for (int c = 0; c < p.d; ++c) row[c] = src[c] * p.scale;
+    } else {
+      std::fill(row, row + p.d, 0.0f);
+    }
+  }
+}
+
+/// S for the whole tile (all Bq rows, padding included) plus modifiers and masks.
+void ScoreTile(const Problem& p, const Sequence& seq, const TileScratch& w, const float* kt,
+               const TilePlace& place) {
+  for (int r = 0; r < kBq; r += kRowsPerBlock) {
+    QkBlock(w.q + static_cast<size_t>(r) * p.d, p.d, kt, p.d, w.s + r * kBk, kBk);
+  }
+  ApplyScoreMods(p, seq, place, w.s, kBk, TileNeedsBand(place));
+}
+
+/// One work item: sequence b, query head h, query tile qt.
+void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int h, int qt) {
+  const Sequence& seq = p.seqs[b];
+  const int hk = h / p.group();
+  const int i0 = qt * kBq, rows = std::min(kBq, seq.Lq - i0);
+  const int dvp = pl.dvp;
+  TileScratch w(p.d, dvp);
+
+  // Band per row; the tile's key range is the union of the rows' bands.
+  int jmin = seq.Lk, jmax = -1;
+  for (int r = 0; r < rows; ++r) {
+    BandOfRow(p, seq, i0 + r, &w.lo[r], &w.hi[r]);
+    if (w.lo[r] <= w.hi[r]) jmin = std::min(jmin, w.lo[r]), jmax = std::max(jmax, w.hi[r]);
+  }
+  LoadQueryTile(p, p.q + seq.q_offset + h * p.q_head + int64_t{i0} * p.q_row, rows, w.q);
+  std::fill(w.o, w.o + size_t{kBq} * dvp, 0.0f);
+  std::fill(w.m, w.m + kBq, -HUGE_VALF);
+  std::fill(w.l, w.l + kBq, 0.0f);
+
+  const float* kpack = pl.K(pack, p, b, hk);
+  const float* vpack = pl.V(pack, p, b, hk);
+  const int t_first = jmax < 0 ? 0 : jmin / kBk, t_last = jmax < 0 ? -1 : jmax / kBk;
+  for (int t = t_first; t <= t_last; ++t) {
+    const int j0 = t * kBk;
+    const TilePlace place{b, h, i0, rows, j0, std::min(kBk, seq.Lk - j0), w.lo, w.hi};
+    ScoreTile(p, seq, w, kpack + static_cast<size_t>(t) * kBk * p.d, place);
+    if (!SoftmaxTile(w.s, kBk, kBq, w.m, w.l, w.alpha, w.tmp)) continue;
+    const float* vt = vpack + static_cast<size_t>(j0) * dvp;
+    for (int r = 0; r < kBq; r += kRowsPerBlock) {
+      PvRows(w.s + r * kBk, kBk, vt, dvp, w.alpha + r, w.o + static_cast<size_t>(r) * dvp);
+    }
+  }
+
+  // Normalise and write out; rows that saw no visible key give 0 and lse −∞.
+  for (int r = 0; r < rows; ++r) {
+    float* dst = p.out + seq.out_offset + h * p.out_head + int64_t{i0 + r} * p.out_row;
+    const float* acc = w.o + static_cast<size_t>(r) * dvp;
+    const bool any = w.l[r] > 0.0f;
+    const float inv = any ? 1.0f / w.l[r] : 0.0f;
+    for (int c = 0; c < p.dv; ++c) dst[c] = acc[c] * inv;
+    if (p.lse != nullptr) {
+      p.lse[seq.lse_offset + h * p.lse_h + int64_t{i0 + r} * p.lse_i] =
+          any ? w.m[r] + std::log(w.l[r]) : -HUGE_VALF;
+    }
+    w.l[r] = inv;  // kept for the probabilities below
+  }
+
+  // Explicit probabilities (for pictures / need_weights): recompute each visible
+  // tile's scores and write exp(s − m)/l, as a plain softmax would; everything
+  // else is 0. (exp(s − lse) would be cheaper but carries lse's absolute rounding,
+  // eps·|lse|, into every probability.)
+  if (p.probs != nullptr) {
+    const DF df;
+    for (int r = 0; r < rows; ++r) {
+      float* dst = p.probs + seq.probs_offset + h * p.probs_h + int64_t{i0 + r} * p.probs_i;
+      std::fill(dst, dst + p.probs_cols, 0.0f);
+    }
+    for (int t = t_first; t <= t_last; ++t) {
+      const int j0 = t * kBk, cols = std::min(kBk, seq.Lk - j0);
+      const TilePlace place{b, h, i0, rows, j0, cols, w.lo, w.hi};
+      ScoreTile(p, seq, w, kpack + static_cast<size_t>(t) * kBk * p.d, place);
+      for (int r = 0; r < rows; ++r) {
+        if (w.l[r] == 0.0f) continue;  // no visible key: the row stays 0
+        float* row = w.s + r * kBk;
+        const VF m = hn::Set(df, w.m[r]), inv_l = hn::Set(df, w.l[r]);
+        for (int n = 0; n < kKeyVectors; ++n) {
+          const VF e = hn::Exp(df, hn::Sub(hn::Load(df, row + n * kLanes), m));
+          hn::Store(hn::Mul(e, inv_l), df, row + n * kLanes);
+        }
+        float* dst = p.probs + seq.probs_offset + h * p.probs_h + int64_t{i0 + r} * p.probs_i + j0;
+        std::memcpy(dst, row, sizeof(float) * cols);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void ForwardF32(const Problem& p, int threads) {
+  const PackLayout pl = MakePackLayout(p);
+  float* pack = thread_scratch(kSlotPackedKv, pl.total);
+
+  // Work lists: key tiles to pack, and (sequence, head, query tile) items.
+  struct Item {
+    int b, h, t;
+  };
+  std::vector<Item> packs, tiles;
+  double flops = 0;
+  for (int b = 0; b < p.B; ++b) {
+    const Sequence& seq = p.seqs[b];
+    for (int hk = 0; hk < p.Hkv; ++hk) {
+      for (int t = 0; t < KeyTiles(seq.Lk); ++t) packs.push_back({b, hk, t});
+    }
+    const int qtiles = (seq.Lq + kBq - 1) / kBq;
+    for (int h = 0; h < p.Hq; ++h) {
+      for (int t = 0; t < qtiles; ++t) tiles.push_back({b, h, t});
+    }
+    flops += 2.0 * seq.Lq * seq.Lk * (p.d + p.dv) * p.Hq;
+  }
+  // Threads cost a few microseconds to wake; tiny problems run on the caller.
+  const int nt = flops < 2e6 ? 1 : std::max(1, threads);
+  const int npacks = static_cast<int>(packs.size()), ntiles = static_cast<int>(tiles.size());
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+#pragma omp for schedule(static)
+    for (int i = 0; i < npacks; ++i) PackTile(p, pl, pack, packs[i].b, packs[i].h, packs[i].t);
+    // Dynamic: causal and windowed tiles differ in cost. Each item is computed the
+    // same way on any thread, so the schedule cannot change any bit of the result.
+#pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < ntiles; ++i) ForwardTile(p, pl, pack, tiles[i].b, tiles[i].h, tiles[i].t);
+  }
+}
+
+const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
+
+}  // namespace attn::detail::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace attn::detail {
+
+HWY_EXPORT(ForwardF32);
+HWY_EXPORT(TargetName);
+
+void attention_forward_cpu(const Problem& p, int threads) {
+  HWY_DYNAMIC_DISPATCH(ForwardF32)(p, threads);
+}
+
+const char* attention_forward_target() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
+
+std::vector<int64_t> simd_targets() {
+  std::vector<int64_t> out;
+  for (int64_t t = hwy::SupportedTargets() & HWY_TARGETS; t != 0; t &= t - 1) out.push_back(t & -t);
+  return out;
+}
+
+void force_simd_target(int64_t target) { hwy::SetSupportedTargetsForTest(target); }
+
+}  // namespace attn::detail
+#endif  // HWY_ONCE

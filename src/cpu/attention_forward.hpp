@@ -1,0 +1,26 @@
+// The fused CPU attention forward (FlashAttention-2's tiled online softmax).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "problem.hpp"
+
+namespace attn::detail {
+
+/// Computes p's outputs (out, and lse / probs when requested) with `threads`
+/// OpenMP threads, on the best SIMD target this CPU supports. Bitwise identical
+/// for any thread count: work items are (sequence, head, query tile) and each is
+/// computed the same way whichever thread runs it.
+void attention_forward_cpu(const Problem& p, int threads);
+
+/// Name of the SIMD target attention_forward_cpu uses now ("AVX3", "AVX2", ...).
+const char* attention_forward_target();
+
+/// The Highway targets compiled into the library that this CPU supports (one bit
+/// each, HWY_AVX3 etc.), and a switch to make dispatch use only `target` (0 =
+/// back to the best). For tests that run every kernel on every target.
+std::vector<int64_t> simd_targets();
+void force_simd_target(int64_t target);
+
+}  // namespace attn::detail

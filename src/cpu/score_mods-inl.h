@@ -1,0 +1,148 @@
+// The built-in score modifiers and mask predicates, applied to one score tile
+// between S = Q·Kᵀ and the softmax (DESIGN.md's order of operations):
+//   softcap → ALiBi → additive mask → boolean mask → band (causal, window, key
+//   length) → the user's mask_mod / score_mod.
+// Each is a per-tile runtime branch around a vector loop: the branch costs one
+// test per 6×64-score tile, far below the 2·d FMAs each score needs, so the
+// options need no template instantiations of their own. Tiles that the band rules
+// out entirely are never computed (see attention_forward.cc).
+
+#if defined(ATTN_CPU_SCORE_MODS_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef ATTN_CPU_SCORE_MODS_INL_H_
+#undef ATTN_CPU_SCORE_MODS_INL_H_
+#else
+#define ATTN_CPU_SCORE_MODS_INL_H_
+#endif
+
+#include <hwy/contrib/math/math-inl.h>
+#include <hwy/highway.h>
+
+#include "cpu/tile_kernels-inl.h"
+#include "problem.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace attn::detail::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+/// Where a score tile sits: sequence b, query head h, query rows i0..i0+rows,
+/// keys j0..j0+cols (cols = keys of the tile that exist, ≤ Bk). lo/hi: per row,
+/// the first and last key the band (causal, window, key length) leaves visible.
+struct TilePlace {
+  int b, h;
+  int i0, rows;
+  int j0, cols;
+  const int* lo;
+  const int* hi;
+};
+
+/// The band of query i: keys lo..hi (inclusive) survive causal, window and key
+/// length. lo > hi means none.
+HWY_INLINE void BandOfRow(const Problem& p, const Sequence& seq, int i, int* lo, int* hi) {
+  const int64_t shifted = int64_t{i} + seq.Lk - seq.Lq;  // bottom-right aligned i
+  int64_t first = 0, last = int64_t{seq.Lk} - 1;
+  if (p.causal == Causal::TopLeft) last = std::min<int64_t>(last, i);
+  if (p.causal == Causal::BottomRight) last = std::min(last, shifted);
+  if (p.window_left >= 0) first = std::max(first, shifted - p.window_left);
+  if (p.window_right >= 0) last = std::min(last, shifted + p.window_right);
+  if (first > last) first = 1, last = 0;  // empty; keep the values in int range
+  *lo = static_cast<int>(first);
+  *hi = static_cast<int>(last);
+}
+
+/// True when some row of the tile loses keys of [j0, j0+Bk) to the band.
+HWY_INLINE bool TileNeedsBand(const TilePlace& t) {
+  for (int r = 0; r < t.rows; ++r) {
+    if (t.lo[r] > t.j0 || t.hi[r] < t.j0 + kBk - 1) return true;
+  }
+  return false;
+}
+
+/// Applies every enabled modifier and mask to the tile's real rows (row stride ld).
+HWY_INLINE void ApplyScoreMods(const Problem& p, const Sequence& seq, const TilePlace& t,
+                               float* HWY_RESTRICT s, size_t ld, bool band) {
+  const DF df;
+  const hn::RebindToSigned<DF> di;
+  const VF neg_inf = hn::Set(df, -HUGE_VALF);
+  const VF iota = hn::Iota(df, 0.0f);
+
+  if (p.softcap > 0.0f) {
+    const VF cap = hn::Set(df, p.softcap), inv_cap = hn::Set(df, 1.0f / p.softcap);
+    for (int r = 0; r < t.rows; ++r) {
+      float* row = s + r * ld;
+      for (int n = 0; n < kKeyVectors; ++n) {
+        const VF x = hn::Load(df, row + n * kLanes);
+        hn::Store(hn::Mul(cap, hn::Tanh(df, hn::Mul(x, inv_cap))), df, row + n * kLanes);
+      }
+    }
+  }
+  if (p.alibi != nullptr) {
+    // s −= slope·|i' − j| with i' = i + Lk − Lq (bottom-right aligned). Distances
+    // are below 2^24, so they are exact in f32.
+    const VF slope = hn::Set(df, p.alibi[t.b * p.alibi_b + t.h * p.alibi_h]);
+    for (int r = 0; r < t.rows; ++r) {
+      float* row = s + r * ld;
+      const float shifted = static_cast<float>(t.i0 + r + seq.Lk - seq.Lq);
+      for (int n = 0; n < kKeyVectors; ++n) {
+        const VF j = hn::Add(iota, hn::Set(df, static_cast<float>(t.j0 + n * kLanes)));
+        const VF dist = hn::Abs(hn::Sub(hn::Set(df, shifted), j));
+        hn::Store(hn::NegMulAdd(slope, dist, hn::Load(df, row + n * kLanes)), df,
+                  row + n * kLanes);
+      }
+    }
+  }
+  if (p.add_mask != nullptr || p.bool_mask != nullptr) {
+    const int64_t base = t.b * p.mask_b + t.h * p.mask_h + int64_t{t.j0} * p.mask_j;
+    const bool vector_path = p.mask_j == 1 && t.cols == kBk;
+    for (int r = 0; r < t.rows; ++r) {
+      float* row = s + r * ld;
+      const int64_t at = base + int64_t{t.i0 + r} * p.mask_i;
+      if (p.add_mask != nullptr) {
+        const float* mrow = p.add_mask + at;
+        if (vector_path) {
+          for (int n = 0; n < kKeyVectors; ++n) {
+            hn::Store(hn::Add(hn::Load(df, row + n * kLanes), hn::LoadU(df, mrow + n * kLanes)),
+                      df, row + n * kLanes);
+          }
+        } else {
+          for (int c = 0; c < t.cols; ++c) row[c] += mrow[c * p.mask_j];
+        }
+      } else {
+        const uint8_t* mrow = p.bool_mask + at;
+        if (vector_path) {
+          const hn::Rebind<uint8_t, DF> du8;
+          for (int n = 0; n < kKeyVectors; ++n) {
+            const auto wide = hn::PromoteTo(di, hn::LoadU(du8, mrow + n * kLanes));
+            const auto drop = hn::RebindMask(df, hn::Eq(wide, hn::Zero(di)));
+            hn::Store(hn::IfThenElse(drop, neg_inf, hn::Load(df, row + n * kLanes)), df,
+                      row + n * kLanes);
+          }
+        } else {
+          for (int c = 0; c < t.cols; ++c) {
+            if (mrow[c * p.mask_j] == 0) row[c] = -HUGE_VALF;
+          }
+        }
+      }
+    }
+  }
+  if (band) {
+    for (int r = 0; r < t.rows; ++r) {
+      float* row = s + r * ld;
+      const VF lo = hn::Set(df, static_cast<float>(t.lo[r] - t.j0));
+      const VF hi = hn::Set(df, static_cast<float>(t.hi[r] - t.j0));
+      for (int n = 0; n < kKeyVectors; ++n) {
+        const VF j = hn::Add(iota, hn::Set(df, static_cast<float>(n * kLanes)));
+        const auto drop = hn::Or(hn::Lt(j, lo), hn::Gt(j, hi));
+        hn::Store(hn::IfThenElse(drop, neg_inf, hn::Load(df, row + n * kLanes)), df,
+                  row + n * kLanes);
+      }
+    }
+  }
+  if (p.mods != nullptr) {
+    p.mods->tile(p.mods->ctx, s, static_cast<int64_t>(ld), t.b, t.h, t.i0, t.rows, t.j0, t.cols);
+  }
+}
+
+}  // namespace attn::detail::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // include guard

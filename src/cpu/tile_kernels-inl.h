@@ -1,0 +1,161 @@
+// Per-target SIMD building blocks of the fused attention forward: the two
+// register-tiled matrix products (S = Q·Kᵀ and O = α·O + P·V) and the online
+// softmax of a score tile. Included by src/cpu/attention_forward.cc once per
+// Highway target (hence the toggling include guard, as in Highway's skeleton).
+//
+// Tile geometry (N = floats per vector: 16 on AVX-512, 8 on AVX2, 4 on SSE4):
+//   Bk = 4·N keys per tile; Bq = 8·kRowsPerBlock queries per tile.
+//   K is pre-packed per key tile as a [d][Bk] panel, so one row of the panel is
+//   4 vectors and S's register tile is kRowsPerBlock rows × 4 vectors.
+//   V is pre-packed as [Bk][dvp] (dvp = dv rounded up to N), zero padded.
+
+#if defined(ATTN_CPU_TILE_KERNELS_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef ATTN_CPU_TILE_KERNELS_INL_H_
+#undef ATTN_CPU_TILE_KERNELS_INL_H_
+#else
+#define ATTN_CPU_TILE_KERNELS_INL_H_
+#endif
+
+#include <hwy/contrib/math/math-inl.h>
+#include <hwy/highway.h>
+
+HWY_BEFORE_NAMESPACE();
+namespace attn::detail::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+
+/// Floats per vector on this target.
+constexpr int kLanes = static_cast<int>(HWY_LANES(float));
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+constexpr int kVectorRegisters = 32;
+#else
+constexpr int kVectorRegisters = 16;
+#endif
+/// Rows per register tile: 6×4 accumulators fill 24 of AVX-512's 32 registers
+/// (enough independent FMA chains to cover the 4-cycle latency of 2 pipes);
+/// 3×4 = 12 of AVX2's 16.
+constexpr int kRowsPerBlock = kVectorRegisters == 32 ? 6 : 3;
+constexpr int kKeyVectors = 4;
+constexpr int kBk = kKeyVectors * kLanes;        // keys per tile
+constexpr int kBq = 8 * kRowsPerBlock;           // queries per tile
+static_assert(kBq % kLanes == 0 || kLanes > kBq, "row vectors must tile Bq");
+
+/// S[r][0..Bk) = Σ_c Q[r][c] · Kt[c][0..Bk) for kRowsPerBlock rows.
+/// q: rows of d floats (row stride q_ld); kt: the [d][Bk] panel; s: row stride s_ld.
+HWY_INLINE void QkBlock(const float* HWY_RESTRICT q, size_t q_ld,
+                        const float* HWY_RESTRICT kt, int d, float* HWY_RESTRICT s,
+                        size_t s_ld) {
+  const DF df;
+  VF acc[kRowsPerBlock][kKeyVectors];
+  for (int r = 0; r < kRowsPerBlock; ++r) {
+    for (int n = 0; n < kKeyVectors; ++n) acc[r][n] = hn::Zero(df);
+  }
+  for (int c = 0; c < d; ++c) {
+    const float* HWY_RESTRICT panel_row = kt + static_cast<size_t>(c) * kBk;
+    VF kv[kKeyVectors];
+    for (int n = 0; n < kKeyVectors; ++n) kv[n] = hn::Load(df, panel_row + n * kLanes);
+    for (int r = 0; r < kRowsPerBlock; ++r) {
+      const VF qv = hn::Set(df, q[r * q_ld + c]);
+      for (int n = 0; n < kKeyVectors; ++n) acc[r][n] = hn::MulAdd(qv, kv[n], acc[r][n]);
+    }
+  }
+  for (int r = 0; r < kRowsPerBlock; ++r) {
+    for (int n = 0; n < kKeyVectors; ++n) hn::Store(acc[r][n], df, s + r * s_ld + n * kLanes);
+  }
+}
+
+/// O[r][cols] = alpha[r]·O[r][cols] + Σ_j P[r][j] · V[j][cols], for kRowsPerBlock
+/// rows and NV vectors of columns. p: row stride p_ld; v: row stride v_ld (points
+/// at the first column); o: row stride o_ld.
+template <int NV>
+HWY_INLINE void PvBlock(const float* HWY_RESTRICT p, size_t p_ld, const float* HWY_RESTRICT v,
+                        size_t v_ld, const float* HWY_RESTRICT alpha, float* HWY_RESTRICT o,
+                        size_t o_ld) {
+  const DF df;
+  VF acc[kRowsPerBlock][NV];
+  for (int r = 0; r < kRowsPerBlock; ++r) {
+    const VF a = hn::Set(df, alpha[r]);
+    for (int n = 0; n < NV; ++n) acc[r][n] = hn::Mul(hn::Load(df, o + r * o_ld + n * kLanes), a);
+  }
+  for (int j = 0; j < kBk; ++j) {
+    const float* HWY_RESTRICT vrow = v + static_cast<size_t>(j) * v_ld;
+    VF vv[NV];
+    for (int n = 0; n < NV; ++n) vv[n] = hn::Load(df, vrow + n * kLanes);
+    for (int r = 0; r < kRowsPerBlock; ++r) {
+      const VF pv = hn::Set(df, p[r * p_ld + j]);
+      for (int n = 0; n < NV; ++n) acc[r][n] = hn::MulAdd(pv, vv[n], acc[r][n]);
+    }
+  }
+  for (int r = 0; r < kRowsPerBlock; ++r) {
+    for (int n = 0; n < NV; ++n) hn::Store(acc[r][n], df, o + r * o_ld + n * kLanes);
+  }
+}
+
+/// O = α·O + P·V over all dvp columns, for kRowsPerBlock rows: columns in blocks
+/// of up to 4 vectors (4 × 6 = 24 accumulators).
+HWY_INLINE void PvRows(const float* HWY_RESTRICT p, size_t p_ld, const float* HWY_RESTRICT v,
+                       int dvp, const float* HWY_RESTRICT alpha, float* HWY_RESTRICT o) {
+  int c = 0;
+  for (; c + 4 * kLanes <= dvp; c += 4 * kLanes) PvBlock<4>(p, p_ld, v + c, dvp, alpha, o + c, dvp);
+  switch ((dvp - c) / kLanes) {
+    case 3: PvBlock<3>(p, p_ld, v + c, dvp, alpha, o + c, dvp); break;
+    case 2: PvBlock<2>(p, p_ld, v + c, dvp, alpha, o + c, dvp); break;
+    case 1: PvBlock<1>(p, p_ld, v + c, dvp, alpha, o + c, dvp); break;
+    default: break;
+  }
+}
+
+/// Online-softmax step for a tile of `rows` rows × Bk scores (row stride ld),
+/// FlashAttention-2 style. On entry s holds scores (−∞ = removed); on exit it
+/// holds p = exp(s − m_new). Updates the running max m and sum l per row and
+/// writes alpha = exp(m_old − m_new), the factor the output rows must be rescaled
+/// by. `rows` is a multiple of kLanes. Returns false when every score of the tile
+/// is −∞ (then m and l are unchanged and alpha is all 1, so the P·V product may
+/// be skipped).
+HWY_INLINE bool SoftmaxTile(float* HWY_RESTRICT s, size_t ld, int rows, float* HWY_RESTRICT m,
+                            float* HWY_RESTRICT l, float* HWY_RESTRICT alpha,
+                            float* HWY_RESTRICT row_max) {
+  const DF df;
+  const VF neg_inf = hn::Set(df, -HUGE_VALF);
+  VF any = neg_inf;
+  for (int r = 0; r < rows; ++r) {
+    const float* row = s + r * ld;
+    VF mx = hn::Load(df, row);
+    for (int n = 1; n < kKeyVectors; ++n) mx = hn::Max(mx, hn::Load(df, row + n * kLanes));
+    any = hn::Max(any, mx);
+    row_max[r] = hn::GetLane(hn::MaxOfLanes(df, mx));
+  }
+  if (hn::GetLane(hn::MaxOfLanes(df, any)) == -HUGE_VALF) {
+    for (int r = 0; r < rows; ++r) alpha[r] = 1.0f;
+    return false;
+  }
+  // Per row, vectorised over rows: the new max, the max actually subtracted (0 for
+  // a row that has seen only −∞, so exp gives 0 rather than NaN) and alpha.
+  for (int r = 0; r < rows; r += kLanes) {
+    const VF m_old = hn::Load(df, m + r);
+    const VF m_new = hn::Max(m_old, hn::Load(df, row_max + r));
+    const VF m_use = hn::IfThenZeroElse(hn::Eq(m_new, neg_inf), m_new);
+    hn::Store(hn::Exp(df, hn::Sub(m_old, m_use)), df, alpha + r);  // exp(−∞) = 0
+    hn::Store(m_new, df, m + r);
+    hn::Store(m_use, df, row_max + r);  // reused below as the max to subtract
+  }
+  for (int r = 0; r < rows; ++r) {
+    float* row = s + r * ld;
+    const VF mu = hn::Set(df, row_max[r]);
+    VF sum = hn::Zero(df);
+    for (int n = 0; n < kKeyVectors; ++n) {
+      const VF e = hn::Exp(df, hn::Sub(hn::Load(df, row + n * kLanes), mu));
+      hn::Store(e, df, row + n * kLanes);
+      sum = hn::Add(sum, e);
+    }
+    l[r] = l[r] * alpha[r] + hn::GetLane(hn::SumOfLanes(df, sum));
+  }
+  return true;
+}
+
+}  // namespace attn::detail::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // include guard

@@ -1,0 +1,21 @@
+// Reusable, 64-byte-aligned scratch memory. On these machines the first touch of
+// a freshly mapped page costs ~10 µs, so kernels never allocate per call: each
+// thread keeps its buffers and grows them only when a call needs more.
+#pragma once
+
+#include <cstddef>
+
+namespace attn::detail {
+
+/// Scratch owned by the calling thread, for the `slot`-th use (slots are
+/// independent buffers). Returns at least `floats` floats, 64-byte aligned. The
+/// contents are unspecified. Valid until the same thread asks the same slot again.
+float* thread_scratch(int slot, size_t floats);
+
+enum ScratchSlot : int {
+  kSlotPackedKv = 0,  // packed K/V panels of one call (owned by the calling thread)
+  kSlotTile = 1,      // per-worker tile buffers (Q tile, scores, output accumulator)
+  kNumSlots = 2,
+};
+
+}  // namespace attn::detail

@@ -1,0 +1,76 @@
+// The checked, normalised description of one attention call: raw pointers,
+// strides in elements and per-sequence extents. Built by make_problem()
+// (src/attention_args.cpp) after every argument check has passed; read by the
+// reference (src/reference/) and by the fused kernels (src/cpu/). It holds no
+// derived masking logic: each consumer decides visibility from the options itself,
+// so the reference stays an independent oracle.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "attn/attention.hpp"
+
+namespace attn::detail {
+
+/// One sequence of the batch (a batch row, or one packed sequence with cu_seqlens).
+/// Offsets are in elements from the base pointers of Problem.
+struct Sequence {
+  int64_t q_offset = 0;      // q row 0, head 0 of this sequence
+  int64_t k_offset = 0;      // k row 0, head 0
+  int64_t v_offset = 0;      // v row 0, head 0
+  int64_t out_offset = 0;    // out row 0, head 0
+  int64_t lse_offset = 0;    // lse (head 0, row 0), if lse is wanted
+  int64_t probs_offset = 0;  // probs (head 0, row 0, col 0), if probs is wanted
+  int Lq = 0;                // queries in this sequence
+  int Lk = 0;                // keys in use: the extent, or key_lengths[b] if given
+};
+
+struct Problem {
+  int B = 0, Hq = 0, Hkv = 0, d = 0, dv = 0;
+  const float* q = nullptr;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  float* out = nullptr;
+  // Row (position) and head strides; the last dimension is contiguous.
+  int64_t q_row = 0, q_head = 0, k_row = 0, k_head = 0, v_row = 0, v_head = 0;
+  int64_t out_row = 0, out_head = 0;
+  std::vector<Sequence> seqs;  // B entries
+
+  float scale = 1.0f;
+  float softcap = 0.0f;  // 0 = off
+  Causal causal = Causal::None;
+  int window_left = -1, window_right = -1;
+
+  // ALiBi: slope of (b, h) = alibi[b·alibi_b + h·alibi_h]; nullptr = off.
+  const float* alibi = nullptr;
+  int64_t alibi_b = 0, alibi_h = 0;
+
+  // Mask element (b, h, i, j) at offset b·mask_b + h·mask_h + i·mask_i + j·mask_j
+  // (stride 0 on broadcast dimensions; mask_j is 0 or 1). At most one of the two.
+  const uint8_t* bool_mask = nullptr;
+  const float* add_mask = nullptr;
+  int64_t mask_b = 0, mask_h = 0, mask_i = 0, mask_j = 0;
+
+  // Optional outputs (nullptr = not wanted). lse(b,h,i) at seq.lse_offset +
+  // h·lse_h + i·lse_i; probs(b,h,i,j) at seq.probs_offset + h·probs_h + i·probs_i + j,
+  // with probs_cols columns per row (columns ≥ seq.Lk are written 0).
+  float* lse = nullptr;
+  int64_t lse_h = 0, lse_i = 0;
+  float* probs = nullptr;
+  int64_t probs_h = 0, probs_i = 0;
+  int probs_cols = 0;
+
+  const UserMods* mods = nullptr;  // user score_mod / mask_mod, or nullptr
+
+  /// Query head h reads kv head h / group().
+  int group() const { return Hq / Hkv; }
+};
+
+/// Checks every argument (throws attn::Error naming it) and builds the Problem.
+/// `fn` names the public function in messages.
+Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
+                     const TensorView& v, const TensorView& out, const AttentionOptions& opt,
+                     const TensorView& lse, const TensorView& probs, const UserMods* mods);
+
+}  // namespace attn::detail

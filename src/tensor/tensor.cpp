@@ -1,0 +1,128 @@
+// TensorView and Tensor: shapes, strides and aligned storage.
+#include <cstdlib>
+#include <sstream>
+
+#include "attn/error.hpp"
+#include "attn/tensor.hpp"
+
+namespace attn {
+
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::f32: return 4;
+    case DType::bf16: return 2;
+    case DType::f16: return 2;
+    case DType::boolean: return 1;
+    case DType::i32: return 4;
+  }
+  return 0;
+}
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::f32: return "f32";
+    case DType::bf16: return "bf16";
+    case DType::f16: return "f16";
+    case DType::boolean: return "bool";
+    case DType::i32: return "i32";
+  }
+  return "?";
+}
+
+namespace {
+std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& shape) {
+  std::vector<int64_t> s(shape.size());
+  int64_t acc = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    s[i] = acc;
+    acc *= shape[i];
+  }
+  return s;
+}
+}  // namespace
+
+TensorView::TensorView(const void* data, DType dtype, std::initializer_list<int64_t> shape)
+    : TensorView(data, dtype, std::vector<int64_t>(shape)) {}
+
+TensorView::TensorView(const void* data, DType dtype, std::vector<int64_t> shape)
+    : TensorView(data, dtype, shape, contiguous_strides(shape)) {}
+
+TensorView::TensorView(const void* data, DType dtype, std::vector<int64_t> shape,
+                       std::vector<int64_t> strides)
+    : data_(data), dtype_(dtype) {
+  if (shape.size() > static_cast<size_t>(kMaxRank)) {
+    throw Error("TensorView: rank must be at most 8, got " + std::to_string(shape.size()));
+  }
+  if (shape.size() != strides.size()) {
+    throw Error("TensorView: shape and strides must have the same length, got " +
+                std::to_string(shape.size()) + " and " + std::to_string(strides.size()));
+  }
+  rank_ = static_cast<int>(shape.size());
+  for (int i = 0; i < rank_; ++i) {
+    if (shape[i] < 0) {
+      throw Error("TensorView: shape[" + std::to_string(i) + "] must be >= 0, got " +
+                  std::to_string(shape[i]));
+    }
+    shape_[i] = shape[i];
+    strides_[i] = strides[i];
+  }
+}
+
+std::vector<int64_t> TensorView::shape() const { return {shape_, shape_ + rank()}; }
+std::vector<int64_t> TensorView::strides() const { return {strides_, strides_ + rank()}; }
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int i = 0; i < rank(); ++i) n *= shape_[i];
+  return n;
+}
+
+bool TensorView::is_contiguous() const {
+  int64_t acc = 1;
+  for (int i = rank(); i-- > 0;) {
+    if (shape_[i] != 1 && strides_[i] != acc) return false;
+    acc *= shape_[i];
+  }
+  return true;
+}
+
+std::string TensorView::describe() const {
+  if (empty()) return "(none)";
+  std::ostringstream os;
+  os << dtype_name(dtype_) << "[";
+  for (int i = 0; i < rank_; ++i) os << (i ? ", " : "") << shape_[i];
+  os << "]";
+  if (!is_contiguous()) {
+    os << " strides [";
+    for (int i = 0; i < rank_; ++i) os << (i ? ", " : "") << strides_[i];
+    os << "]";
+  }
+  return os.str();
+}
+
+void Tensor::FreeAligned::operator()(void* p) const { std::free(p); }
+
+Tensor::Tensor(DType dtype, std::vector<int64_t> shape) : dtype_(dtype), shape_(std::move(shape)) {
+  for (size_t i = 0; i < shape_.size(); ++i) {
+    if (shape_[i] < 0) {
+      throw Error("Tensor: shape[" + std::to_string(i) + "] must be >= 0, got " +
+                  std::to_string(shape_[i]));
+    }
+  }
+  // aligned_alloc needs a size that is a multiple of the alignment.
+  const size_t bytes = static_cast<size_t>(numel()) * dtype_size(dtype_);
+  const size_t rounded = (bytes + 63) / 64 * 64;
+  void* p = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
+  if (p == nullptr) throw std::bad_alloc();
+  buffer_.reset(p);
+}
+
+int64_t Tensor::numel() const {
+  int64_t n = 1;
+  for (int64_t s : shape_) n *= s;
+  return n;
+}
+
+TensorView Tensor::view() const { return TensorView(buffer_.get(), dtype_, shape_); }
+
+}  // namespace attn
