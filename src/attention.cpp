@@ -69,6 +69,14 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   detail::attention_with_mods(q, k, v, out, options, lse, probs, nullptr);
 }
 
+size_t attention_workspace_bytes(const TensorView& q, const TensorView& k, const TensorView& v,
+                                 const TensorView& out, const AttentionOptions& options,
+                                 int threads) {
+  const detail::Problem p =
+      detail::make_problem("attention_workspace_bytes", q, k, v, out, options, {}, {}, nullptr);
+  return detail::attention_forward_workspace_bytes(p, threads);
+}
+
 void attention_reference(const TensorView& q, const TensorView& k, const TensorView& v,
                          const TensorView& out, const AttentionOptions& options,
                          const TensorView& lse, const TensorView& probs) {

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <type_traits>
@@ -82,6 +83,14 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
 void attention_reference(const TensorView& q, const TensorView& k, const TensorView& v,
                          const TensorView& out, const AttentionOptions& options = {},
                          const TensorView& lse = {}, const TensorView& probs = {});
+
+/// Extra memory in bytes that attention() needs for these arguments when run with
+/// `threads` threads: K and V packed for the SIMD kernel (the size of k and v in
+/// f32, padded) plus one tile workspace per thread. It is allocated once per
+/// calling thread and reused by later calls; the Lq×Lk matrix is never stored.
+size_t attention_workspace_bytes(const TensorView& q, const TensorView& k, const TensorView& v,
+                                 const TensorView& out, const AttentionOptions& options,
+                                 int threads);
 
 /// Number of threads the kernels use (default: all cores, or ATTN_NUM_THREADS).
 void set_num_threads(int n);

@@ -257,6 +257,12 @@ void ForwardF32(const Problem& p, int threads) {
   }
 }
 
+size_t WorkspaceBytes(const Problem& p, int threads) {
+  const PackLayout pl = MakePackLayout(p);
+  const size_t tile = size_t{kBq} * (p.d + kBk + pl.dvp + 6) + 64;
+  return sizeof(float) * (pl.total + static_cast<size_t>(std::max(1, threads)) * tile);
+}
+
 const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
 
 }  // namespace attn::detail::HWY_NAMESPACE
@@ -267,6 +273,11 @@ namespace attn::detail {
 
 HWY_EXPORT(ForwardF32);
 HWY_EXPORT(TargetName);
+HWY_EXPORT(WorkspaceBytes);
+
+size_t attention_forward_workspace_bytes(const Problem& p, int threads) {
+  return HWY_DYNAMIC_DISPATCH(WorkspaceBytes)(p, threads);
+}
 
 void attention_forward_cpu(const Problem& p, int threads) {
   HWY_DYNAMIC_DISPATCH(ForwardF32)(p, threads);

@@ -14,6 +14,9 @@ namespace attn::detail {
 /// computed the same way whichever thread runs it.
 void attention_forward_cpu(const Problem& p, int threads);
 
+/// Bytes of workspace attention_forward_cpu(p, threads) uses (packed K/V + tiles).
+size_t attention_forward_workspace_bytes(const Problem& p, int threads);
+
 /// Name of the SIMD target attention_forward_cpu uses now ("AVX3", "AVX2", ...).
 const char* attention_forward_target();
 

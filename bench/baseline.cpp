@@ -1,0 +1,84 @@
+// The cblas baseline (see baseline.hpp).
+#include "baseline.hpp"
+
+#include <cblas.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+extern "C" {
+void openblas_set_num_threads(int);
+char* openblas_get_corename(void);
+}
+
+namespace attn::bench {
+
+namespace {
+
+// One softmax row, vectorised the way a careful user would get it: glibc's
+// libmvec expf through -ffast-math + OpenMP SIMD (see CMakeLists), cloned for
+// AVX-512 and AVX2 so the portable build still uses the wide units.
+__attribute__((target_clones("avx512f", "avx2", "default"))) void softmax_row(float* row,
+                                                                            int visible, int L) {
+  float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+  for (int j = 0; j < visible; ++j) mx = std::max(mx, row[j]);
+  float sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int j = 0; j < visible; ++j) {
+    row[j] = expf(row[j] - mx);
+    sum += row[j];
+  }
+  const float inv = 1.0f / sum;
+#pragma omp simd
+  for (int j = 0; j < visible; ++j) row[j] *= inv;
+  for (int j = visible; j < L; ++j) row[j] = 0.0f;
+}
+
+}  // namespace
+
+void baseline_attention(const float* q, const float* k, const float* v, float* out, int B,
+                        int L, int H, int d, bool causal) {
+  static thread_local std::vector<float> scores;  // reused: first touch is expensive here
+  scores.resize(static_cast<size_t>(L) * L);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const int ld = H * d;  // row stride of BSHD
+  for (int b = 0; b < B; ++b) {
+    for (int h = 0; h < H; ++h) {
+      const size_t off = static_cast<size_t>(b) * L * ld + static_cast<size_t>(h) * d;
+      float* S = scores.data();
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, L, L, d, scale, q + off, ld, k + off,
+                  ld, 0.0f, S, L);
+      for (int i = 0; i < L; ++i) softmax_row(S + static_cast<size_t>(i) * L, causal ? i + 1 : L, L);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, L, d, L, 1.0f, S, L, v + off, ld,
+                  0.0f, out + off, ld);
+    }
+  }
+}
+
+size_t baseline_extra_bytes(int L) { return sizeof(float) * static_cast<size_t>(L) * L; }
+
+const char* baseline_configure(int threads) {
+  openblas_set_num_threads(threads);
+  return openblas_get_corename();
+}
+
+void ensure_fast_openblas(char** argv) {
+  if (std::getenv("ATTN_KEEP_OPENBLAS_CORETYPE") != nullptr) return;
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx512f")) return;
+  // Some images pin OPENBLAS_CORETYPE to an AVX2 core (Haswell, Zen); on an AVX-512
+  // CPU the baseline would then run at half speed and flatter attn.
+  const char* now = std::getenv("OPENBLAS_CORETYPE");
+  for (const char* good : {"SkylakeX", "Cooperlake", "SapphireRapids"}) {
+    if (now != nullptr && std::strcmp(now, good) == 0) return;
+  }
+  setenv("OPENBLAS_CORETYPE", "SkylakeX", 1);
+  execv("/proc/self/exe", argv);  // returns only on failure: carry on as we are
+}
+
+}  // namespace attn::bench

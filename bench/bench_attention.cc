@@ -1,0 +1,78 @@
+// Google Benchmark suite for the fused forward: the forward table's shapes, with
+// GFLOP/s as a counter. `bench_attention --benchmark_filter=N:2048` etc.
+#include <benchmark/benchmark.h>
+
+#include <random>
+#include <vector>
+
+#include "attn/attention.hpp"
+#include "baseline.hpp"
+
+namespace {
+
+// Args: N, d, causal, threads.
+void BM_AttentionForward(benchmark::State& state) {
+  const int N = static_cast<int>(state.range(0)), d = static_cast<int>(state.range(1));
+  const bool causal = state.range(2) != 0;
+  const int H = 8;
+  const size_t n = static_cast<size_t>(N) * H * d;
+  std::vector<float> q(n), k(n), v(n), out(n);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (auto* t : {&q, &k, &v}) {
+    for (float& x : *t) x = u(rng);
+  }
+  const attn::TensorView qv(q.data(), attn::DType::f32, {1, N, H, d}),
+      kv(k.data(), attn::DType::f32, {1, N, H, d}), vv(v.data(), attn::DType::f32, {1, N, H, d}),
+      ov(out.data(), attn::DType::f32, {1, N, H, d});
+  attn::AttentionOptions opt;
+  opt.causal = causal ? attn::Causal::TopLeft : attn::Causal::None;
+  attn::set_num_threads(static_cast<int>(state.range(3)));
+  for (auto _ : state) attn::attention(qv, kv, vv, ov, opt);
+  const double flops = 4.0 * N * N * d * H * (causal ? 0.5 : 1.0);
+  state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void BM_BaselineSgemm(benchmark::State& state) {
+  const int N = static_cast<int>(state.range(0)), d = static_cast<int>(state.range(1));
+  const bool causal = state.range(2) != 0;
+  const int H = 8;
+  const size_t n = static_cast<size_t>(N) * H * d;
+  std::vector<float> q(n, 0.5f), k(n), v(n), out(n);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (auto* t : {&q, &k, &v}) {
+    for (float& x : *t) x = u(rng);
+  }
+  attn::bench::baseline_configure(static_cast<int>(state.range(3)));
+  for (auto _ : state) {
+    attn::bench::baseline_attention(q.data(), k.data(), v.data(), out.data(), 1, N, H, d, causal);
+  }
+  const double flops = 4.0 * N * N * d * H * (causal ? 0.5 : 1.0);
+  state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void Shapes(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"N", "d", "causal", "threads"});
+  for (int threads : {1, 2}) {
+    for (int N : {512, 2048, 8192}) {
+      for (int d : {64, 128}) {
+        for (int causal : {0, 1}) b->Args({N, d, causal, threads});
+      }
+    }
+  }
+  b->Unit(benchmark::kMillisecond)->UseRealTime();
+}
+
+BENCHMARK(BM_AttentionForward)->Apply(Shapes);
+BENCHMARK(BM_BaselineSgemm)->Apply(Shapes);
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  attn::bench::ensure_fast_openblas(argv);
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

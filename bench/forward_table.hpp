@@ -1,0 +1,53 @@
+// The forward benchmark table of the foundation issue: attn's fused forward beside
+// the cblas baseline, for B=1, H=8, N ∈ {512, 2048, 8192}, d ∈ {64, 128}, causal
+// or not, 1 thread and all threads. Used by `attn bench` and bench_attention.
+#pragma once
+
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+#include "peak.hpp"
+
+namespace attn::bench {
+
+struct ForwardConfig {
+  int B = 1, H = 8, N = 2048, d = 128;
+  bool causal = false;
+  int threads = 1;
+};
+
+struct ForwardRow {
+  ForwardConfig config;
+  double flops = 0;        // 4·N²·d·H·B, halved for causal (visible pairs only)
+  double ms = 0;           // attn, median
+  double baseline_ms = 0;  // cblas pipeline, median (0 = not run)
+  double extra_mb = 0;     // attn's workspace
+  double baseline_extra_mb = 0;
+  double gflops() const { return flops / (ms * 1e6); }
+  double baseline_gflops() const { return baseline_ms > 0 ? flops / (baseline_ms * 1e6) : 0; }
+};
+
+struct TableOptions {
+  std::vector<int> sizes = {512, 2048, 8192};
+  std::vector<int> head_dims = {64, 128};
+  std::vector<bool> causal = {false, true};
+  std::vector<int> threads = {1};  // callers add "all cores"
+  int min_reps = 5;
+  double min_seconds = 1.0;  // per configuration and implementation
+  bool baseline = true;
+};
+
+/// Times one configuration: attn and (optionally) the baseline interleaved, so
+/// both see the same machine state; medians of the repetitions.
+ForwardRow time_forward(const ForwardConfig& c, const TableOptions& o);
+
+/// Runs the whole table, printing progress to `log`.
+std::vector<ForwardRow> run_forward_table(const TableOptions& o, std::ostream& log);
+
+/// Markdown table with GFLOP/s, fraction of the matching peak (1 thread or all)
+/// and the ratio to the baseline.
+std::string format_forward_table(const std::vector<ForwardRow>& rows, const Peak& peak1,
+                                 const Peak& peak_all);
+
+}  // namespace attn::bench

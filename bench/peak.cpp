@@ -1,0 +1,110 @@
+// Peak FMA / bf16-dot microbenchmark (see peak.hpp). Hand-written intrinsics on
+// purpose: this must emit exactly one instruction per accumulator per step,
+// whatever a SIMD library would choose. Behind CPU-feature checks, as the bf16
+// instruction is not in Debian's Highway 1.0.3.
+#include "peak.hpp"
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+namespace attn::bench {
+namespace {
+
+constexpr int kChains = 16;  // independent accumulators: > latency (4) × pipes (2)
+
+// Runs `iters` steps of kChains FMAs on 16-lane vectors; returns a value that
+// depends on every chain so the compiler keeps them all.
+__attribute__((target("avx512f"))) float fma_loop_avx512(long iters) {
+  __m512 acc[kChains];
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(0.001f * i);
+  const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-7f);
+  for (long it = 0; it < iters; ++it) {
+#pragma GCC unroll 16
+    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+  }
+  __m512 s = acc[0];
+  for (int i = 1; i < kChains; ++i) s = _mm512_add_ps(s, acc[i]);
+  return _mm512_reduce_add_ps(s);
+}
+
+__attribute__((target("avx512f,avx512bf16"))) float bf16_loop_avx512(long iters) {
+  __m512 acc[kChains];
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(0.001f * i);
+  const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80);  // bf16 1.0
+  const __m512bh b = (__m512bh)_mm512_set1_epi16(0x3380);  // bf16 ~6e-8
+  for (long it = 0; it < iters; ++it) {
+#pragma GCC unroll 16
+    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+  }
+  __m512 s = acc[0];
+  for (int i = 1; i < kChains; ++i) s = _mm512_add_ps(s, acc[i]);
+  return _mm512_reduce_add_ps(s);
+}
+
+__attribute__((target("avx2,fma"))) float fma_loop_avx2(long iters) {
+  __m256 acc[kChains];
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm256_set1_ps(0.001f * i);
+  const __m256 a = _mm256_set1_ps(0.999999f), b = _mm256_set1_ps(1e-7f);
+  for (long it = 0; it < iters; ++it) {
+#pragma GCC unroll 16
+    for (int i = 0; i < kChains; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
+  }
+  __m256 s = acc[0];
+  for (int i = 1; i < kChains; ++i) s = _mm256_add_ps(s, acc[i]);
+  float out[8];
+  _mm256_storeu_ps(out, s);
+  return out[0] + out[7];
+}
+
+volatile float g_sink;
+
+// Median GFLOP/s of `fn` run by `threads` threads, each doing `iters` steps
+// worth `flops_per_iter` flops.
+template <class Fn>
+double rate(Fn fn, double flops_per_iter, int threads, double seconds) {
+  // Calibrate the iteration count to ~seconds/5 per run.
+  long iters = 1 << 16;
+  for (;;) {
+    const auto t0 = std::chrono::steady_clock::now();
+    g_sink = fn(iters);
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (dt > seconds / 5 || iters > (1L << 40)) break;
+    iters *= 2;
+  }
+  std::vector<double> runs;
+  for (int r = 0; r < 5; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads)
+    { g_sink = fn(iters); }
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    runs.push_back(flops_per_iter * iters * threads / dt * 1e-9);
+  }
+  std::sort(runs.begin(), runs.end());
+  return runs[runs.size() / 2];
+}
+
+}  // namespace
+
+Peak measure_peak(int threads, double seconds) {
+  Peak p;
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) {
+    p.isa = "avx512";
+    p.f32_gflops = rate(fma_loop_avx512, kChains * 16 * 2.0, threads, seconds);
+    if (__builtin_cpu_supports("avx512bf16")) {
+      p.bf16_gflops = rate(bf16_loop_avx512, kChains * 16 * 4.0, threads, seconds);
+    }
+  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    p.isa = "avx2";
+    p.f32_gflops = rate(fma_loop_avx2, kChains * 8 * 2.0, threads, seconds);
+  } else {
+    p.isa = "scalar";
+  }
+  return p;
+}
+
+}  // namespace attn::bench

@@ -1,0 +1,18 @@
+// This machine's arithmetic roof: the f32 FMA rate and the bf16 dot-product rate
+// (vdpbf16ps), measured with independent accumulator chains so neither latency
+// nor memory limits them. Every kernel figure is quoted as a fraction of these.
+#pragma once
+
+namespace attn::bench {
+
+struct Peak {
+  double f32_gflops = 0;   // FMA: 2 flops per lane
+  double bf16_gflops = 0;  // vdpbf16ps: 4 flops per f32 lane; 0 if the CPU lacks it
+  const char* isa = "";    // "avx512", "avx2" or "scalar"
+};
+
+/// Measures the peak with `threads` threads (each runs the loop; rates add up).
+/// Takes about `seconds` of wall time per figure; the median of several runs.
+Peak measure_peak(int threads, double seconds = 0.3);
+
+}  // namespace attn::bench
