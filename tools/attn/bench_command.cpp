@@ -1,0 +1,100 @@
+// `attn bench`: the forward table of docs/PERFORMANCE.md, measured here.
+#include <omp.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "attn/attention.hpp"
+#include "baseline.hpp"
+#include "commands.hpp"
+#include "forward_table.hpp"
+#include "peak.hpp"
+
+namespace attn::cli {
+
+std::string cpu_model() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      const auto colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(colon + 2);
+    }
+  }
+  return "unknown CPU";
+}
+
+namespace {
+struct BenchArgs {
+  bool quick = false;
+  bool no_baseline = false;
+  std::vector<int> sizes, dims, threads;
+  std::string markdown, json;
+};
+}  // namespace
+
+Command add_bench_command(CLI::App& app) {
+  auto args = std::make_shared<BenchArgs>();
+  CLI::App* sub = app.add_subcommand(
+      "bench", "Time the fused forward (B=1, H=8) against this machine's FMA peak and the cblas "
+               "baseline; medians of repeated runs");
+  sub->add_flag("--quick", args->quick, "N in {512, 2048} only, fewer repetitions (~30 s)");
+  sub->add_option("--sizes", args->sizes, "sequence lengths N (default 512 2048 8192)");
+  sub->add_option("--dims", args->dims, "head dims d (default 64 128)")->check(CLI::PositiveNumber);
+  sub->add_option("--threads", args->threads, "thread counts (default: 1 and all cores)")
+      ->check(CLI::PositiveNumber);
+  sub->add_flag("--no-baseline", args->no_baseline, "skip the cblas baseline");
+  sub->add_option("--markdown", args->markdown, "also write the table to this file");
+  sub->add_option("--json", args->json, "also write all figures to this JSON file");
+
+  auto run = [args]() -> int {
+    const int all = omp_get_num_procs();
+    bench::TableOptions o;
+    o.threads = {1};
+    if (all > 1) o.threads.push_back(all);
+    if (args->quick) o.sizes = {512, 2048}, o.min_reps = 3, o.min_seconds = 0.3;
+    if (!args->sizes.empty()) o.sizes = args->sizes;
+    if (!args->dims.empty()) o.head_dims = args->dims;
+    if (!args->threads.empty()) o.threads = args->threads;
+    o.baseline = !args->no_baseline;
+
+    std::printf("attn bench on %s (%d cores)\n", cpu_model().c_str(), all);
+    std::printf("measuring the FMA peak (bench/peak) ...\n");
+    const bench::Peak p1 = bench::measure_peak(1);
+    const bench::Peak pall = all > 1 ? bench::measure_peak(all) : p1;
+    std::printf("  f32 FMA peak: %.1f GFLOP/s on 1 thread, %.1f on %d (%s); bf16 dot: %.1f, %.1f\n",
+                p1.f32_gflops, pall.f32_gflops, all, p1.isa, p1.bf16_gflops, pall.bf16_gflops);
+    std::printf("  baseline BLAS: OpenBLAS, core %s\n", bench::baseline_configure(1));
+    std::printf("timing (flops = 4·N²·d·H, halved for causal) ...\n");
+    const auto rows = bench::run_forward_table(o, std::cout);
+    const std::string table = bench::format_forward_table(rows, p1, pall);
+    std::printf("\n%s", table.c_str());
+    if (!args->markdown.empty()) {
+      std::ofstream(args->markdown) << table;
+      std::printf("wrote %s\n", args->markdown.c_str());
+    }
+    if (!args->json.empty()) {
+      nlohmann::json j;
+      j["cpu"] = cpu_model();
+      j["peak"] = {{"f32_gflops_1thread", p1.f32_gflops}, {"f32_gflops_all", pall.f32_gflops},
+                   {"bf16_gflops_1thread", p1.bf16_gflops}, {"bf16_gflops_all", pall.bf16_gflops},
+                   {"threads_all", all}};
+      for (const auto& r : rows) {
+        j["forward"].push_back({{"N", r.config.N}, {"d", r.config.d}, {"H", r.config.H},
+                                {"causal", r.config.causal}, {"threads", r.config.threads},
+                                {"ms", r.ms}, {"gflops", r.gflops()},
+                                {"baseline_ms", r.baseline_ms},
+                                {"baseline_gflops", r.baseline_gflops()},
+                                {"extra_mb", r.extra_mb}, {"baseline_extra_mb", r.baseline_extra_mb}});
+      }
+      std::ofstream(args->json) << j.dump(2) << "\n";
+      std::printf("wrote %s\n", args->json.c_str());
+    }
+    return 0;
+  };
+  return {sub, run};
+}
+
+}  // namespace attn::cli

@@ -1,0 +1,37 @@
+// attn: the command line of the attn library.
+//   attn bench    speed of the fused forward vs the machine's peak and a cblas baseline
+//   attn check    verify the kernels against the float64 reference on this machine
+//   attn explain  print the attention matrix of a small sentence (a worked example)
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <vector>
+
+#include "attn/attention.hpp"
+#include "baseline.hpp"
+#include "commands.hpp"
+
+int main(int argc, char** argv) {
+  // The benchmark's baseline must run OpenBLAS on its AVX-512 kernels (see baseline.hpp).
+  attn::bench::ensure_fast_openblas(argv);
+
+  CLI::App app{"attn: fused attention kernels, their float64 reference and tools"};
+  app.set_version_flag("--version", "attn 0.1.0");
+  app.require_subcommand(1);
+  std::vector<attn::cli::Command> commands = {attn::cli::add_bench_command(app),
+                                              attn::cli::add_check_command(app),
+                                              attn::cli::add_explain_command(app)};
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    for (auto& c : commands) {
+      if (app.got_subcommand(c.sub)) return c.run();
+    }
+  } catch (const attn::Error& e) {
+    std::fprintf(stderr, "attn: error: %s\n", e.what());
+    return 2;
+  }
+  return 1;
+}
