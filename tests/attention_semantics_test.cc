@@ -68,22 +68,28 @@ TEST_F(AttentionSemantics, UserMaskThatRemovesWholeTilesAndRows) {
   EXPECT_TRUE(ledger.check(run_case(s, rng, {&mods})));
 }
 
-// |scale·q·k| up to 1e4: no overflow, no NaN; the result is (nearly) a one-hot
-// pick of the value rows. Only the 2× rule applies (see errors_ok).
-TEST_F(AttentionSemantics, HugeLogitsDoNotOverflow) {
+// |scale·q·k| up to 1e4: no overflow, no NaN, lse right. At that size f32 rounds
+// each score to ~1e-4 absolute, which decides near-ties between keys, so the
+// output's error is set by a few rows and the fused-vs-plain ratio is a coin
+// flip (either code is 3× worse than the other in some draws): the 2× rule
+// measures luck here, not the kernel. What must hold: lse (well-conditioned) to
+// 1e-6, and the output within the 1e-3 that the scores' own rounding implies.
+TEST(AttentionHugeLogits, DoNotOverflow) {
   auto rng = make_rng(103);
-  for (Causal c : {Causal::None, Causal::BottomRight}) {
+  for (int variant = 0; variant < 3; ++variant) {
     Config s;
-    s.Lq = 65, s.Lk = 200, s.d = 16, s.dv = 16, s.want_probs = true, s.opt.causal = c;
+    s.Lq = 65, s.Lk = 200, s.d = 16, s.dv = 16, s.want_probs = true;
     s.input_scale = 50.0f;  // |q·k| up to 16·2500 = 4e4, scale 1/4: ~1e4
+    if (variant == 1) s.opt.causal = Causal::BottomRight;
+    if (variant == 2) s.opt.softcap = 30.0f;  // tamed to ±30
+    SCOPED_TRACE(s.describe());
     const Errors e = run_case(s, rng);
     EXPECT_FALSE(e.nan);
-    EXPECT_TRUE(ledger.check(e, /*absolute_bar=*/false));
-  }
-  {
-    Config s;  // with softcap, huge inputs are tamed to ±softcap
-    s.Lq = 64, s.Lk = 64, s.d = 16, s.dv = 16, s.input_scale = 50.0f, s.opt.softcap = 30.0f;
-    EXPECT_TRUE(ledger.check(run_case(s, rng), /*absolute_bar=*/false));
+    EXPECT_FALSE(e.lse_inf_mismatch);
+    EXPECT_FALSE(e.masked_rows_not_zero);
+    EXPECT_LE(e.lse.fused_rel(), 1e-6) << e.summary();
+    EXPECT_LE(e.out.fused_rel(), 1e-3) << e.summary();
+    EXPECT_LE(e.probs.fused_rel(), 1e-3) << e.summary();
   }
 }
 

@@ -98,7 +98,7 @@ struct TileScratch {
   float* s;      // [Bq][Bk]   scores, then probabilities
   float* o;      // [Bq][dvp]  unnormalised output accumulator
   float* m;      // [Bq]       running max
-  float* l;      // [Bq]       running sum
+  float* l;      // [Bq][N]    running sums, one vector of partial sums per row
   float* alpha;  // [Bq]       rescale factors of the current tile
   float* tmp;    // [Bq]       row maxima
   int* lo;       // [Bq]       band per row
@@ -108,13 +108,13 @@ struct TileScratch {
     const size_t qf = size_t{kBq} * d, sf = size_t{kBq} * kBk, of = size_t{kBq} * dvp;
     // Each piece starts on a 64-byte boundary (all sizes are multiples of 16 floats).
     const size_t qf16 = (qf + 15) / 16 * 16;
-    float* base = thread_scratch(kSlotTile, qf16 + sf + of + 6 * kBq + 64);
+    float* base = thread_scratch(kSlotTile, qf16 + sf + of + (6 + kLanes) * kBq + 64);
     q = base;
     s = q + qf16;
     o = s + sf;
-    m = o + of;
-    l = m + kBq;
-    alpha = l + kBq;
+    l = o + of;
+    m = l + kBq * kLanes;
+    alpha = m + kBq;
     tmp = alpha + kBq;
     lo = reinterpret_cast<int*>(tmp + kBq);
     hi = lo + kBq;
@@ -161,7 +161,7 @@ void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int
   LoadQueryTile(p, p.q + seq.q_offset + h * p.q_head + int64_t{i0} * p.q_row, rows, w.q);
   std::fill(w.o, w.o + size_t{kBq} * dvp, 0.0f);
   std::fill(w.m, w.m + kBq, -HUGE_VALF);
-  std::fill(w.l, w.l + kBq, 0.0f);
+  std::fill(w.l, w.l + kBq * kLanes, 0.0f);
 
   const float* kpack = pl.K(pack, p, b, hk);
   const float* vpack = pl.V(pack, p, b, hk);
@@ -181,14 +181,15 @@ void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int
   for (int r = 0; r < rows; ++r) {
     float* dst = p.out + seq.out_offset + h * p.out_head + int64_t{i0 + r} * p.out_row;
     const float* acc = w.o + static_cast<size_t>(r) * dvp;
-    const bool any = w.l[r] > 0.0f;
-    const float inv = any ? 1.0f / w.l[r] : 0.0f;
+    const float sum = RowSum(w.l, r);
+    const bool any = sum > 0.0f;
+    const float inv = any ? 1.0f / sum : 0.0f;
     for (int c = 0; c < p.dv; ++c) dst[c] = acc[c] * inv;
     if (p.lse != nullptr) {
       p.lse[seq.lse_offset + h * p.lse_h + int64_t{i0 + r} * p.lse_i] =
-          any ? w.m[r] + std::log(w.l[r]) : -HUGE_VALF;
+          any ? w.m[r] + std::log(sum) : -HUGE_VALF;
     }
-    w.l[r] = inv;  // kept for the probabilities below
+    w.alpha[r] = inv;  // kept for the probabilities below
   }
 
   // Explicit probabilities (for pictures / need_weights): recompute each visible
@@ -206,9 +207,9 @@ void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int
       const TilePlace place{b, h, i0, rows, j0, cols, w.lo, w.hi};
       ScoreTile(p, seq, w, kpack + static_cast<size_t>(t) * kBk * p.d, place);
       for (int r = 0; r < rows; ++r) {
-        if (w.l[r] == 0.0f) continue;  // no visible key: the row stays 0
+        if (w.alpha[r] == 0.0f) continue;  // no visible key: the row stays 0
         float* row = w.s + r * kBk;
-        const VF m = hn::Set(df, w.m[r]), inv_l = hn::Set(df, w.l[r]);
+        const VF m = hn::Set(df, w.m[r]), inv_l = hn::Set(df, w.alpha[r]);
         for (int n = 0; n < kKeyVectors; ++n) {
           const VF e = hn::Exp(df, hn::Sub(hn::Load(df, row + n * kLanes), m));
           hn::Store(hn::Mul(e, inv_l), df, row + n * kLanes);
@@ -259,7 +260,7 @@ void ForwardF32(const Problem& p, int threads) {
 
 size_t WorkspaceBytes(const Problem& p, int threads) {
   const PackLayout pl = MakePackLayout(p);
-  const size_t tile = size_t{kBq} * (p.d + kBk + pl.dvp + 6) + 64;
+  const size_t tile = size_t{kBq} * (p.d + kBk + pl.dvp + 6 + kLanes) + 64;
   return sizeof(float) * (pl.total + static_cast<size_t>(std::max(1, threads)) * tile);
 }
 

@@ -137,9 +137,11 @@ HWY_INLINE VF ExpNonPositive(DF df, VF x) {
 
 /// Online-softmax step for a tile of `rows` rows × Bk scores (row stride ld),
 /// FlashAttention-2 style. On entry s holds scores (−∞ = removed); on exit it
-/// holds p = exp(s − m_new). Updates the running max m and sum l per row and
-/// writes alpha = exp(m_old − m_new), the factor the output rows must be rescaled
-/// by. `rows` is a multiple of kLanes. Returns false when every score of the tile
+/// holds p = exp(s − m_new). Updates the running max m per row and the running
+/// sums l — one vector of kLanes partial sums per row ([rows][kLanes]), reduced
+/// only at the end (RowSum), which saves a horizontal add per row per tile — and
+/// writes alpha = exp(m_old − m_new), the factor the output rows must be
+/// rescaled by. `rows` is a multiple of kLanes. Returns false when every score of the tile
 /// is −∞ (then m and l are unchanged and alpha is all 1, so the P·V product may
 /// be skipped).
 HWY_INLINE bool SoftmaxTile(float* HWY_RESTRICT s, size_t ld, int rows, float* HWY_RESTRICT m,
@@ -176,15 +178,22 @@ HWY_INLINE bool SoftmaxTile(float* HWY_RESTRICT s, size_t ld, int rows, float* H
       continue;
     }
     const VF mu = hn::Set(df, row_max[r]);
-    VF sum = hn::Zero(df);
+    VF sum[kKeyVectors];
     for (int n = 0; n < kKeyVectors; ++n) {
-      const VF e = ExpNonPositive(df, hn::Sub(hn::Load(df, row + n * kLanes), mu));
-      hn::Store(e, df, row + n * kLanes);
-      sum = hn::Add(sum, e);
+      sum[n] = ExpNonPositive(df, hn::Sub(hn::Load(df, row + n * kLanes), mu));
+      hn::Store(sum[n], df, row + n * kLanes);
     }
-    l[r] = l[r] * alpha[r] + hn::GetLane(hn::SumOfLanes(df, sum));
+    float* lr = l + r * kLanes;
+    const VF tile_sum = hn::Add(hn::Add(sum[0], sum[1]), hn::Add(sum[2], sum[3]));
+    hn::Store(hn::MulAdd(hn::Load(df, lr), hn::Set(df, alpha[r]), tile_sum), df, lr);
   }
   return true;
+}
+
+/// The total of row r's partial sums kept by SoftmaxTile.
+HWY_INLINE float RowSum(const float* HWY_RESTRICT l, int r) {
+  const DF df;
+  return hn::GetLane(hn::SumOfLanes(df, hn::Load(df, l + r * kLanes)));
 }
 
 }  // namespace attn::detail::HWY_NAMESPACE
