@@ -7,6 +7,7 @@
 #include <ostream>
 #include <random>
 #include <sstream>
+#include <thread>
 
 #include "attn/attention.hpp"
 #include "baseline.hpp"
@@ -54,18 +55,22 @@ ForwardRow time_forward(const ForwardConfig& c, const TableOptions& o) {
   auto run_base = [&] {
     baseline_attention(q.data(), k.data(), v.data(), out_base.data(), c.B, c.N, c.H, c.d, c.causal);
   };
-  run_attn();  // warm-up: workspaces, thread pool, caches
-  if (o.baseline) run_base();
-  std::vector<double> ta, tb;
-  double spent = 0;
-  while (static_cast<int>(ta.size()) < o.min_reps || spent < o.min_seconds) {
-    ta.push_back(time_ms(run_attn));
-    spent += ta.back() / 1e3;
-    if (o.baseline) tb.push_back(time_ms(run_base));
-    if (ta.size() >= 50) break;
-  }
-  row.ms = median(ta);
-  row.baseline_ms = median(tb);
+  // Each implementation in its own phase: after a parallel region, libgomp's and
+  // OpenBLAS's idle threads spin for milliseconds, and interleaved runs would
+  // spend the other core fighting them. A pause between phases lets them sleep.
+  auto phase = [&](auto&& run) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    run();  // warm-up: workspaces, thread pool, caches
+    std::vector<double> t;
+    double spent = 0;
+    while ((static_cast<int>(t.size()) < o.min_reps || spent < o.min_seconds) && t.size() < 50) {
+      t.push_back(time_ms(run));
+      spent += t.back() / 1e3;
+    }
+    return median(t);
+  };
+  row.ms = phase(run_attn);
+  if (o.baseline) row.baseline_ms = phase(run_base);
   return row;
 }
 
