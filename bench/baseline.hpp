@@ -8,15 +8,15 @@
 
 namespace attn::bench {
 
-/// q, k, v, out: BSHD [B, L, H, d], contiguous. Uses OpenBLAS's threads for the
-/// products and OpenMP for the softmax rows (baseline_configure sets both).
+/// q, k, v, out: BSHD [B, L, H, d], contiguous. With several threads (see
+/// baseline_configure) the heads run in parallel on single-threaded sgemm.
 void baseline_attention(const float* q, const float* k, const float* v, float* out, int B,
                         int L, int H, int d, bool causal);
 
-/// Bytes of score matrix the baseline holds (L×L floats).
-size_t baseline_extra_bytes(int L);
+/// Bytes of score matrices the baseline holds (L×L floats per thread).
+size_t baseline_extra_bytes(int L, int threads);
 
-/// Sets the baseline's thread count (OpenBLAS and the softmax); returns OpenBLAS's core name ("SkylakeX", "Haswell", ...).
+/// Sets the baseline's thread count; returns OpenBLAS's core name ("SkylakeX", ...).
 const char* baseline_configure(int threads);
 
 /// Debian's OpenBLAS 0.3.21 does not recognise Zen 5 and falls back to its AVX2

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <ostream>
 #include <random>
@@ -47,7 +48,7 @@ ForwardRow time_forward(const ForwardConfig& c, const TableOptions& o) {
   row.config = c;
   row.flops = 4.0 * c.N * c.N * c.d * c.H * c.B * (c.causal ? 0.5 : 1.0);
   row.extra_mb = attention_workspace_bytes(qv, kv, vv, ov, opt, c.threads) / 1e6;
-  row.baseline_extra_mb = baseline_extra_bytes(c.N) / 1e6;
+  row.baseline_extra_mb = baseline_extra_bytes(c.N, c.threads) / 1e6;
 
   set_num_threads(c.threads);
   baseline_configure(c.threads);
@@ -70,7 +71,15 @@ ForwardRow time_forward(const ForwardConfig& c, const TableOptions& o) {
     return median(t);
   };
   row.ms = phase(run_attn);
-  if (o.baseline) row.baseline_ms = phase(run_base);
+  if (o.baseline) {
+    row.baseline_ms = phase(run_base);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; ++i) {
+      num += (double(out[i]) - out_base[i]) * (double(out[i]) - out_base[i]);
+      den += double(out[i]) * out[i];
+    }
+    row.baseline_difference = den > 0 ? std::sqrt(num / den) : 0;
+  }
   return row;
 }
 
@@ -90,6 +99,10 @@ std::vector<ForwardRow> run_forward_table(const TableOptions& o, std::ostream& l
                         N, d, causal ? "causal" : "full", threads, r.ms, r.gflops(), r.baseline_ms,
                         r.baseline_gflops());
           log << line << std::flush;
+          if (r.baseline_difference > 1e-4) {
+            log << "  WARNING: attn and the baseline disagree (relative difference "
+                << r.baseline_difference << ")\n";
+          }
         }
       }
     }

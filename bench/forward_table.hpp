@@ -24,6 +24,7 @@ struct ForwardRow {
   double baseline_ms = 0;  // cblas pipeline, median (0 = not run)
   double extra_mb = 0;     // attn's workspace
   double baseline_extra_mb = 0;
+  double baseline_difference = 0;  // |out_attn - out_baseline| / |out_attn|: must be tiny
   double gflops() const { return flops / (ms * 1e6); }
   double baseline_gflops() const { return baseline_ms > 0 ? flops / (baseline_ms * 1e6) : 0; }
 };

@@ -87,7 +87,8 @@ Command add_bench_command(CLI::App& app) {
                                 {"ms", r.ms}, {"gflops", r.gflops()},
                                 {"baseline_ms", r.baseline_ms},
                                 {"baseline_gflops", r.baseline_gflops()},
-                                {"extra_mb", r.extra_mb}, {"baseline_extra_mb", r.baseline_extra_mb}});
+                                {"extra_mb", r.extra_mb}, {"baseline_extra_mb", r.baseline_extra_mb},
+                                {"baseline_relative_difference", r.baseline_difference}});
       }
       std::ofstream(args->json) << j.dump(2) << "\n";
       std::printf("wrote %s\n", args->json.c_str());
