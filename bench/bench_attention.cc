@@ -1,8 +1,10 @@
 // Google Benchmark suite for the fused forward: the forward table's shapes, with
-// GFLOP/s as a counter. `bench_attention --benchmark_filter=N:2048` etc.
+// GFLOP/s as a counter, 1 thread and all cores. `bench_attention --benchmark_filter=N:2048`.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "attn/attention.hpp"
@@ -54,7 +56,10 @@ void BM_BaselineSgemm(benchmark::State& state) {
 
 void Shapes(benchmark::internal::Benchmark* b) {
   b->ArgNames({"N", "d", "causal", "threads"});
-  for (int threads : {1, 2}) {
+  const int all = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  std::vector<int> thread_counts = {1};
+  if (all > 1) thread_counts.push_back(all);
+  for (int threads : thread_counts) {
     for (int N : {512, 2048, 8192}) {
       for (int d : {64, 128}) {
         for (int causal : {0, 1}) b->Args({N, d, causal, threads});

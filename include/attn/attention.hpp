@@ -105,7 +105,10 @@ int num_threads();
 // b: batch, h: query head, i / j: query / key position within the sequence.
 // score_mod sees the score after softcap, ALiBi and the additive mask, and is not
 // called for keys already removed (or scored −∞). Pass attn::NoScoreMod{} or
-// attn::NoMaskMod{} for the one you do not need.
+// attn::NoMaskMod{} for the one you do not need. Both are called from the
+// kernel's OpenMP threads, concurrently: they must be thread-safe and must not
+// throw. They are inlined into a loop over each score tile, compiled in your
+// translation unit; the built-in options cost less (they are vectorised).
 // ---------------------------------------------------------------------------
 
 struct NoScoreMod {
@@ -181,8 +184,9 @@ UserMods make_user_mods(const ModPair<ScoreMod, MaskMod>& pair) {
 
 }  // namespace detail
 
-/// attention() with a user score modifier and mask predicate (see above). Keys
-/// removed by mask_mod are skipped tile by tile where a whole tile is removed.
+/// attention() with a user score modifier and mask predicate (see above). A tile
+/// of 64×64 scores that mask_mod removes entirely costs its scores but not its
+/// softmax·V product. (Causal, window and length limits skip tiles before any work.)
 template <class ScoreMod, class MaskMod>
 void attention(const TensorView& q, const TensorView& k, const TensorView& v,
                const TensorView& out, const AttentionOptions& options, ScoreMod score_mod,

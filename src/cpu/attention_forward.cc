@@ -16,6 +16,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -76,10 +77,15 @@ void PackTile(const Problem& p, const PackLayout& pl, float* pack, int b, int hk
   float* vt = pl.V(pack, p, b, hk) + static_cast<size_t>(j0) * pl.dvp;
   const float* k = p.k + seq.k_offset + hk * p.k_head + int64_t{j0} * p.k_row;
   const float* v = p.v + seq.v_offset + hk * p.v_head + int64_t{j0} * p.v_row;
-  for (int c = 0; c < p.d; ++c) {
-    float* dst = kt + static_cast<size_t>(c) * kBk;
-    for (int j = 0; j < nk; ++j) dst[j] = k[j * p.k_row + c];
-    for (int j = nk; j < kBk; ++j) dst[j] = 0.0f;
+  // Row by row: k's rows are often 4 KiB apart (H·d floats), so walking a column
+  // would touch 64 lines of one L1 set; a row is contiguous, the panel is in L1.
+  for (int j = 0; j < kBk; ++j) {
+    const float* src = k + int64_t{j} * p.k_row;
+    if (j < nk) {
+      for (int c = 0; c < p.d; ++c) kt[static_cast<size_t>(c) * kBk + j] = src[c];
+    } else {
+      for (int c = 0; c < p.d; ++c) kt[static_cast<size_t>(c) * kBk + j] = 0.0f;
+    }
   }
   for (int j = 0; j < kBk; ++j) {
     float* dst = vt + static_cast<size_t>(j) * pl.dvp;
@@ -103,12 +109,14 @@ struct TileScratch {
   float* tmp;    // [Bq]       row maxima
   int* lo;       // [Bq]       band per row
   int* hi;       // [Bq]
+  int* first;    // [Bq / kRowsPerBlock] per row block: first key vector of the tile it sees
+  int* count;    // [Bq / kRowsPerBlock] and how many (0: none)
 
   TileScratch(int d, int dvp) {
     const size_t qf = size_t{kBq} * d, sf = size_t{kBq} * kBk, of = size_t{kBq} * dvp;
     // Each piece starts on a 64-byte boundary (all sizes are multiples of 16 floats).
     const size_t qf16 = (qf + 15) / 16 * 16;
-    float* base = thread_scratch(kSlotTile, qf16 + sf + of + (6 + kLanes) * kBq + 64);
+    float* base = thread_scratch(kSlotTile, qf16 + sf + of + (8 + kLanes) * kBq + 64);
     q = base;
     s = q + qf16;
     o = s + sf;
@@ -118,6 +126,8 @@ struct TileScratch {
     tmp = alpha + kBq;
     lo = reinterpret_cast<int*>(tmp + kBq);
     hi = lo + kBq;
+    first = hi + kBq;
+    count = first + kBq;
   }
 };
 
@@ -135,11 +145,26 @@ void LoadQueryTile(const Problem& p, const float* q, int rows, float* dst) {
   }
 }
 
-/// S for the whole tile (all Bq rows, padding included) plus modifiers and masks.
+/// S for the tile plus modifiers and masks. Each block of kRowsPerBlock rows
+/// computes only the key vectors its rows' bands reach (on a causal diagonal,
+/// about 5/8 of the tile) and records that range for the P·V product; the other
+/// scores, and whole blocks of padding rows, are −∞.
 void ScoreTile(const Problem& p, const Sequence& seq, const TileScratch& w, const float* kt,
                const TilePlace& place) {
-  for (int r = 0; r < kBq; r += kRowsPerBlock) {
-    QkBlock(w.q + static_cast<size_t>(r) * p.d, p.d, kt, p.d, w.s + r * kBk, kBk);
+  for (int r = 0, blk = 0; r < kBq; r += kRowsPerBlock, ++blk) {
+    int lo = INT32_MAX, hi = -1;
+    for (int i = r; i < std::min(r + kRowsPerBlock, place.rows); ++i) {
+      if (w.lo[i] <= w.hi[i]) lo = std::min(lo, w.lo[i]), hi = std::max(hi, w.hi[i]);
+    }
+    int first = 0, last = -1;  // key vectors of the tile, inclusive
+    if (hi >= place.j0 && lo < place.j0 + kBk) {
+      first = std::max(0, lo - place.j0) / kLanes;
+      last = std::min(kBk - 1, hi - place.j0) / kLanes;
+    }
+    w.first[blk] = first;
+    w.count[blk] = last - first + 1;
+    QkRows(w.q + static_cast<size_t>(r) * p.d, p.d, kt, p.d, w.s + r * kBk, kBk, first,
+           w.count[blk]);
   }
   ApplyScoreMods(p, seq, place, w.s, kBk, TileNeedsBand(place));
 }
@@ -172,8 +197,12 @@ void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int
     ScoreTile(p, seq, w, kpack + static_cast<size_t>(t) * kBk * p.d, place);
     if (!SoftmaxTile(w.s, kBk, kBq, w.m, w.l, w.alpha, w.tmp)) continue;
     const float* vt = vpack + static_cast<size_t>(j0) * dvp;
-    for (int r = 0; r < kBq; r += kRowsPerBlock) {
-      PvRows(w.s + r * kBk, kBk, vt, dvp, w.alpha + r, w.o + static_cast<size_t>(r) * dvp);
+    for (int r = 0, blk = 0; r < kBq; r += kRowsPerBlock, ++blk) {
+      // A block that saw no key of this tile kept its max: α = 1, nothing to add.
+      if (w.count[blk] <= 0) continue;
+      const int jb = w.first[blk] * kLanes, nk = w.count[blk] * kLanes;
+      PvRows(w.s + r * kBk + jb, kBk, vt + static_cast<size_t>(jb) * dvp, dvp, nk, w.alpha + r,
+             w.o + static_cast<size_t>(r) * dvp);
     }
   }
 
@@ -260,7 +289,7 @@ void ForwardF32(const Problem& p, int threads) {
 
 size_t WorkspaceBytes(const Problem& p, int threads) {
   const PackLayout pl = MakePackLayout(p);
-  const size_t tile = size_t{kBq} * (p.d + kBk + pl.dvp + 6 + kLanes) + 64;
+  const size_t tile = size_t{kBq} * (p.d + kBk + pl.dvp + 8 + kLanes) + 64;
   return sizeof(float) * (pl.total + static_cast<size_t>(std::max(1, threads)) * tile);
 }
 

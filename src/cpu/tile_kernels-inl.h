@@ -33,53 +33,77 @@ constexpr int kVectorRegisters = 32;
 #else
 constexpr int kVectorRegisters = 16;
 #endif
-/// Rows per register tile: 6×4 accumulators fill 24 of AVX-512's 32 registers
-/// (enough independent FMA chains to cover the 4-cycle latency of 2 pipes);
-/// 3×4 = 12 of AVX2's 16.
+/// Rows per register tile: 4×4 accumulators (16 independent FMA chains, twice
+/// the 4-cycle latency × 2 pipes) leave AVX-512 registers for the loads; 64-query
+/// tiles then align with 64-key tiles, which keeps causal diagonals cheap.
+/// AVX2: 3×4 = 12 of its 16 registers.
 constexpr int kRowsPerBlock = kVectorRegisters == 32 ? 4 : 3;
 constexpr int kKeyVectors = 4;
 constexpr int kBk = kKeyVectors * kLanes;        // keys per tile
 constexpr int kBq = 16 * kRowsPerBlock;          // queries per tile
 static_assert(kBq % kLanes == 0 || kLanes > kBq, "row vectors must tile Bq");
 
-/// S[r][0..Bk) = Σ_c Q[r][c] · Kt[c][0..Bk) for kRowsPerBlock rows.
-/// q: rows of d floats (row stride q_ld); kt: the [d][Bk] panel; s: row stride s_ld.
+/// S[r][n·N ..] = Σ_c Q[r][c] · Kt[c][n·N ..] for kRowsPerBlock rows and NKV key
+/// vectors. q: rows of d floats (row stride q_ld); kt: the [d][Bk] panel, offset
+/// to the first key vector wanted; s: row stride s_ld, offset likewise.
+template <int NKV>
 HWY_INLINE void QkBlock(const float* HWY_RESTRICT q, size_t q_ld,
                         const float* HWY_RESTRICT kt, int d, float* HWY_RESTRICT s,
                         size_t s_ld) {
   const DF df;
-  VF acc[kRowsPerBlock][kKeyVectors];
+  VF acc[kRowsPerBlock][NKV];
   for (int r = 0; r < kRowsPerBlock; ++r) {
-    for (int n = 0; n < kKeyVectors; ++n) acc[r][n] = hn::Zero(df);
+    for (int n = 0; n < NKV; ++n) acc[r][n] = hn::Zero(df);
   }
   for (int c = 0; c < d; ++c) {
     const float* HWY_RESTRICT panel_row = kt + static_cast<size_t>(c) * kBk;
-    VF kv[kKeyVectors];
-    for (int n = 0; n < kKeyVectors; ++n) kv[n] = hn::Load(df, panel_row + n * kLanes);
+    VF kv[NKV];
+    for (int n = 0; n < NKV; ++n) kv[n] = hn::Load(df, panel_row + n * kLanes);
     for (int r = 0; r < kRowsPerBlock; ++r) {
       const VF qv = hn::Set(df, q[r * q_ld + c]);
-      for (int n = 0; n < kKeyVectors; ++n) acc[r][n] = hn::MulAdd(qv, kv[n], acc[r][n]);
+      for (int n = 0; n < NKV; ++n) acc[r][n] = hn::MulAdd(qv, kv[n], acc[r][n]);
     }
   }
   for (int r = 0; r < kRowsPerBlock; ++r) {
-    for (int n = 0; n < kKeyVectors; ++n) hn::Store(acc[r][n], df, s + r * s_ld + n * kLanes);
+    for (int n = 0; n < NKV; ++n) hn::Store(acc[r][n], df, s + r * s_ld + n * kLanes);
   }
 }
 
-/// O[r][cols] = alpha[r]·O[r][cols] + Σ_j P[r][j] · V[j][cols], for kRowsPerBlock
-/// rows and NV vectors of columns. p: row stride p_ld; v: row stride v_ld (points
-/// at the first column); o: row stride o_ld.
+/// Scores of kRowsPerBlock rows for the key vectors first..first+count−1 of the
+/// tile (0 ≤ first, count ≤ kKeyVectors); every other score of those rows is
+/// set to −∞ (the band rules those keys out for every row of the block).
+HWY_INLINE void QkRows(const float* HWY_RESTRICT q, size_t q_ld, const float* HWY_RESTRICT kt,
+                       int d, float* HWY_RESTRICT s, size_t s_ld, int first, int count) {
+  const DF df;
+  const float* k0 = kt + first * kLanes;
+  float* s0 = s + first * kLanes;
+  switch (count) {
+    case 4: QkBlock<4>(q, q_ld, k0, d, s0, s_ld); break;
+    case 3: QkBlock<3>(q, q_ld, k0, d, s0, s_ld); break;
+    case 2: QkBlock<2>(q, q_ld, k0, d, s0, s_ld); break;
+    case 1: QkBlock<1>(q, q_ld, k0, d, s0, s_ld); break;
+    default: break;
+  }
+  for (int n = 0; n < kKeyVectors; ++n) {
+    if (n >= first && n < first + count) continue;
+    for (int r = 0; r < kRowsPerBlock; ++r) hn::Store(hn::Set(df, -HUGE_VALF), df, s + r * s_ld + n * kLanes);
+  }
+}
+
+/// O[r][cols] = alpha[r]·O[r][cols] + Σ_{j<nk} P[r][j] · V[j][cols], for
+/// kRowsPerBlock rows and NV vectors of columns. p: row stride p_ld; v: row
+/// stride v_ld (points at the first column); o: row stride o_ld.
 template <int NV>
 HWY_INLINE void PvBlock(const float* HWY_RESTRICT p, size_t p_ld, const float* HWY_RESTRICT v,
-                        size_t v_ld, const float* HWY_RESTRICT alpha, float* HWY_RESTRICT o,
-                        size_t o_ld) {
+                        size_t v_ld, int nk, const float* HWY_RESTRICT alpha,
+                        float* HWY_RESTRICT o, size_t o_ld) {
   const DF df;
   VF acc[kRowsPerBlock][NV];
   for (int r = 0; r < kRowsPerBlock; ++r) {
     const VF a = hn::Set(df, alpha[r]);
     for (int n = 0; n < NV; ++n) acc[r][n] = hn::Mul(hn::Load(df, o + r * o_ld + n * kLanes), a);
   }
-  for (int j = 0; j < kBk; ++j) {
+  for (int j = 0; j < nk; ++j) {
     const float* HWY_RESTRICT vrow = v + static_cast<size_t>(j) * v_ld;
     VF vv[NV];
     for (int n = 0; n < NV; ++n) vv[n] = hn::Load(df, vrow + n * kLanes);
@@ -93,16 +117,16 @@ HWY_INLINE void PvBlock(const float* HWY_RESTRICT p, size_t p_ld, const float* H
   }
 }
 
-/// O = α·O + P·V over all dvp columns, for kRowsPerBlock rows: columns in blocks
-/// of up to 4 vectors (4 × 6 = 24 accumulators).
+/// O = α·O + P·V over all dvp columns, for kRowsPerBlock rows and the nk keys
+/// at p and v: columns in blocks of up to 4 vectors (4 × 4 = 16 accumulators).
 HWY_INLINE void PvRows(const float* HWY_RESTRICT p, size_t p_ld, const float* HWY_RESTRICT v,
-                       int dvp, const float* HWY_RESTRICT alpha, float* HWY_RESTRICT o) {
+                       int dvp, int nk, const float* HWY_RESTRICT alpha, float* HWY_RESTRICT o) {
   int c = 0;
-  for (; c + 4 * kLanes <= dvp; c += 4 * kLanes) PvBlock<4>(p, p_ld, v + c, dvp, alpha, o + c, dvp);
+  for (; c + 4 * kLanes <= dvp; c += 4 * kLanes) PvBlock<4>(p, p_ld, v + c, dvp, nk, alpha, o + c, dvp);
   switch ((dvp - c) / kLanes) {
-    case 3: PvBlock<3>(p, p_ld, v + c, dvp, alpha, o + c, dvp); break;
-    case 2: PvBlock<2>(p, p_ld, v + c, dvp, alpha, o + c, dvp); break;
-    case 1: PvBlock<1>(p, p_ld, v + c, dvp, alpha, o + c, dvp); break;
+    case 3: PvBlock<3>(p, p_ld, v + c, dvp, nk, alpha, o + c, dvp); break;
+    case 2: PvBlock<2>(p, p_ld, v + c, dvp, nk, alpha, o + c, dvp); break;
+    case 1: PvBlock<1>(p, p_ld, v + c, dvp, nk, alpha, o + c, dvp); break;
     default: break;
   }
 }
