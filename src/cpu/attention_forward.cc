@@ -4,11 +4,12 @@
 // For each work item (sequence b, query head h, tile of Bq queries):
 //   O = 0, m = −∞, l = 0
 //   for each key tile of Bk keys that the band leaves partly visible:
-//     S = (scale·Q)·Kᵀ                 QkBlock, K pre-packed as [d][Bk] panels
+//     S = (scale·log₂e·Q)·Kᵀ           QkBlock, K pre-packed as [d][Bk] panels
 //     S = modifiers and masks (S)     ApplyScoreMods
-//     P = exp(S − m_new), α = exp(m − m_new), l = α·l + rowsum(P)   SoftmaxTile
+//     P = 2^(S − m_new), α = 2^(m − m_new), l = α·l + rowsum(P)   SoftmaxTile
+//                                     (S in base-2 units: log₂e folded into Q)
 //     O = α·O + P·V                   PvRows, V pre-packed as [Bk][dvp]
-//   out = O / l, lse = m + log(l)     (rows with no visible key: 0 and −∞)
+//   out = O / l, lse = m·ln2 + ln(l)  (rows with no visible key: 0 and −∞)
 // The Lq×Lk matrix never exists; extra memory is the packed K/V (the size of k
 // and v) plus one tile workspace per thread, both reused across calls.
 #include "cpu/attention_forward.hpp"
@@ -131,14 +132,16 @@ struct TileScratch {
   }
 };
 
-/// Loads the query tile scaled by `scale` (so S needs no extra multiply) and zeros
-/// the padding rows.
+/// Loads the query tile scaled by `scale`, times log₂e unless an option modifies
+/// score values (see ModifiesScores), so S needs no extra multiply; zeros the
+/// padding rows.
 void LoadQueryTile(const Problem& p, const float* q, int rows, float* dst) {
+  const float scale = ModifiesScores(p) ? p.scale : p.scale * 1.44269504088896341f;
   for (int r = 0; r < kBq; ++r) {
     float* row = dst + static_cast<size_t>(r) * p.d;
     if (r < rows) {
       const float* src = q + int64_t{r} * p.q_row;
-      for (int c = 0; c < p.d; ++c) row[c] = src[c] * p.scale;
+      for (int c = 0; c < p.d; ++c) row[c] = src[c] * scale;
     } else {
       std::fill(row, row + p.d, 0.0f);
     }
@@ -214,17 +217,18 @@ void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int
     const bool any = sum > 0.0f;
     const float inv = any ? 1.0f / sum : 0.0f;
     for (int c = 0; c < p.dv; ++c) dst[c] = acc[c] * inv;
-    if (p.lse != nullptr) {
+    if (p.lse != nullptr) {  // natural log: m is in base-2 units
       p.lse[seq.lse_offset + h * p.lse_h + int64_t{i0 + r} * p.lse_i] =
-          any ? w.m[r] + std::log(sum) : -HUGE_VALF;
+          any ? w.m[r] * 0.69314718055994530942f + std::log(sum) : -HUGE_VALF;
     }
     w.alpha[r] = inv;  // kept for the probabilities below
   }
 
   // Explicit probabilities (for pictures / need_weights): recompute each visible
-  // tile's scores and write exp(s − m)/l, as a plain softmax would; everything
+  // tile's scores and write 2^(s − m)/l, as a plain softmax would; everything
   // else is 0. (exp(s − lse) would be cheaper but carries lse's absolute rounding,
-  // eps·|lse|, into every probability.)
+  // eps·|lse|, into every probability.) Highway's Exp here: masked keys give 0
+  // exactly, where the softmax's fast exp gives ~1e-38.
   if (p.probs != nullptr) {
     const DF df;
     for (int r = 0; r < rows; ++r) {
@@ -239,8 +243,9 @@ void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int
         if (w.alpha[r] == 0.0f) continue;  // no visible key: the row stays 0
         float* row = w.s + r * kBk;
         const VF m = hn::Set(df, w.m[r]), inv_l = hn::Set(df, w.alpha[r]);
+        const VF ln2 = hn::Set(df, 0.69314718055994530942f);
         for (int n = 0; n < kKeyVectors; ++n) {
-          const VF e = hn::Exp(df, hn::Sub(hn::Load(df, row + n * kLanes), m));
+          const VF e = hn::Exp(df, hn::Mul(hn::Sub(hn::Load(df, row + n * kLanes), m), ln2));
           hn::Store(hn::Mul(e, inv_l), df, row + n * kLanes);
         }
         float* dst = p.probs + seq.probs_offset + h * p.probs_h + int64_t{i0 + r} * p.probs_i + j0;

@@ -57,7 +57,16 @@ HWY_INLINE bool TileNeedsBand(const TilePlace& t) {
   return false;
 }
 
-/// Applies every enabled modifier and mask to the tile's real rows (row stride ld).
+/// True when an option changes score values (not only removes keys). Those work
+/// in natural units, so the query is scaled by `scale` alone and the tile is
+/// converted to the softmax's base-2 units after them (ApplyScoreMods); otherwise
+/// log₂e is folded into the query scale and scores arrive in base 2 directly.
+HWY_INLINE bool ModifiesScores(const Problem& p) {
+  return p.softcap > 0.0f || p.alibi != nullptr || p.add_mask != nullptr || p.mods != nullptr;
+}
+
+/// Applies every enabled modifier and mask to the tile's real rows (row stride
+/// ld); with ModifiesScores(p), finally multiplies the rows by log₂e.
 HWY_INLINE void ApplyScoreMods(const Problem& p, const Sequence& seq, const TilePlace& t,
                                float* HWY_RESTRICT s, size_t ld, bool band) {
   const DF df;
@@ -139,6 +148,15 @@ HWY_INLINE void ApplyScoreMods(const Problem& p, const Sequence& seq, const Tile
   }
   if (p.mods != nullptr) {
     p.mods->tile(p.mods->ctx, s, static_cast<int64_t>(ld), t.b, t.h, t.i0, t.rows, t.j0, t.cols);
+  }
+  if (ModifiesScores(p)) {
+    const VF log2e = hn::Set(df, 1.44269504088896341f);
+    for (int r = 0; r < t.rows; ++r) {
+      float* row = s + r * ld;
+      for (int n = 0; n < kKeyVectors; ++n) {
+        hn::Store(hn::Mul(hn::Load(df, row + n * kLanes), log2e), df, row + n * kLanes);
+      }
+    }
   }
 }
 

@@ -131,40 +131,43 @@ HWY_INLINE void PvRows(const float* HWY_RESTRICT p, size_t p_ld, const float* HW
   }
 }
 
-/// e^x for x ≤ 0 (x = s − max, or −∞), within 2 ulp: the softmax's exponential.
-/// Highway's Exp handles any sign and range in ~24 operations; knowing x ≤ 0
-/// lets this one take ~15 (the softmax is ~20% of a tile's time at d = 64):
-///   x = max(x, −87)                        (e^−87 is still a normal float)
-///   n = round(x / ln 2), r = x − n·ln 2    (Cody–Waite: ln 2 in two parts)
-///   e^r by a degree-6 polynomial on |r| ≤ ln2/2 (error ~2e-9)
-///   2^n by adding n to the exponent bits.
-/// Entries clamped at −87 come out as ~1.6e-38 rather than 0: below any f32
+/// 2^x for x ≤ 0 (x = s₂ − max₂, or −∞), within 2 ulp: the softmax's exponential.
+/// Scores reach the softmax in base-2 units (log₂e folded into the query scale, as
+/// FlashAttention does), so no multiply by log₂e and no two-part ln 2 reduction:
+///   x = max(x, −125)              (2^−125 times the polynomial is still normal)
+///   n = round(x), f = x − n       (exact; |f| ≤ 1/2)
+///   2^f by a degree-6 polynomial  (Taylor in f·ln 2; error ≤ 1.2e-7)
+///   2^n by vscalefps on AVX-512, else by adding n to the exponent bits.
+/// About 11 operations on AVX-512; Highway's Exp (any sign and range) takes ~24.
+/// Entries clamped at −125 come out as ~2e-38 rather than 0: below any f32
 /// resolution once a visible key (p = 1 at the max) is in the row; rows with no
 /// visible key at all never reach this function (see SoftmaxTile).
-HWY_INLINE VF ExpNonPositive(DF df, VF x) {
+HWY_INLINE VF Exp2NonPositive(DF df, VF x) {
+  x = hn::Max(x, hn::Set(df, -125.0f));
+  const VF n = hn::Round(x);
+  const VF f = hn::Sub(x, n);
+  // (ln 2)^k / k!, k = 6 … 0 (Horner).
+  VF e = hn::Set(df, 1.5403530393381609954e-4f);
+  e = hn::MulAdd(e, f, hn::Set(df, 1.3333558146428443423e-3f));
+  e = hn::MulAdd(e, f, hn::Set(df, 9.6181291076284771620e-3f));
+  e = hn::MulAdd(e, f, hn::Set(df, 5.5504108664821579953e-2f));
+  e = hn::MulAdd(e, f, hn::Set(df, 0.24022650695910071233f));
+  e = hn::MulAdd(e, f, hn::Set(df, 0.69314718055994530942f));
+  e = hn::MulAdd(e, f, hn::Set(df, 1.0f));
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  return VF{_mm512_scalef_ps(e.raw, n.raw)};
+#else
   const hn::RebindToSigned<DF> di;
-  x = hn::Max(x, hn::Set(df, -87.0f));
-  const VF n = hn::Round(hn::Mul(x, hn::Set(df, 1.44269504088896341f)));
-  VF r = hn::NegMulAdd(n, hn::Set(df, 0.693145751953125f), x);  // ln2_hi has 16 bits: exact
-  r = hn::NegMulAdd(n, hn::Set(df, 1.428606765330187045e-6f), r);
-  // Taylor coefficients 1/k!, k = 6 … 0 (Horner).
-  VF e = hn::Set(df, 1.0f / 720);
-  e = hn::MulAdd(e, r, hn::Set(df, 1.0f / 120));
-  e = hn::MulAdd(e, r, hn::Set(df, 1.0f / 24));
-  e = hn::MulAdd(e, r, hn::Set(df, 1.0f / 6));
-  e = hn::MulAdd(e, r, hn::Set(df, 0.5f));
-  e = hn::MulAdd(e, r, hn::Set(df, 1.0f));
-  e = hn::MulAdd(e, r, hn::Set(df, 1.0f));
-  const auto scaled = hn::Add(hn::BitCast(di, e), hn::ShiftLeft<23>(hn::ConvertTo(di, n)));
-  return hn::BitCast(df, scaled);
+  return hn::BitCast(df, hn::Add(hn::BitCast(di, e), hn::ShiftLeft<23>(hn::ConvertTo(di, n))));
+#endif
 }
 
 /// Online-softmax step for a tile of `rows` rows × Bk scores (row stride ld),
-/// FlashAttention-2 style. On entry s holds scores (−∞ = removed); on exit it
-/// holds p = exp(s − m_new). Updates the running max m per row and the running
+/// FlashAttention-2 style, in base 2. On entry s holds scores times log₂e (−∞ =
+/// removed); on exit it holds p = 2^(s − m_new). Updates the running max m per row and the running
 /// sums l — one vector of kLanes partial sums per row ([rows][kLanes]), reduced
 /// only at the end (RowSum), which saves a horizontal add per row per tile — and
-/// writes alpha = exp(m_old − m_new), the factor the output rows must be
+/// writes alpha = 2^(m_old − m_new), the factor the output rows must be
 /// rescaled by. `rows` is a multiple of kLanes. Returns false when every score of the tile
 /// is −∞ (then m and l are unchanged and alpha is all 1, so the P·V product may
 /// be skipped).
@@ -191,7 +194,9 @@ HWY_INLINE bool SoftmaxTile(float* HWY_RESTRICT s, size_t ld, int rows, float* H
     const VF m_old = hn::Load(df, m + r);
     const VF m_new = hn::Max(m_old, hn::Load(df, row_max + r));
     const VF m_use = hn::IfThenZeroElse(hn::Eq(m_new, neg_inf), m_new);
-    hn::Store(hn::Exp(df, hn::Sub(m_old, m_use)), df, alpha + r);  // exp(−∞) = 0
+    // 2^(m_old − m_use): 1 exactly when the max did not move (blocks that saw no
+    // key of the tile rely on that); ~0 when m_old = −∞ (O and l are 0 there).
+    hn::Store(Exp2NonPositive(df, hn::Sub(m_old, m_use)), df, alpha + r);
     hn::Store(m_new, df, m + r);
     hn::Store(m_use, df, row_max + r);  // reused below as the max to subtract
   }
@@ -204,7 +209,7 @@ HWY_INLINE bool SoftmaxTile(float* HWY_RESTRICT s, size_t ld, int rows, float* H
     const VF mu = hn::Set(df, row_max[r]);
     VF sum[kKeyVectors];
     for (int n = 0; n < kKeyVectors; ++n) {
-      sum[n] = ExpNonPositive(df, hn::Sub(hn::Load(df, row + n * kLanes), mu));
+      sum[n] = Exp2NonPositive(df, hn::Sub(hn::Load(df, row + n * kLanes), mu));
       hn::Store(sum[n], df, row + n * kLanes);
     }
     float* lr = l + r * kLanes;
