@@ -194,10 +194,9 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
     os << "dropout_p must be in [0, 1), got " << opt.dropout_p;
     c.fail(os.str());
   }
-  if (opt.dropout_p != 0.0f) {
-    c.fail("dropout_p > 0 is not supported by this version of attn yet (issue #3); got " +
-           std::to_string(opt.dropout_p));
-  }
+  p.dropout_p = opt.dropout_p;
+  p.seed = opt.seed;
+  p.offset = opt.offset;
 
   // --- sequences ---
   std::vector<int32_t> cu_q, cu_k;

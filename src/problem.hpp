@@ -63,6 +63,11 @@ struct Problem {
 
   const UserMods* mods = nullptr;  // user score_mod / mask_mod, or nullptr
 
+  // Dropout on the probabilities (0 = off): keep with probability 1 − p, scale
+  // kept ones by 1/(1 − p); decisions from DropoutRng(p, seed, offset, Hq).
+  float dropout_p = 0.0f;
+  uint64_t seed = 0, offset = 0;
+
   /// Query head h reads kv head h / group().
   int group() const { return Hq / Hkv; }
 };

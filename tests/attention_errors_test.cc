@@ -119,6 +119,7 @@ TEST(AttentionErrors, ScalarOptions) {
   expect_error([](Call& c) { c.opt.window = {-2, 0}; }, {"window", "{-2, 0}"});
   expect_error([](Call& c) { c.opt.window = {3, -5}; }, {"window"});
   expect_error([](Call& c) { c.opt.dropout_p = 1.0f; }, {"dropout_p must be in [0, 1)"});
+  expect_error([](Call& c) { c.opt.dropout_p = NAN; }, {"dropout_p"});
   expect_error([](Call& c) { c.opt.dropout_p = -0.1f; }, {"dropout_p"});
 }
 

@@ -62,7 +62,12 @@ struct AttentionOptions {
   /// int32 [B]: batch b uses only keys j < key_lengths[b] (padded batches, KV
   /// caches). Causal and window alignment then use key_lengths[b] as Lk.
   TensorView key_lengths;
-  /// Dropout on the probabilities (the training issue); must be 0 for now.
+  /// Dropout on the probabilities: each is kept with probability 1 − dropout_p
+  /// and scaled by 1/(1 − dropout_p), else zeroed. dropout_p ∈ [0, 1). The
+  /// decisions come from Philox-4x32-10 keyed by (seed, offset, b, h, i, j), so
+  /// the forward and the backward agree and no result depends on the tiling or
+  /// the threads; advance `offset` between calls for fresh masks. lse is that of
+  /// the scores before dropout; `probs` returns the probabilities after it.
   float dropout_p = 0.0f;
   uint64_t seed = 0;
   uint64_t offset = 0;
@@ -83,6 +88,12 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
 void attention_reference(const TensorView& q, const TensorView& k, const TensorView& v,
                          const TensorView& out, const AttentionOptions& options = {},
                          const TensorView& lse = {}, const TensorView& probs = {});
+
+/// Materialises the dropout decisions attention() makes for these options:
+/// mask[b][h][i][j] = 1 where the probability of key j for query i (positions
+/// within the sequence) is kept, 0 where it is dropped. mask: DType::boolean
+/// [B, Hq, Lq, Lk], any strides. For tests and debugging.
+void dropout_mask(const TensorView& mask, float dropout_p, uint64_t seed, uint64_t offset = 0);
 
 /// Extra memory in bytes that attention() needs for these arguments when run with
 /// `threads` threads: K and V packed for the SIMD kernel (the size of k and v in

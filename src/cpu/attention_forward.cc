@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cpu/workspace.hpp"
+#include "dropout/philox.hpp"
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/attention_forward.cc"
@@ -172,6 +173,21 @@ void ScoreTile(const Problem& p, const Sequence& seq, const TileScratch& w, cons
   ApplyScoreMods(p, seq, place, w.s, kBk, TileNeedsBand(place));
 }
 
+/// Dropout on a tile of probabilities (rows × Bk at s, row stride ld): each is
+/// kept with probability 1 − p and then scaled by 1/(1 − p), or zeroed; the
+/// decision is Philox's for (b, h, i, j), whatever the tiling or the thread.
+void ApplyDropout(const Problem& p, int b, int h, int i0, int rows, int j0, float* s, size_t ld) {
+  const DropoutRng rng(p.dropout_p, p.seed, p.offset, p.Hq);
+  const float scale = 1.0f / (1.0f - p.dropout_p);
+  for (int r = 0; r < rows; ++r) {
+    float* row = s + r * ld;
+    for (int j = 0; j < kBk; j += 4) {  // j0 is a multiple of 4: one Philox call per 4 keys
+      const unsigned keep = rng.keep4(b, h, i0 + r, (j0 + j) / 4);
+      for (int n = 0; n < 4; ++n) row[j + n] = (keep >> n) & 1u ? row[j + n] * scale : 0.0f;
+    }
+  }
+}
+
 /// One work item: sequence b, query head h, query tile qt.
 void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int h, int qt) {
   const Sequence& seq = p.seqs[b];
@@ -199,6 +215,7 @@ void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int
     const TilePlace place{b, h, i0, rows, j0, std::min(kBk, seq.Lk - j0), w.lo, w.hi};
     ScoreTile(p, seq, w, kpack + static_cast<size_t>(t) * kBk * p.d, place);
     if (!SoftmaxTile(w.s, kBk, kBq, w.m, w.l, w.alpha, w.tmp)) continue;
+    if (p.dropout_p > 0.0f) ApplyDropout(p, b, h, i0, rows, j0, w.s, kBk);
     const float* vt = vpack + static_cast<size_t>(j0) * dvp;
     for (int r = 0, blk = 0; r < kBq; r += kRowsPerBlock, ++blk) {
       // A block that saw no key of this tile kept its max: α = 1, nothing to add.
@@ -248,8 +265,11 @@ void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int
           const VF e = hn::Exp(df, hn::Mul(hn::Sub(hn::Load(df, row + n * kLanes), m), ln2));
           hn::Store(hn::Mul(e, inv_l), df, row + n * kLanes);
         }
+      }
+      if (p.dropout_p > 0.0f) ApplyDropout(p, b, h, i0, rows, j0, w.s, kBk);
+      for (int r = 0; r < rows; ++r) {
         float* dst = p.probs + seq.probs_offset + h * p.probs_h + int64_t{i0 + r} * p.probs_i + j0;
-        std::memcpy(dst, row, sizeof(float) * cols);
+        if (w.alpha[r] != 0.0f) std::memcpy(dst, w.s + r * kBk, sizeof(float) * cols);
       }
     }
   }

@@ -5,6 +5,8 @@
 #include <limits>
 #include <vector>
 
+#include "../dropout/philox.hpp"
+
 namespace attn::detail {
 
 bool reference_visible(const Problem& p, int b, int h, int i, int j) {
@@ -25,6 +27,8 @@ bool reference_visible(const Problem& p, int b, int h, int i, int j) {
 template <class T>
 void reference_forward(const Problem& p, T* out, T* lse, T* probs) {
   const T neg_inf = -std::numeric_limits<T>::infinity();
+  const DropoutRng dropout(p.dropout_p, p.seed, p.offset, p.Hq);
+  const T keep_p = T(1) - static_cast<T>(p.dropout_p);
   for (int b = 0; b < p.B; ++b) {
     const Sequence& seq = p.seqs[static_cast<size_t>(b)];
     std::vector<T> score(static_cast<size_t>(seq.Lk));
@@ -69,7 +73,8 @@ void reference_forward(const Problem& p, T* out, T* lse, T* probs) {
           if (s > max_score) max_score = s;
         }
 
-        // 2. Softmax over the visible keys and the weighted sum of the values.
+        // 2. Softmax over the visible keys (lse is that of the scores before
+        //    dropout), dropout on the probabilities, weighted sum of the values.
         T row_lse = neg_inf;
         for (T& a : acc) a = 0;
         if (max_score != neg_inf) {
@@ -78,11 +83,14 @@ void reference_forward(const Problem& p, T* out, T* lse, T* probs) {
             const T e = std::exp(score[static_cast<size_t>(j)] - max_score);  // exp(−∞) = 0
             score[static_cast<size_t>(j)] = e;
             sum += e;
-            for (int c = 0; c < p.dv; ++c) acc[static_cast<size_t>(c)] += e * static_cast<T>(v[j * p.v_row + c]);
           }
-          for (T& a : acc) a /= sum;
           row_lse = max_score + std::log(sum);
-          for (int j = 0; j < seq.Lk; ++j) score[static_cast<size_t>(j)] /= sum;
+          for (int j = 0; j < seq.Lk; ++j) {
+            T& prob = score[static_cast<size_t>(j)];
+            prob /= sum;
+            if (p.dropout_p > 0) prob = dropout.keep(b, h, i, j) ? prob / keep_p : T(0);
+            for (int c = 0; c < p.dv; ++c) acc[static_cast<size_t>(c)] += prob * static_cast<T>(v[j * p.v_row + c]);
+          }
         } else {
           for (T& s : score) s = 0;  // no visible key: output 0, lse −∞
         }
