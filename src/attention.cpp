@@ -6,6 +6,7 @@
 #include "attn/attention.hpp"
 #include "cpu/attention_forward.hpp"
 #include "problem.hpp"
+#include "reference/attention_backward_reference.hpp"
 #include "reference/attention_reference.hpp"
 
 namespace attn {
@@ -61,7 +62,34 @@ void attention_reference_with_mods(const TensorView& q, const TensorView& k,
   round_into(probs, pr);
 }
 
+void attention_backward_reference_with_mods(const TensorView& q, const TensorView& k,
+                                            const TensorView& v, const TensorView& out,
+                                            const TensorView& lse, const TensorView& dout,
+                                            const TensorView& dq, const TensorView& dk,
+                                            const TensorView& dv, const AttentionOptions& options,
+                                            const TensorView& dbias, const UserMods* mods) {
+  const BackwardProblem bp = make_backward_problem("attention_backward_reference", q, k, v, out,
+                                                   lse, dout, dq, dk, dv, options, dbias, mods);
+  std::vector<double> gq(static_cast<size_t>(span(dq))), gk(static_cast<size_t>(span(dk))),
+      gv(static_cast<size_t>(span(dv))), gb(static_cast<size_t>(span(dbias)));
+  reference_backward<double>(bp, gq.data(), gk.data(), gv.data(), dbias.empty() ? nullptr : gb.data(),
+                             gq.size(), gk.size(), gv.size(), gb.size());
+  round_into(dq, gq);
+  round_into(dk, gk);
+  round_into(dv, gv);
+  round_into(dbias, gb);
+}
+
 }  // namespace detail
+
+void attention_backward_reference(const TensorView& q, const TensorView& k, const TensorView& v,
+                                  const TensorView& out, const TensorView& lse,
+                                  const TensorView& dout, const TensorView& dq,
+                                  const TensorView& dk, const TensorView& dv,
+                                  const AttentionOptions& options, const TensorView& dbias) {
+  detail::attention_backward_reference_with_mods(q, k, v, out, lse, dout, dq, dk, dv, options,
+                                                 dbias, nullptr);
+}
 
 void attention(const TensorView& q, const TensorView& k, const TensorView& v,
                const TensorView& out, const AttentionOptions& options, const TensorView& lse,

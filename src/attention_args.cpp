@@ -225,6 +225,7 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
     int64_t q0 = 0, k0 = 0;
     if (varlen) {
       q0 = cu_q[b], k0 = cu_k[b];
+      s.q_token0 = q0, s.k_token0 = k0;
       s.Lq = cu_q[b + 1] - cu_q[b];
       s.Lk = cu_k[b + 1] - cu_k[b];
       s.q_offset = q0 * p.q_row;
@@ -351,6 +352,78 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
   }
   p.mods = mods;
   return p;
+}
+
+BackwardProblem make_backward_problem(const char* fn, const TensorView& q, const TensorView& k,
+                                      const TensorView& v, const TensorView& out,
+                                      const TensorView& lse, const TensorView& dout,
+                                      const TensorView& dq, const TensorView& dk,
+                                      const TensorView& dv, const AttentionOptions& opt,
+                                      const TensorView& dbias, const UserMods* mods) {
+  const Checker c(fn);
+  if (lse.empty()) c.fail("lse is required (the forward's logsumexp), got none");
+  BackwardProblem bp;
+  bp.fwd = make_problem(fn, q, k, v, out, opt, lse, {}, mods);
+  const Problem& p = bp.fwd;
+  const bool varlen = !opt.cu_seqlens_q.empty();
+
+  // Each gradient has exactly the shape of its tensor; any strides, last one 1.
+  auto like = [&](const TensorView& g, const char* name, const TensorView& t, const char* tname) {
+    c.tensor(g, name, DType::f32, t.rank(), "(the shape of its tensor)");
+    c.last_contiguous(g, name);
+    for (int i = 0; i < t.rank(); ++i) {
+      if (g.size(i) != t.size(i)) {
+        c.fail(std::string(name) + " must have the shape of " + tname + " " + t.describe() +
+               ", got " + g.describe());
+      }
+    }
+  };
+  like(dout, "dout", out, "out");
+  like(dq, "dq", q, "q");
+  like(dk, "dk", k, "k");
+  like(dv, "dv", v, "v");
+  const int o = varlen ? 0 : 1;
+  bp.dout = dout.data_as<const float>();
+  bp.dout_row = dout.stride(o), bp.dout_head = dout.stride(o + 1);
+  bp.dq = dq.data_as<float>();
+  bp.dq_row = dq.stride(o), bp.dq_head = dq.stride(o + 1);
+  bp.dk = dk.data_as<float>();
+  bp.dk_row = dk.stride(o), bp.dk_head = dk.stride(o + 1);
+  bp.dv = dv.data_as<float>();
+  bp.dv_row = dv.stride(o), bp.dv_head = dv.stride(o + 1);
+  for (int b = 0; b < p.B; ++b) {
+    Sequence& s = bp.fwd.seqs[static_cast<size_t>(b)];
+    // Packed: the sequence starts at token token0; padded: at batch row b.
+    auto base = [&](const TensorView& t, int64_t token0) {
+      return varlen ? token0 * t.stride(0) : b * t.stride(0);
+    };
+    s.dout_offset = base(dout, s.q_token0);
+    s.dq_offset = base(dq, s.q_token0);
+    s.dk_offset = base(dk, s.k_token0);
+    s.dv_offset = base(dv, s.k_token0);
+  }
+
+  if (!dbias.empty()) {
+    if (p.add_mask == nullptr) {
+      c.fail("dbias needs an additive (f32) mask in options.mask to be the gradient of, got " +
+             std::string(opt.mask.empty() ? "no mask" : opt.mask.describe()));
+    }
+    c.tensor(dbias, "dbias", DType::f32, opt.mask.rank(), "(the shape of options.mask)");
+    for (int i = 0; i < opt.mask.rank(); ++i) {
+      if (dbias.size(i) != opt.mask.size(i)) {
+        c.fail("dbias must have the shape of options.mask " + opt.mask.describe() + ", got " +
+               dbias.describe());
+      }
+    }
+    int64_t strides[4] = {0, 0, 0, 0};
+    for (int i = 0; i < dbias.rank(); ++i) {
+      const int dim = 4 - dbias.rank() + i;
+      strides[dim] = dbias.size(i) == 1 ? 0 : dbias.stride(i);
+    }
+    bp.dbias = dbias.data_as<float>();
+    bp.dbias_b = strides[0], bp.dbias_h = strides[1], bp.dbias_i = strides[2], bp.dbias_j = strides[3];
+  }
+  return bp;
 }
 
 }  // namespace attn::detail

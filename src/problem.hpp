@@ -24,6 +24,10 @@ struct Sequence {
   int64_t probs_offset = 0;  // probs (head 0, row 0, col 0), if probs is wanted
   int Lq = 0;                // queries in this sequence
   int Lk = 0;                // keys in use: the extent, or key_lengths[b] if given
+  int64_t q_token0 = 0;      // varlen: index of the first query / key token in the
+  int64_t k_token0 = 0;      // packed tensors (0 for a padded batch)
+  // Backward only: offsets of row 0, head 0 in dout, dq, dk, dv.
+  int64_t dout_offset = 0, dq_offset = 0, dk_offset = 0, dv_offset = 0;
 };
 
 struct Problem {
@@ -72,10 +76,37 @@ struct Problem {
   int group() const { return Hq / Hkv; }
 };
 
+/// A backward call: the forward's problem (whose out and lse are inputs here)
+/// plus the gradients. Strides as the forward's; per-sequence offsets in Sequence.
+struct BackwardProblem {
+  Problem fwd;
+  const float* dout = nullptr;
+  int64_t dout_row = 0, dout_head = 0;
+  float* dq = nullptr;
+  int64_t dq_row = 0, dq_head = 0;
+  float* dk = nullptr;
+  int64_t dk_row = 0, dk_head = 0;
+  float* dv = nullptr;
+  int64_t dv_row = 0, dv_head = 0;
+  // ∂L/∂(additive mask) at b·dbias_b + h·dbias_h + i·dbias_i + j·dbias_j (stride 0
+  // on the mask's broadcast dimensions, so accumulation reduces over them).
+  float* dbias = nullptr;
+  int64_t dbias_b = 0, dbias_h = 0, dbias_i = 0, dbias_j = 0;
+};
+
 /// Checks every argument (throws attn::Error naming it) and builds the Problem.
 /// `fn` names the public function in messages.
 Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
                      const TensorView& v, const TensorView& out, const AttentionOptions& opt,
                      const TensorView& lse, const TensorView& probs, const UserMods* mods);
+
+/// The same for attention_backward(): lse is required; dout is shaped like out,
+/// dq like q, dk like k, dv like v; dbias like the (additive) mask.
+BackwardProblem make_backward_problem(const char* fn, const TensorView& q, const TensorView& k,
+                                      const TensorView& v, const TensorView& out,
+                                      const TensorView& lse, const TensorView& dout,
+                                      const TensorView& dq, const TensorView& dk,
+                                      const TensorView& dv, const AttentionOptions& opt,
+                                      const TensorView& dbias, const UserMods* mods);
 
 }  // namespace attn::detail

@@ -89,6 +89,28 @@ void attention_reference(const TensorView& q, const TensorView& k, const TensorV
                          const TensorView& out, const AttentionOptions& options = {},
                          const TensorView& lse = {}, const TensorView& probs = {});
 
+/// Gradients of attention() (FlashAttention-2's backward, f32). Given the forward's
+/// inputs, its `out` and `lse` (computed with the same options) and dout = ∂L/∂out
+/// (shaped like out), writes dq, dk, dv (shaped like q, k, v; with GQA, dk and dv
+/// sum over each group of query heads). dbias (optional, f32, the shape of
+/// options.mask, which must then be additive): ∂L/∂mask, summed over the mask's
+/// broadcast dimensions, so a learned bias can train. Rows with no visible key get
+/// zero gradients. Dropout uses the forward's decisions (same seed and offset).
+/// Bitwise identical for any number of threads. Throws attn::Error for bad
+/// arguments before writing anything.
+void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& out, const TensorView& lse, const TensorView& dout,
+                        const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                        const AttentionOptions& options = {}, const TensorView& dbias = {});
+
+/// The same gradients from the float64 reference (explicit scores; slow).
+void attention_backward_reference(const TensorView& q, const TensorView& k, const TensorView& v,
+                                  const TensorView& out, const TensorView& lse,
+                                  const TensorView& dout, const TensorView& dq,
+                                  const TensorView& dk, const TensorView& dv,
+                                  const AttentionOptions& options = {},
+                                  const TensorView& dbias = {});
+
 /// Materialises the dropout decisions attention() makes for these options:
 /// mask[b][h][i][j] = 1 where the probability of key j for query i (positions
 /// within the sequence) is kept, 0 where it is dropped. mask: DType::boolean
@@ -114,6 +136,8 @@ int num_threads();
 //   bool  mask_mod(int b, int h, int i, int j);            // false removes key j
 //
 // b: batch, h: query head, i / j: query / key position within the sequence.
+// Give score_mod (and score_grad) an `auto` score parameter to have the float64
+// reference evaluate them in double; the kernels call them with float.
 // score_mod sees the score after softcap, ALiBi and the additive mask, and is not
 // called for keys already removed (or scored −∞). Pass attn::NoScoreMod{} or
 // attn::NoMaskMod{} for the one you do not need. Both are called from the
@@ -141,6 +165,12 @@ struct UserMods {
                int j0, int cols) = nullptr;
   double (*score)(const void* ctx, double s, int b, int h, int i, int j) = nullptr;
   bool (*mask)(const void* ctx, int b, int h, int i, int j) = nullptr;
+  // Backward only: ds[r][c] *= score_mod'(t[r][c]) on a tile (t: the scores
+  // before score_mod, row stride ld, −∞ where removed), and per element for the
+  // reference. nullptr when the user gave no score_mod (its derivative is 1).
+  void (*grad_tile)(const void* ctx, const float* t, float* ds, int64_t ld, int b, int h,
+                    int i0, int rows, int j0, int cols) = nullptr;
+  double (*score_grad)(const void* ctx, double t, int b, int h, int i, int j) = nullptr;
 };
 
 void attention_with_mods(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -157,6 +187,27 @@ struct ModPair {
   ScoreMod score_mod;
   MaskMod mask_mod;
 };
+
+/// score_mod, its derivative and mask_mod, for the backward.
+template <class ScoreMod, class ScoreGrad, class MaskMod>
+struct ModTriple {
+  ScoreMod score_mod;
+  ScoreGrad score_grad;
+  MaskMod mask_mod;
+};
+
+void attention_backward_with_mods(const TensorView& q, const TensorView& k, const TensorView& v,
+                                  const TensorView& out, const TensorView& lse,
+                                  const TensorView& dout, const TensorView& dq,
+                                  const TensorView& dk, const TensorView& dv,
+                                  const AttentionOptions& options, const TensorView& dbias,
+                                  const UserMods* mods);
+void attention_backward_reference_with_mods(const TensorView& q, const TensorView& k,
+                                            const TensorView& v, const TensorView& out,
+                                            const TensorView& lse, const TensorView& dout,
+                                            const TensorView& dq, const TensorView& dk,
+                                            const TensorView& dv, const AttentionOptions& options,
+                                            const TensorView& dbias, const UserMods* mods);
 
 template <class ScoreMod, class MaskMod>
 void apply_mods_to_tile(const void* ctx, float* s, int64_t ld, int b, int h, int i0,
@@ -193,7 +244,75 @@ UserMods make_user_mods(const ModPair<ScoreMod, MaskMod>& pair) {
   return u;
 }
 
+template <class ScoreMod, class ScoreGrad, class MaskMod>
+void apply_grad_to_tile(const void* ctx, const float* t, float* ds, int64_t ld, int b, int h,
+                        int i0, int rows, int j0, int cols) {
+  const auto& m = *static_cast<const ModTriple<ScoreMod, ScoreGrad, MaskMod>*>(ctx);
+  for (int r = 0; r < rows; ++r) {
+    for (int c = 0; c < cols; ++c) {
+      const float x = t[r * ld + c];
+      if (x == -INFINITY) continue;
+      ds[r * ld + c] *= static_cast<float>(m.score_grad(x, b, h, i0 + r, j0 + c));
+    }
+  }
+}
+
+template <class ScoreMod, class ScoreGrad, class MaskMod>
+UserMods make_user_mods(const ModTriple<ScoreMod, ScoreGrad, MaskMod>& triple) {
+  using Triple = ModTriple<ScoreMod, ScoreGrad, MaskMod>;
+  UserMods u;
+  u.ctx = &triple;
+  u.tile = [](const void* c, float* s, int64_t ld, int b, int h, int i0, int rows, int j0, int cols) {
+    const auto& m = *static_cast<const Triple*>(c);
+    const ModPair<ScoreMod, MaskMod> pair{m.score_mod, m.mask_mod};
+    apply_mods_to_tile<ScoreMod, MaskMod>(&pair, s, ld, b, h, i0, rows, j0, cols);
+  };
+  u.score = [](const void* c, double s, int b, int h, int i, int j) -> double {
+    return static_cast<const Triple*>(c)->score_mod(s, b, h, i, j);
+  };
+  u.mask = [](const void* c, int b, int h, int i, int j) -> bool {
+    return static_cast<const Triple*>(c)->mask_mod(b, h, i, j);
+  };
+  if constexpr (!std::is_same_v<ScoreMod, NoScoreMod>) {
+    u.grad_tile = &apply_grad_to_tile<ScoreMod, ScoreGrad, MaskMod>;
+    u.score_grad = [](const void* c, double t, int b, int h, int i, int j) -> double {
+      return static_cast<const Triple*>(c)->score_grad(t, b, h, i, j);
+    };
+  }
+  return u;
+}
+
 }  // namespace detail
+
+/// attention_backward() for a forward run with user modifiers: the same
+/// score_mod and mask_mod, plus score_grad(t, b, h, i, j) = ∂score_mod(t)/∂t.
+/// Pass attn::NoScoreMod{} and any callable (unused) for score_grad when there is
+/// no score_mod.
+template <class ScoreMod, class ScoreGrad, class MaskMod>
+void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& out, const TensorView& lse, const TensorView& dout,
+                        const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                        const AttentionOptions& options, ScoreMod score_mod, ScoreGrad score_grad,
+                        MaskMod mask_mod, const TensorView& dbias = {}) {
+  const detail::ModTriple<ScoreMod, ScoreGrad, MaskMod> triple{score_mod, score_grad, mask_mod};
+  const detail::UserMods mods = detail::make_user_mods(triple);
+  detail::attention_backward_with_mods(q, k, v, out, lse, dout, dq, dk, dv, options, dbias, &mods);
+}
+
+/// attention_backward_reference() with user modifiers (see attention_backward).
+template <class ScoreMod, class ScoreGrad, class MaskMod>
+void attention_backward_reference(const TensorView& q, const TensorView& k, const TensorView& v,
+                                  const TensorView& out, const TensorView& lse,
+                                  const TensorView& dout, const TensorView& dq,
+                                  const TensorView& dk, const TensorView& dv,
+                                  const AttentionOptions& options, ScoreMod score_mod,
+                                  ScoreGrad score_grad, MaskMod mask_mod,
+                                  const TensorView& dbias = {}) {
+  const detail::ModTriple<ScoreMod, ScoreGrad, MaskMod> triple{score_mod, score_grad, mask_mod};
+  const detail::UserMods mods = detail::make_user_mods(triple);
+  detail::attention_backward_reference_with_mods(q, k, v, out, lse, dout, dq, dk, dv, options,
+                                                 dbias, &mods);
+}
 
 /// attention() with a user score modifier and mask predicate (see above). A tile
 /// of 64×64 scores that mask_mod removes entirely costs its scores but not its
