@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "attn/attention.hpp"
+#include "cpu/attention_backward.hpp"
 #include "cpu/attention_forward.hpp"
 #include "problem.hpp"
 #include "reference/attention_backward_reference.hpp"
@@ -46,6 +47,12 @@ void round_into(const TensorView& view, const std::vector<double>& src) {
   }
 }
 
+// Sets every element of an f32 view to 0 through its strides.
+void zero_view(const TensorView& view) {
+  std::vector<double> zeros(static_cast<size_t>(span(view)), 0.0);
+  round_into(view, zeros);
+}
+
 }  // namespace
 
 void attention_reference_with_mods(const TensorView& q, const TensorView& k,
@@ -60,6 +67,18 @@ void attention_reference_with_mods(const TensorView& q, const TensorView& k,
   round_into(out, o);
   round_into(lse, l);
   round_into(probs, pr);
+}
+
+void attention_backward_with_mods(const TensorView& q, const TensorView& k, const TensorView& v,
+                                  const TensorView& out, const TensorView& lse,
+                                  const TensorView& dout, const TensorView& dq,
+                                  const TensorView& dk, const TensorView& dv,
+                                  const AttentionOptions& options, const TensorView& dbias,
+                                  const UserMods* mods) {
+  const BackwardProblem bp = make_backward_problem("attention_backward", q, k, v, out, lse, dout,
+                                                   dq, dk, dv, options, dbias, mods);
+  if (!dbias.empty()) zero_view(dbias);  // accumulated by the kernel
+  attention_backward_cpu(bp, num_threads());
 }
 
 void attention_backward_reference_with_mods(const TensorView& q, const TensorView& k,
@@ -81,6 +100,13 @@ void attention_backward_reference_with_mods(const TensorView& q, const TensorVie
 }
 
 }  // namespace detail
+
+void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& out, const TensorView& lse, const TensorView& dout,
+                        const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                        const AttentionOptions& options, const TensorView& dbias) {
+  detail::attention_backward_with_mods(q, k, v, out, lse, dout, dq, dk, dv, options, dbias, nullptr);
+}
 
 void attention_backward_reference(const TensorView& q, const TensorView& k, const TensorView& v,
                                   const TensorView& out, const TensorView& lse,

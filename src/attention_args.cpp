@@ -228,6 +228,7 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
       s.q_token0 = q0, s.k_token0 = k0;
       s.Lq = cu_q[b + 1] - cu_q[b];
       s.Lk = cu_k[b + 1] - cu_k[b];
+      s.Lk_rows = s.Lk;
       s.q_offset = q0 * p.q_row;
       s.k_offset = k0 * p.k_row;
       s.v_offset = k0 * p.v_row;
@@ -235,6 +236,7 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
     } else {
       s.Lq = static_cast<int>(Lq);
       s.Lk = static_cast<int>(Lk);
+      s.Lk_rows = s.Lk;
       s.q_offset = b * q.stride(0);
       s.k_offset = b * k.stride(0);
       s.v_offset = b * v.stride(0);
@@ -422,7 +424,9 @@ BackwardProblem make_backward_problem(const char* fn, const TensorView& q, const
     }
     bp.dbias = dbias.data_as<float>();
     bp.dbias_b = strides[0], bp.dbias_h = strides[1], bp.dbias_i = strides[2], bp.dbias_j = strides[3];
+    bp.dbias_shared = (bp.dbias_b == 0 && p.B > 1) || (bp.dbias_h == 0 && p.Hq > 1);
   }
+  if (varlen) bp.varlen_q_tokens = q.size(0), bp.varlen_k_tokens = k.size(0);
   return bp;
 }
 

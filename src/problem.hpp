@@ -24,6 +24,7 @@ struct Sequence {
   int64_t probs_offset = 0;  // probs (head 0, row 0, col 0), if probs is wanted
   int Lq = 0;                // queries in this sequence
   int Lk = 0;                // keys in use: the extent, or key_lengths[b] if given
+  int Lk_rows = 0;           // rows of k (and v) this sequence spans (≥ Lk)
   int64_t q_token0 = 0;      // varlen: index of the first query / key token in the
   int64_t k_token0 = 0;      // packed tensors (0 for a padded batch)
   // Backward only: offsets of row 0, head 0 in dout, dq, dk, dv.
@@ -92,6 +93,12 @@ struct BackwardProblem {
   // on the mask's broadcast dimensions, so accumulation reduces over them).
   float* dbias = nullptr;
   int64_t dbias_b = 0, dbias_h = 0, dbias_i = 0, dbias_j = 0;
+  // True when dbias broadcasts over the batch or the heads, so that work items of
+  // different (sequence, kv head) would add into the same elements.
+  bool dbias_shared = false;
+  // Packed batches: the tokens of q and k, all zeroed in the gradients (tokens
+  // outside every sequence included); 0 for a padded batch.
+  int64_t varlen_q_tokens = 0, varlen_k_tokens = 0;
 };
 
 /// Checks every argument (throws attn::Error naming it) and builds the Problem.

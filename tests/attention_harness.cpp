@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "problem.hpp"
+#include "reference/attention_backward_reference.hpp"
 #include "reference/attention_reference.hpp"
 
 namespace attn::testing {
@@ -42,6 +43,7 @@ int64_t product(const std::vector<int64_t>& s) {
 Errors::Sums squared_sums(const std::vector<double>& ref, const std::vector<float>& fused,
                           const std::vector<float>& plain) {
   Errors::Sums s;
+  s.count = static_cast<double>(ref.size());
   for (size_t i = 0; i < ref.size(); ++i) {
     s.fused += (fused[i] - ref[i]) * (fused[i] - ref[i]);
     s.plain += (plain[i] - ref[i]) * (plain[i] - ref[i]);
@@ -171,6 +173,7 @@ std::string Config::describe() const {
   if (!opt.alibi_slopes.empty()) os << " alibi=" << opt.alibi_slopes.describe();
   if (opt.softcap > 0) os << " softcap=" << opt.softcap;
   if (!opt.key_lengths.empty()) os << " key_lengths";
+  if (opt.dropout_p > 0) os << " dropout=" << opt.dropout_p << " seed=" << opt.seed;
   os << " input_scale=" << input_scale << " seed=" << base_seed();
   return os.str();
 }
@@ -221,6 +224,75 @@ Errors run_case(Config& s, std::mt19937_64& rng, Mods mods) {
   return e;
 }
 
+namespace {
+
+struct GradTensors {
+  std::vector<float> dout, dq, dk, dv, dbias;
+  TensorView doutv, dqv, dkv, dvv, dbv;
+};
+
+// Views shaped like out, q, k, v (and the mask for dbias), over fresh storage.
+GradTensors make_grads(const Tensors& t, std::mt19937_64& rng, const Config& s, bool want_dbias) {
+  GradTensors g;
+  g.dout.resize(t.out.size());
+  fill_uniform(g.dout, rng, -1.0f, 1.0f);
+  g.dq.assign(t.q.size(), NAN), g.dk.assign(t.k.size(), NAN), g.dv.assign(t.v.size(), NAN);
+  auto like = [](const TensorView& ref, std::vector<float>& storage) {
+    return TensorView(storage.data(), DType::f32, ref.shape(), ref.strides());
+  };
+  g.doutv = like(t.ov, g.dout), g.dqv = like(t.qv, g.dq), g.dkv = like(t.kv, g.dk), g.dvv = like(t.vv, g.dv);
+  if (want_dbias && !s.add_mask_data.empty()) {
+    g.dbias.assign(s.add_mask_data.size(), NAN);
+    g.dbv = TensorView(g.dbias.data(), DType::f32, s.opt.mask.shape());
+  }
+  return g;
+}
+
+}  // namespace
+
+GradErrors run_backward_case(Config& s, std::mt19937_64& rng, Mods mods, bool want_dbias) {
+  const bool saved_lse = s.want_lse, saved_probs = s.want_probs;
+  s.want_lse = true, s.want_probs = false;
+  Tensors t = make_tensors(s, rng);
+  s.want_lse = saved_lse, s.want_probs = saved_probs;
+  detail::attention_with_mods(t.qv, t.kv, t.vv, t.ov, s.opt, t.lv, {}, mods.mods);
+  GradTensors g = make_grads(t, rng, s, want_dbias);
+  detail::attention_backward_with_mods(t.qv, t.kv, t.vv, t.ov, t.lv, g.doutv, g.dqv, g.dkv, g.dvv,
+                                       s.opt, g.dbv, mods.mods);
+
+  const detail::BackwardProblem bp = detail::make_backward_problem(
+      "test", t.qv, t.kv, t.vv, t.ov, t.lv, g.doutv, g.dqv, g.dkv, g.dvv, s.opt, g.dbv, mods.mods);
+  std::vector<double> rq(g.dq.size()), rk(g.dk.size()), rv(g.dv.size()), rb(g.dbias.size());
+  std::vector<float> fq(g.dq.size()), fk(g.dk.size()), fv(g.dv.size()), fb(g.dbias.size());
+  detail::reference_backward<double>(bp, rq.data(), rk.data(), rv.data(), g.dbias.empty() ? nullptr : rb.data(),
+                                     rq.size(), rk.size(), rv.size(), rb.size());
+  detail::reference_backward<float>(bp, fq.data(), fk.data(), fv.data(), g.dbias.empty() ? nullptr : fb.data(),
+                                    fq.size(), fk.size(), fv.size(), fb.size());
+  GradErrors e;
+  e.dq = squared_sums(rq, g.dq, fq);
+  e.dk = squared_sums(rk, g.dk, fk);
+  e.dv = squared_sums(rv, g.dv, fv);
+  e.dbias = squared_sums(rb, g.dbias, fb);
+  for (Errors::Sums* x : {&e.dq, &e.dk, &e.dv, &e.dbias}) x->floor = 1e-2;
+  for (const auto* vec : {&g.dq, &g.dk, &g.dv, &g.dbias}) {
+    for (float x : *vec) e.nan |= std::isnan(x);
+  }
+  return e;
+}
+
+std::vector<float> run_backward_raw(Config& s, uint64_t input_seed) {
+  std::mt19937_64 rng(input_seed);
+  s.want_lse = true, s.want_probs = false;
+  Tensors t = make_tensors(s, rng);
+  attention(t.qv, t.kv, t.vv, t.ov, s.opt, t.lv);
+  GradTensors g = make_grads(t, rng, s, false);
+  attention_backward(t.qv, t.kv, t.vv, t.ov, t.lv, g.doutv, g.dqv, g.dkv, g.dvv, s.opt);
+  std::vector<float> all = g.dq;
+  all.insert(all.end(), g.dk.begin(), g.dk.end());
+  all.insert(all.end(), g.dv.begin(), g.dv.end());
+  return all;
+}
+
 std::vector<float> run_fused_raw(Config& s, uint64_t input_seed) {
   std::mt19937_64 rng(input_seed);
   Tensors t = make_tensors(s, rng);
@@ -232,10 +304,12 @@ std::vector<float> run_fused_raw(Config& s, uint64_t input_seed) {
 }
 
 double Errors::Sums::fused_rel() const {
-  return ref == 0 ? (fused == 0 ? 0 : INFINITY) : std::sqrt(fused / ref);
+  const double den = std::max(ref, floor * floor * count);
+  return den == 0 ? (fused == 0 ? 0 : INFINITY) : std::sqrt(fused / den);
 }
 double Errors::Sums::plain_rel() const {
-  return ref == 0 ? (plain == 0 ? 0 : INFINITY) : std::sqrt(plain / ref);
+  const double den = std::max(ref, floor * floor * count);
+  return den == 0 ? (plain == 0 ? 0 : INFINITY) : std::sqrt(plain / den);
 }
 
 std::string Errors::summary() const {
@@ -273,6 +347,48 @@ constexpr double kSlack = 1.2e-7;
     }
   }
   return ::testing::AssertionSuccess() << e.summary();
+}
+
+std::string GradErrors::summary() const {
+  std::ostringstream os;
+  os << "dq err " << dq.fused_rel() << " (plain f32 " << dq.plain_rel() << "), dk err "
+     << dk.fused_rel() << " (" << dk.plain_rel() << "), dv err " << dv.fused_rel() << " ("
+     << dv.plain_rel() << "), dbias err " << dbias.fused_rel() << " (" << dbias.plain_rel() << ")";
+  return os.str();
+}
+
+::testing::AssertionResult GradLedger::check(const GradErrors& e) {
+  dq_.add(e.dq), dk_.add(e.dk), dv_.add(e.dv), dbias_.add(e.dbias);
+  ++cases_;
+  auto fail = [&](const std::string& what) {
+    return ::testing::AssertionFailure() << what << "; " << e.summary();
+  };
+  if (e.nan) return fail("NaN in a gradient");
+  const std::pair<const char*, const Errors::Sums*> parts[] = {
+      {"dq", &e.dq}, {"dk", &e.dk}, {"dv", &e.dv}, {"dbias", &e.dbias}};
+  for (const auto& [name, sums] : parts) {
+    if (sums->plain_rel() <= 0.5e-5 && !(sums->fused_rel() <= 1e-5)) {
+      return fail(std::string(name) + " error above 1e-5");
+    }
+    if (!(sums->fused_rel() <= 4 * sums->plain_rel() + 1e-5)) {
+      return fail(std::string(name) + " error above 4x plain f32 in one case");
+    }
+  }
+  return ::testing::AssertionSuccess() << e.summary();
+}
+
+::testing::AssertionResult GradLedger::pooled_within_twice_plain() const {
+  std::ostringstream os;
+  os << cases_ << " cases pooled: dq " << dq_.fused_rel() << " (plain " << dq_.plain_rel() << "), dk "
+     << dk_.fused_rel() << " (" << dk_.plain_rel() << "), dv " << dv_.fused_rel() << " ("
+     << dv_.plain_rel() << "), dbias " << dbias_.fused_rel() << " (" << dbias_.plain_rel() << ")";
+  for (const Errors::Sums* s : {&dq_, &dk_, &dv_, &dbias_}) {
+    if (!(s->fused_rel() <= 1e-5)) return ::testing::AssertionFailure() << "pooled error above 1e-5: " << os.str();
+    if (!(s->fused_rel() <= 2 * s->plain_rel() + 1e-7)) {
+      return ::testing::AssertionFailure() << "pooled error above 2x plain f32: " << os.str();
+    }
+  }
+  return ::testing::AssertionSuccess() << os.str();
 }
 
 ::testing::AssertionResult ErrorLedger::check(const Errors& e, bool absolute_bar) {

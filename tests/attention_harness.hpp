@@ -56,11 +56,19 @@ struct Config {
 /// only finite entries count. The squared sums are kept so that a test can pool
 /// its cases (ErrorLedger).
 struct Errors {
+  // Relative errors divide by max(‖ref‖, floor·√n): a result that cancels to 0
+  // exactly has no relative error, so below an RMS of `floor` per element the
+  // error counts as absolute. Outputs: floor 1e-3 (typical elements 0.01–1);
+  // gradients: floor 1e-2, about their typical size here (dq elements ~1e-2).
   struct Sums {
     double fused = 0, plain = 0, ref = 0;  // Σ(fused − ref)², Σ(plain − ref)², Σ ref²
+    double count = 0;                      // elements
+    double floor = 1e-3;
     double fused_rel() const;
     double plain_rel() const;
-    void add(const Sums& o) { fused += o.fused, plain += o.plain, ref += o.ref; }
+    void add(const Sums& o) {
+      fused += o.fused, plain += o.plain, ref += o.ref, count += o.count, floor = o.floor;
+    }
   };
   Sums out, lse, probs;
   bool nan = false;                   // any NaN in a fused output
@@ -76,6 +84,39 @@ struct Mods {
 
 /// Runs the configuration with fresh inputs from rng.
 Errors run_case(Config& s, std::mt19937_64& rng, Mods mods = {});
+
+/// Errors of one backward run: dq, dk, dv, dbias against the float64 reference
+/// backward (the plain f32 yardstick is the same reference in f32).
+struct GradErrors {
+  Errors::Sums dq, dk, dv, dbias;
+  bool nan = false;
+  std::string summary() const;
+};
+
+/// Runs forward then backward with fresh inputs (dout random); with
+/// `want_dbias` and an additive mask in s.opt, also dbias.
+GradErrors run_backward_case(Config& s, std::mt19937_64& rng, Mods mods = {}, bool want_dbias = false);
+
+/// The bar for gradients: relative error ≤ 1e-5 (where the plain f32 code
+/// is within half of that), no NaN, and a 4× plain screen; pooled 2× per test.
+class GradLedger {
+ public:
+  ::testing::AssertionResult check(const GradErrors& e);
+  ::testing::AssertionResult pooled_within_twice_plain() const;
+
+ private:
+  Errors::Sums dq_, dk_, dv_, dbias_;
+  int cases_ = 0;
+};
+
+class PooledGradTest : public ::testing::Test {
+ protected:
+  void TearDown() override { EXPECT_TRUE(ledger.pooled_within_twice_plain()); }
+  GradLedger ledger;
+};
+
+/// The fused backward's gradients (dq, dk, dv concatenated) for fixed inputs.
+std::vector<float> run_backward_raw(Config& s, uint64_t input_seed);
 
 /// The fused kernel's outputs for a fixed input (for bitwise comparisons).
 std::vector<float> run_fused_raw(Config& s, uint64_t input_seed);

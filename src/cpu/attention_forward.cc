@@ -75,29 +75,10 @@ PackLayout MakePackLayout(const Problem& p) {
 void PackTile(const Problem& p, const PackLayout& pl, float* pack, int b, int hk, int tile) {
   const Sequence& seq = p.seqs[b];
   const int j0 = tile * kBk, nk = std::min(kBk, seq.Lk - j0);
-  float* kt = pl.K(pack, p, b, hk) + static_cast<size_t>(tile) * kBk * p.d;
-  float* vt = pl.V(pack, p, b, hk) + static_cast<size_t>(j0) * pl.dvp;
-  const float* k = p.k + seq.k_offset + hk * p.k_head + int64_t{j0} * p.k_row;
-  const float* v = p.v + seq.v_offset + hk * p.v_head + int64_t{j0} * p.v_row;
-  // Row by row: k's rows are often 4 KiB apart (H·d floats), so walking a column
-  // would touch 64 lines of one L1 set; a row is contiguous, the panel is in L1.
-  for (int j = 0; j < kBk; ++j) {
-    const float* src = k + int64_t{j} * p.k_row;
-    if (j < nk) {
-      for (int c = 0; c < p.d; ++c) kt[static_cast<size_t>(c) * kBk + j] = src[c];
-    } else {
-      for (int c = 0; c < p.d; ++c) kt[static_cast<size_t>(c) * kBk + j] = 0.0f;
-    }
-  }
-  for (int j = 0; j < kBk; ++j) {
-    float* dst = vt + static_cast<size_t>(j) * pl.dvp;
-    if (j < nk) {
-      std::memcpy(dst, v + j * p.v_row, sizeof(float) * p.dv);
-      std::fill(dst + p.dv, dst + pl.dvp, 0.0f);
-    } else {
-      std::fill(dst, dst + pl.dvp, 0.0f);
-    }
-  }
+  PackPanel(p.k + seq.k_offset + hk * p.k_head + int64_t{j0} * p.k_row, p.k_row, nk, p.d,
+            pl.K(pack, p, b, hk) + static_cast<size_t>(tile) * kBk * p.d);
+  PackRows(p.v + seq.v_offset + hk * p.v_head + int64_t{j0} * p.v_row, p.v_row, nk, p.dv, pl.dvp,
+           pl.V(pack, p, b, hk) + static_cast<size_t>(j0) * pl.dvp);
 }
 
 /// The per-thread tile workspace, carved from one reusable buffer.
@@ -221,7 +202,7 @@ void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int
       // A block that saw no key of this tile kept its max: α = 1, nothing to add.
       if (w.count[blk] <= 0) continue;
       const int jb = w.first[blk] * kLanes, nk = w.count[blk] * kLanes;
-      PvRows(w.s + r * kBk + jb, kBk, vt + static_cast<size_t>(jb) * dvp, dvp, nk, w.alpha + r,
+      PvRows(w.s + r * kBk + jb, kBk, 1, vt + static_cast<size_t>(jb) * dvp, dvp, nk, w.alpha + r,
              w.o + static_cast<size_t>(r) * dvp);
     }
   }

@@ -17,6 +17,8 @@
 #include <hwy/contrib/math/math-inl.h>
 #include <hwy/highway.h>
 
+#include <cstring>
+
 #include "cpu/tile_kernels-inl.h"
 #include "problem.hpp"
 
@@ -66,13 +68,18 @@ HWY_INLINE bool ModifiesScores(const Problem& p) {
 }
 
 /// Applies every enabled modifier and mask to the tile's real rows (row stride
-/// ld); with ModifiesScores(p), finally multiplies the rows by log₂e.
+/// ld); with ModifiesScores(p), finally multiplies the rows by log₂e. For the
+/// backward's chain rule, `raw` (if not null) receives the scores before softcap
+/// and `pre_mod` those before the user's score_mod (same layout as s).
 HWY_INLINE void ApplyScoreMods(const Problem& p, const Sequence& seq, const TilePlace& t,
-                               float* HWY_RESTRICT s, size_t ld, bool band) {
+                               float* HWY_RESTRICT s, size_t ld, bool band,
+                               float* HWY_RESTRICT raw = nullptr,
+                               float* HWY_RESTRICT pre_mod = nullptr) {
   const DF df;
   const hn::RebindToSigned<DF> di;
   const VF neg_inf = hn::Set(df, -HUGE_VALF);
   const VF iota = hn::Iota(df, 0.0f);
+  if (raw != nullptr) std::memcpy(raw, s, sizeof(float) * ld * t.rows);
 
   if (p.softcap > 0.0f) {
     const VF cap = hn::Set(df, p.softcap), inv_cap = hn::Set(df, 1.0f / p.softcap);
@@ -146,6 +153,7 @@ HWY_INLINE void ApplyScoreMods(const Problem& p, const Sequence& seq, const Tile
       }
     }
   }
+  if (pre_mod != nullptr) std::memcpy(pre_mod, s, sizeof(float) * ld * t.rows);
   if (p.mods != nullptr) {
     p.mods->tile(p.mods->ctx, s, static_cast<int64_t>(ld), t.b, t.h, t.i0, t.rows, t.j0, t.cols);
   }

@@ -19,6 +19,9 @@
 #include <hwy/contrib/math/math-inl.h>
 #include <hwy/highway.h>
 
+#include <algorithm>
+#include <cstring>
+
 HWY_BEFORE_NAMESPACE();
 namespace attn::detail::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
@@ -90,26 +93,28 @@ HWY_INLINE void QkRows(const float* HWY_RESTRICT q, size_t q_ld, const float* HW
   }
 }
 
-/// O[r][cols] = alpha[r]·O[r][cols] + Σ_{j<nk} P[r][j] · V[j][cols], for
-/// kRowsPerBlock rows and NV vectors of columns. p: row stride p_ld; v: row
-/// stride v_ld (points at the first column); o: row stride o_ld.
+/// O[r][cols] = alpha[r]·O[r][cols] + Σ_{j<nk} A[r][j] · B[j][cols], for
+/// kRowsPerBlock rows and NV vectors of columns. A[r][j] = a[r·a_row + j·a_inner]
+/// (so Aᵀ of a stored matrix is a stride swap away); B: row stride b_ld, points at
+/// the first column; o: row stride o_ld. alpha = nullptr means 1.
+/// The forward's O = α·O + P·V; the backward's dV += Pᵀ·dO, dK += dSᵀ·Q, dQ = dS·K.
 template <int NV>
-HWY_INLINE void PvBlock(const float* HWY_RESTRICT p, size_t p_ld, const float* HWY_RESTRICT v,
-                        size_t v_ld, int nk, const float* HWY_RESTRICT alpha,
-                        float* HWY_RESTRICT o, size_t o_ld) {
+HWY_INLINE void PvBlock(const float* HWY_RESTRICT a, size_t a_row, size_t a_inner,
+                        const float* HWY_RESTRICT b, size_t b_ld, int nk,
+                        const float* HWY_RESTRICT alpha, float* HWY_RESTRICT o, size_t o_ld) {
   const DF df;
   VF acc[kRowsPerBlock][NV];
   for (int r = 0; r < kRowsPerBlock; ++r) {
-    const VF a = hn::Set(df, alpha[r]);
-    for (int n = 0; n < NV; ++n) acc[r][n] = hn::Mul(hn::Load(df, o + r * o_ld + n * kLanes), a);
+    const VF al = hn::Set(df, alpha != nullptr ? alpha[r] : 1.0f);
+    for (int n = 0; n < NV; ++n) acc[r][n] = hn::Mul(hn::Load(df, o + r * o_ld + n * kLanes), al);
   }
   for (int j = 0; j < nk; ++j) {
-    const float* HWY_RESTRICT vrow = v + static_cast<size_t>(j) * v_ld;
-    VF vv[NV];
-    for (int n = 0; n < NV; ++n) vv[n] = hn::Load(df, vrow + n * kLanes);
+    const float* HWY_RESTRICT brow = b + static_cast<size_t>(j) * b_ld;
+    VF bv[NV];
+    for (int n = 0; n < NV; ++n) bv[n] = hn::Load(df, brow + n * kLanes);
     for (int r = 0; r < kRowsPerBlock; ++r) {
-      const VF pv = hn::Set(df, p[r * p_ld + j]);
-      for (int n = 0; n < NV; ++n) acc[r][n] = hn::MulAdd(pv, vv[n], acc[r][n]);
+      const VF av = hn::Set(df, a[r * a_row + j * a_inner]);
+      for (int n = 0; n < NV; ++n) acc[r][n] = hn::MulAdd(av, bv[n], acc[r][n]);
     }
   }
   for (int r = 0; r < kRowsPerBlock; ++r) {
@@ -117,17 +122,47 @@ HWY_INLINE void PvBlock(const float* HWY_RESTRICT p, size_t p_ld, const float* H
   }
 }
 
-/// O = α·O + P·V over all dvp columns, for kRowsPerBlock rows and the nk keys
-/// at p and v: columns in blocks of up to 4 vectors (4 × 4 = 16 accumulators).
-HWY_INLINE void PvRows(const float* HWY_RESTRICT p, size_t p_ld, const float* HWY_RESTRICT v,
-                       int dvp, int nk, const float* HWY_RESTRICT alpha, float* HWY_RESTRICT o) {
+/// O = α·O + A·B over all `width` columns (a multiple of kLanes; B and O have that
+/// row stride), for kRowsPerBlock rows and nk inner steps: columns in blocks of
+/// up to 4 vectors (4 × 4 = 16 accumulators).
+HWY_INLINE void PvRows(const float* HWY_RESTRICT a, size_t a_row, size_t a_inner,
+                       const float* HWY_RESTRICT b, int width, int nk,
+                       const float* HWY_RESTRICT alpha, float* HWY_RESTRICT o) {
   int c = 0;
-  for (; c + 4 * kLanes <= dvp; c += 4 * kLanes) PvBlock<4>(p, p_ld, v + c, dvp, nk, alpha, o + c, dvp);
-  switch ((dvp - c) / kLanes) {
-    case 3: PvBlock<3>(p, p_ld, v + c, dvp, nk, alpha, o + c, dvp); break;
-    case 2: PvBlock<2>(p, p_ld, v + c, dvp, nk, alpha, o + c, dvp); break;
-    case 1: PvBlock<1>(p, p_ld, v + c, dvp, nk, alpha, o + c, dvp); break;
+  for (; c + 4 * kLanes <= width; c += 4 * kLanes) {
+    PvBlock<4>(a, a_row, a_inner, b + c, width, nk, alpha, o + c, width);
+  }
+  switch ((width - c) / kLanes) {
+    case 3: PvBlock<3>(a, a_row, a_inner, b + c, width, nk, alpha, o + c, width); break;
+    case 2: PvBlock<2>(a, a_row, a_inner, b + c, width, nk, alpha, o + c, width); break;
+    case 1: PvBlock<1>(a, a_row, a_inner, b + c, width, nk, alpha, o + c, width); break;
     default: break;
+  }
+}
+
+/// Packs nk rows of `width` floats (row stride src_ld) transposed into a
+/// [width][Bk] panel; rows nk..Bk are zero. (QkRows reads K, and V, this way.)
+HWY_INLINE void PackPanel(const float* src, int64_t src_ld, int nk, int width, float* dst) {
+  // Row by row: rows are often 4 KiB apart (H·d floats), so walking a column
+  // would touch 64 lines of one L1 set; a row is contiguous, the panel is in L1.
+  for (int j = 0; j < kBk; ++j) {
+    const float* row = src + int64_t{j} * src_ld;
+    for (int c = 0; c < width; ++c) dst[static_cast<size_t>(c) * kBk + j] = j < nk ? row[c] : 0.0f;
+  }
+}
+
+/// Copies nk rows of `width` floats into Bk rows of `padded` floats (a multiple
+/// of kLanes); the padding columns and rows nk..Bk are zero (0·0 keeps products
+/// of padding NaN-free).
+HWY_INLINE void PackRows(const float* src, int64_t src_ld, int nk, int width, int padded, float* dst) {
+  for (int j = 0; j < kBk; ++j) {
+    float* row = dst + static_cast<size_t>(j) * padded;
+    if (j < nk) {
+      std::memcpy(row, src + int64_t{j} * src_ld, sizeof(float) * width);
+      std::fill(row + width, row + padded, 0.0f);
+    } else {
+      std::fill(row, row + padded, 0.0f);
+    }
   }
 }
 

@@ -1,0 +1,462 @@
+// Fused attention backward on the CPU: FlashAttention-2's algorithm, deterministic.
+//
+//   D_i = rowsum(dO ∘ O)                                       (phase 1, per query row)
+//   for each key tile (a work item, owning its dK and dV):      (phase 3)
+//     for each query head of its kv group, each query tile its band reaches:
+//       S  = (scale·Q)·Kᵀ, modified and masked, P = exp(S − lse)  (recomputed)
+//       dV += P'ᵀ·dO                     P' = P with dropout applied
+//       dP = dO·Vᵀ (dropout applied), dS = P ∘ (dP − D)   (then softcap', score_mod')
+//       dK += scale·dSᵀ·Q
+//       dQ += scale·dS·K                  added in ascending key-tile order (below)
+//
+// Determinism without atomics on data: every (query head, query tile) has a turn
+// counter; key tile t adds its dQ contribution only when the counter says t, then
+// passes it on, so dQ is summed in the same order for any number of threads. Work
+// items are handed out in ascending order (OpenMP's monotonic dynamic schedule),
+// so the tile whose turn it is has always been started: no deadlock. dK and dV
+// are private to their item and summed in a fixed order.
+#include "cpu/attention_backward.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "cpu/workspace.hpp"
+#include "dropout/philox.hpp"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "cpu/attention_backward.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+
+#include <hwy/highway.h>
+
+#include "cpu/score_mods-inl.h"
+#include "cpu/tile_kernels-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace attn::detail::HWY_NAMESPACE {
+namespace {
+
+int RoundUp(int x, int m) { return (x + m - 1) / m * m; }
+int KeyTiles(int lk) { return (lk + kBk - 1) / kBk; }
+int QueryTiles(int lq) { return (lq + kBq - 1) / kBq; }
+
+/// Packed K and V of each (sequence, kv head): per key tile a [d][Bk] panel of K
+/// (for S = Q·Kᵀ), a [dv][Bk] panel of V (for dP = dO·Vᵀ) and [Bk][dp] rows of K
+/// (for dQ = dS·K).
+struct BwdPack {
+  int dp = 0;
+  std::vector<size_t> seq_base;
+  size_t total = 0;
+  size_t TileFloats(const Problem& p) const { return size_t{kBk} * (p.d + p.dv + dp); }
+  float* Tile(float* pack, const Problem& p, int b, int hk, int t) const {
+    return pack + seq_base[b] +
+           (static_cast<size_t>(hk) * KeyTiles(p.seqs[b].Lk) + t) * TileFloats(p);
+  }
+};
+
+BwdPack MakeBwdPack(const Problem& p) {
+  BwdPack pk;
+  pk.dp = RoundUp(p.d, kLanes);
+  pk.seq_base.resize(p.seqs.size());
+  for (size_t b = 0; b < p.seqs.size(); ++b) {
+    pk.seq_base[b] = pk.total;
+    pk.total += static_cast<size_t>(p.Hkv) * KeyTiles(p.seqs[b].Lk) * pk.TileFloats(p);
+  }
+  return pk;
+}
+
+/// The key tiles query tile qt of sequence seq sees: [first, last] (empty when
+/// last < first), from the rows' bands (causal, window, key length).
+void QueryTileKeyRange(const Problem& p, const Sequence& seq, int qt, int* first, int* last) {
+  int jmin = INT_MAX, jmax = -1;
+  for (int i = qt * kBq; i < std::min(seq.Lq, (qt + 1) * kBq); ++i) {
+    int lo, hi;
+    BandOfRow(p, seq, i, &lo, &hi);
+    if (lo <= hi) jmin = std::min(jmin, lo), jmax = std::max(jmax, hi);
+  }
+  *first = jmax < 0 ? 0 : jmin / kBk;
+  *last = jmax < 0 ? -1 : jmax / kBk;
+}
+
+/// Zeros rows × heads × width floats at base (row and head strides given).
+void ZeroRows(float* base, int64_t row_stride, int64_t head_stride, int64_t rows, int heads,
+              int width) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int h = 0; h < heads; ++h) std::fill_n(base + r * row_stride + h * head_stride, width, 0.0f);
+  }
+}
+
+/// Per-item scratch, carved from the thread's reusable buffer.
+struct BwdScratch {
+  float *dk, *dv;        // [Bk][dp], [Bk][dvp]  the item's gradient accumulators
+  float *q, *dout;       // [Bq][dp], [Bq][dvp]  query tile (scaled) and dO tile
+  float *s, *p, *ds;     // [Bq][Bk] each        scores → P, dropped P', dP → dS
+  float* drop;           // [Bq][Bk]             dropout multipliers: 0 or 1/(1 − p)
+  float *raw, *pre_mod;  // [Bq][Bk] each        kept for softcap' / score_mod'
+  float* dq;             // [Bq][dp]             this tile's dQ contribution
+  float *lse2, *dsum;    // [Bq]                 lse·log₂e and D per row
+  int *lo, *hi, *first, *count;
+
+  BwdScratch(int dp, int dvp) {
+    const size_t tile = size_t{kBq} * kBk;
+    const size_t total = size_t{kBk} * (dp + dvp) + size_t{kBq} * (2 * dp + dvp) + 6 * tile +
+                         6 * size_t{kBq} + 64;
+    float* x = thread_scratch(kSlotTile, total);
+    dk = x, x += size_t{kBk} * dp;
+    dv = x, x += size_t{kBk} * dvp;
+    q = x, x += size_t{kBq} * dp;
+    dout = x, x += size_t{kBq} * dvp;
+    dq = x, x += size_t{kBq} * dp;
+    s = x, x += tile;
+    p = x, x += tile;
+    ds = x, x += tile;
+    drop = x, x += tile;
+    raw = x, x += tile;
+    pre_mod = x, x += tile;
+    lse2 = x, x += kBq;
+    dsum = x, x += kBq;
+    lo = reinterpret_cast<int*>(x), hi = lo + kBq, first = hi + kBq, count = first + kBq;
+  }
+};
+
+/// Everything a work item needs, shared by all items of a call.
+struct BwdShared {
+  const BackwardProblem& bp;
+  const BwdPack& pack_layout;
+  float* pack;
+  const float* dsum;                           // D, per (sequence, head, row)
+  const std::vector<size_t>& dsum_base;        // per sequence
+  std::atomic<int>* turns;                     // per (sequence, head, query tile)
+  const std::vector<size_t>& turn_base;        // per sequence
+  const std::vector<std::vector<int>>& qt_first;  // per sequence, per query tile
+  const std::vector<std::vector<int>>& qt_last;
+  float qscale;  // the query scale in S: scale·log₂e, or scale when options modify scores
+};
+
+/// One (sequence b, kv head hk, key tile kt) item's work for query head h, tile qt.
+void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, int kt, int qt) {
+  const BackwardProblem& bp = sh.bp;
+  const Problem& p = bp.fwd;
+  const Sequence& seq = p.seqs[b];
+  const int dp = sh.pack_layout.dp, dvp = RoundUp(p.dv, kLanes);
+  const int i0 = qt * kBq, rows = std::min(kBq, seq.Lq - i0);
+  const int j0 = kt * kBk, nk = std::min(kBk, seq.Lk - j0);
+  const float* tile = sh.pack_layout.Tile(sh.pack, p, b, hk, kt);
+  const float* kpanel = tile;
+  const float* vpanel = tile + size_t{kBk} * p.d;
+  const float* krows = vpanel + size_t{kBk} * p.dv;
+  const DF df;
+
+  // Query rows: scaled q, dO, lse in base 2, D, and the band.
+  for (int r = 0; r < kBq; ++r) {
+    float* qr = w.q + size_t(r) * dp;
+    float* gr = w.dout + size_t(r) * dvp;
+    if (r < rows) {
+      const float* src = p.q + seq.q_offset + h * p.q_head + int64_t{i0 + r} * p.q_row;
+      for (int c = 0; c < p.d; ++c) qr[c] = src[c] * sh.qscale;
+      std::fill(qr + p.d, qr + dp, 0.0f);
+      const float* g = bp.dout + seq.dout_offset + h * bp.dout_head + int64_t{i0 + r} * bp.dout_row;
+      std::memcpy(gr, g, sizeof(float) * p.dv);
+      std::fill(gr + p.dv, gr + dvp, 0.0f);
+      w.lse2[r] = p.lse[seq.lse_offset + h * p.lse_h + int64_t{i0 + r} * p.lse_i] * 1.44269504088896341f;
+      w.dsum[r] = sh.dsum[sh.dsum_base[b] + size_t(h) * seq.Lq + i0 + r];
+      BandOfRow(p, seq, i0 + r, &w.lo[r], &w.hi[r]);
+    } else {
+      std::fill(qr, qr + dp, 0.0f);
+      std::fill(gr, gr + dvp, 0.0f);
+      w.lse2[r] = -HUGE_VALF, w.dsum[r] = 0.0f;
+    }
+  }
+
+  // S (only the key vectors each 4-row block's band reaches), modifiers, masks.
+  const TilePlace place{b, h, i0, rows, j0, nk, w.lo, w.hi};
+  for (int r = 0, blk = 0; r < kBq; r += kRowsPerBlock, ++blk) {
+    int lo = INT_MAX, hi = -1;
+    for (int i = r; i < std::min(r + kRowsPerBlock, rows); ++i) {
+      if (w.lo[i] <= w.hi[i]) lo = std::min(lo, w.lo[i]), hi = std::max(hi, w.hi[i]);
+    }
+    int first = 0, last = -1;
+    if (hi >= j0 && lo < j0 + kBk) first = std::max(0, lo - j0) / kLanes, last = std::min(kBk - 1, hi - j0) / kLanes;
+    w.first[blk] = first, w.count[blk] = last - first + 1;
+    QkRows(w.q + size_t(r) * dp, dp, kpanel, p.d, w.s + r * kBk, kBk, first, w.count[blk]);
+  }
+  const bool keep_raw = p.softcap > 0.0f;
+  const bool keep_pre = p.mods != nullptr && p.mods->grad_tile != nullptr;
+  ApplyScoreMods(p, seq, place, w.s, kBk, TileNeedsBand(place), keep_raw ? w.raw : nullptr,
+                 keep_pre ? w.pre_mod : nullptr);
+
+  // P = 2^(S − lse₂); rows without a visible key (lse = −∞) and padding: 0.
+  for (int r = 0; r < kBq; ++r) {
+    float* row = w.s + r * kBk;
+    if (w.lse2[r] == -HUGE_VALF) {
+      for (int n = 0; n < kKeyVectors; ++n) hn::Store(hn::Zero(df), df, row + n * kLanes);
+      continue;
+    }
+    const VF l2 = hn::Set(df, w.lse2[r]);
+    for (int n = 0; n < kKeyVectors; ++n) {
+      // Exact 0 for removed keys (−∞), as the reference.
+      const VF x = hn::Load(df, row + n * kLanes);
+      const VF e = Exp2NonPositive(df, hn::Min(hn::Sub(x, l2), hn::Zero(df)));
+      hn::Store(hn::IfThenZeroElse(hn::Eq(x, hn::Set(df, -HUGE_VALF)), e), df, row + n * kLanes);
+    }
+  }
+  // Dropout: the forward's multipliers (0 or 1/(1 − p)) for this tile; P' = P·m
+  // (what multiplied V) in w.p, and dP is scaled by the same m below.
+  const bool dropout = p.dropout_p > 0.0f;
+  const float* pd = w.s;
+  if (dropout) {
+    const DropoutRng rng(p.dropout_p, p.seed, p.offset, p.Hq);
+    const float inv_keep = 1.0f / (1.0f - p.dropout_p);
+    std::fill(w.drop, w.drop + size_t{kBq} * kBk, 0.0f);
+    for (int r = 0; r < rows; ++r) {
+      for (int j = 0; j < kBk; j += 4) {
+        const unsigned keep = rng.keep4(b, h, i0 + r, (j0 + j) / 4);
+        for (int n = 0; n < 4; ++n) w.drop[r * kBk + j + n] = (keep >> n) & 1u ? inv_keep : 0.0f;
+      }
+    }
+    for (size_t n = 0; n < size_t{kBq} * kBk; ++n) w.p[n] = w.s[n] * w.drop[n];
+    pd = w.p;
+  }
+
+  // dV += P'ᵀ·dO (rows: keys, inner: queries).
+  for (int kr = 0; kr < kBk; kr += kRowsPerBlock) {
+    PvRows(pd + kr, 1, kBk, w.dout, dvp, rows, nullptr, w.dv + size_t(kr) * dvp);
+  }
+
+  // dP = dO·Vᵀ over the same key vectors as S; dropout: dP ← dP·mask/(1 − p).
+  for (int r = 0, blk = 0; r < kBq; r += kRowsPerBlock, ++blk) {
+    QkRows(w.dout + size_t(r) * dvp, dvp, vpanel, p.dv, w.ds + r * kBk, kBk, w.first[blk], w.count[blk]);
+  }
+  if (dropout) {  // −∞ (keys outside the block's vectors) times 0 is NaN: P = 0 there, masked below
+    for (size_t n = 0; n < size_t{kBq} * kBk; ++n) w.ds[n] *= w.drop[n];
+  }
+
+  // dS = P ∘ (dP − D), the gradient of the (natural-unit) final scores; −∞ entries
+  // of dP (keys outside a block's vectors) meet P = 0 and give 0.
+  for (int r = 0; r < kBq; ++r) {
+    float* dsr = w.ds + r * kBk;
+    const float* pr = w.s + r * kBk;
+    const VF dsum = hn::Set(df, w.dsum[r]);
+    for (int n = 0; n < kKeyVectors; ++n) {
+      const VF pv = hn::Load(df, pr + n * kLanes);
+      const VF g = hn::Mul(pv, hn::Sub(hn::Load(df, dsr + n * kLanes), dsum));
+      hn::Store(hn::IfThenZeroElse(hn::Eq(pv, hn::Zero(df)), g), df, dsr + n * kLanes);
+    }
+  }
+  if (keep_pre) {
+    p.mods->grad_tile(p.mods->ctx, w.pre_mod, w.ds, kBk, b, h, i0, rows, j0, nk);
+  }
+  if (bp.dbias != nullptr) {  // the additive mask's gradient is dS here (before softcap')
+    for (int r = 0; r < rows; ++r) {
+      float* db = bp.dbias + b * bp.dbias_b + h * bp.dbias_h + int64_t{i0 + r} * bp.dbias_i;
+      for (int j = 0; j < nk; ++j) db[int64_t{j0 + j} * bp.dbias_j] += w.ds[r * kBk + j];
+    }
+  }
+  if (keep_raw) {  // s_capped = cap·tanh(s/cap): ds = ds_capped·(1 − tanh²(s/cap))
+    const VF inv_cap = hn::Set(df, 1.0f / p.softcap), one = hn::Set(df, 1.0f);
+    for (int r = 0; r < rows; ++r) {
+      for (int n = 0; n < kKeyVectors; ++n) {
+        float* g = w.ds + r * kBk + n * kLanes;
+        const VF th = hn::Tanh(df, hn::Mul(hn::Load(df, w.raw + r * kBk + n * kLanes), inv_cap));
+        hn::Store(hn::Mul(hn::Load(df, g), hn::NegMulAdd(th, th, one)), df, g);
+      }
+    }
+  }
+  // With c = scale / qscale: dK += (c·dS)ᵀ·(qscale·Q) and dQ = qscale·((c·dS)·K).
+  const float c = p.scale / sh.qscale;
+  if (c != 1.0f) {
+    const VF cv = hn::Set(df, c);
+    for (int r = 0; r < rows; ++r) {
+      for (int n = 0; n < kKeyVectors; ++n) {
+        float* g = w.ds + r * kBk + n * kLanes;
+        hn::Store(hn::Mul(hn::Load(df, g), cv), df, g);
+      }
+    }
+  }
+  for (int kr = 0; kr < kBk; kr += kRowsPerBlock) {
+    PvRows(w.ds + kr, 1, kBk, w.q, dp, rows, nullptr, w.dk + size_t(kr) * dp);
+  }
+  std::fill(w.dq, w.dq + size_t{kBq} * dp, 0.0f);
+  for (int r = 0; r < kBq; r += kRowsPerBlock) {
+    PvRows(w.ds + r * kBk, kBk, 1, krows, dp, nk, nullptr, w.dq + size_t(r) * dp);
+  }
+
+  // Add this tile's dQ when it is this key tile's turn for (h, qt).
+  std::atomic<int>& turn = sh.turns[sh.turn_base[b] + size_t(h) * QueryTiles(seq.Lq) + qt];
+  while (turn.load(std::memory_order_acquire) != kt) {
+#if HWY_ARCH_X86
+    __builtin_ia32_pause();
+#endif
+  }
+  for (int r = 0; r < rows; ++r) {
+    float* dst = bp.dq + seq.dq_offset + h * bp.dq_head + int64_t{i0 + r} * bp.dq_row;
+    const float* src = w.dq + size_t(r) * dp;
+    for (int cc = 0; cc < p.d; ++cc) dst[cc] += sh.qscale * src[cc];
+  }
+  turn.store(kt + 1, std::memory_order_release);
+}
+
+/// Work item: key tile kt of (sequence b, kv head hk), over every query head of
+/// the group and every query tile whose band reaches it.
+void BackwardItem(const BwdShared& sh, int b, int hk, int kt) {
+  const Problem& p = sh.bp.fwd;
+  const Sequence& seq = p.seqs[b];
+  const int dp = sh.pack_layout.dp, dvp = RoundUp(p.dv, kLanes);
+  BwdScratch w(dp, dvp);
+  std::fill(w.dk, w.dk + size_t{kBk} * dp, 0.0f);
+  std::fill(w.dv, w.dv + size_t{kBk} * dvp, 0.0f);
+  const int nqt = QueryTiles(seq.Lq);
+  for (int h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
+    for (int qt = 0; qt < nqt; ++qt) {
+      if (kt < sh.qt_first[b][qt] || kt > sh.qt_last[b][qt]) continue;
+      BackwardTilePair(sh, w, b, h, hk, kt, qt);
+    }
+  }
+  const BackwardProblem& bp = sh.bp;
+  const int j0 = kt * kBk, nk = std::min(kBk, seq.Lk - j0);
+  for (int j = 0; j < nk; ++j) {
+    std::memcpy(bp.dk + seq.dk_offset + hk * bp.dk_head + int64_t{j0 + j} * bp.dk_row,
+                w.dk + size_t(j) * dp, sizeof(float) * p.d);
+    std::memcpy(bp.dv + seq.dv_offset + hk * bp.dv_head + int64_t{j0 + j} * bp.dv_row,
+                w.dv + size_t(j) * dvp, sizeof(float) * p.dv);
+  }
+}
+
+}  // namespace
+
+void BackwardF32(const BackwardProblem& bp, int threads) {
+  const Problem& p = bp.fwd;
+  const BwdPack pk = MakeBwdPack(p);
+  float* pack = thread_scratch(kSlotPackedKv, pk.total);
+
+  // Layout of D, the turn counters and the query tiles' key ranges.
+  std::vector<size_t> dsum_base(p.seqs.size()), turn_base(p.seqs.size());
+  std::vector<std::vector<int>> qt_first(p.seqs.size()), qt_last(p.seqs.size());
+  size_t dsum_total = 0, turn_total = 0;
+  double flops = 0;
+  struct Item {
+    int b, h, t;
+  };
+  std::vector<Item> rows_items, pack_items, items;
+  for (int b = 0; b < p.B; ++b) {
+    const Sequence& seq = p.seqs[b];
+    dsum_base[b] = dsum_total, dsum_total += size_t(p.Hq) * seq.Lq;
+    turn_base[b] = turn_total, turn_total += size_t(p.Hq) * QueryTiles(seq.Lq);
+    qt_first[b].resize(QueryTiles(seq.Lq)), qt_last[b].resize(QueryTiles(seq.Lq));
+    for (int qt = 0; qt < QueryTiles(seq.Lq); ++qt) {
+      QueryTileKeyRange(p, seq, qt, &qt_first[b][qt], &qt_last[b][qt]);
+      for (int h = 0; h < p.Hq; ++h) rows_items.push_back({b, h, qt});
+    }
+    for (int hk = 0; hk < p.Hkv; ++hk) {
+      for (int t = 0; t < KeyTiles(seq.Lk); ++t) pack_items.push_back({b, hk, t});
+    }
+    flops += 5.0 * seq.Lq * seq.Lk * (p.d + p.dv) * p.Hq;
+  }
+  std::vector<float> dsum(dsum_total);
+  std::unique_ptr<std::atomic<int>[]> turns(new std::atomic<int>[std::max<size_t>(1, turn_total)]);
+  for (int b = 0; b < p.B; ++b) {
+    for (int h = 0; h < p.Hq; ++h) {
+      for (int qt = 0; qt < QueryTiles(p.seqs[b].Lq); ++qt) {
+        turns[turn_base[b] + size_t(h) * QueryTiles(p.seqs[b].Lq) + qt].store(qt_first[b][qt]);
+      }
+    }
+  }
+  // Items: (b, kv head, key tile), in that order; when dbias is shared across
+  // batch or heads, one item per key tile index covers every (b, kv head), so
+  // each dbias column has a single writer.
+  int max_tiles = 0;
+  for (const Sequence& seq : p.seqs) max_tiles = std::max(max_tiles, KeyTiles(seq.Lk));
+  if (bp.dbias_shared) {
+    for (int t = 0; t < max_tiles; ++t) items.push_back({-1, -1, t});
+  } else {
+    items = pack_items;
+  }
+
+  const int nt = flops < 4e6 ? 1 : std::max(1, threads);
+  const BwdShared sh{bp, pk, pack, dsum.data(), dsum_base, turns.get(), turn_base, qt_first, qt_last,
+                     ModifiesScores(p) ? p.scale : p.scale * 1.44269504088896341f};
+  const int n_rows = static_cast<int>(rows_items.size()), n_pack = static_cast<int>(pack_items.size()),
+            n_items = static_cast<int>(items.size());
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    // Phase 1: D = rowsum(dO ∘ O) per query row; zero dq (it is accumulated).
+#pragma omp for schedule(static)
+    for (int n = 0; n < n_rows; ++n) {
+      const auto [b, h, qt] = rows_items[n];
+      const Sequence& seq = p.seqs[b];
+      for (int i = qt * kBq; i < std::min(seq.Lq, (qt + 1) * kBq); ++i) {
+        const float* o = p.out + seq.out_offset + h * p.out_head + int64_t{i} * p.out_row;
+        const float* g = bp.dout + seq.dout_offset + h * bp.dout_head + int64_t{i} * bp.dout_row;
+        // The same fused multiply-adds, in the same order, as QkRows accumulates
+        // dP = dO·Vᵀ: when a row has one visible key (O = v), dP − D is then 0
+        // exactly, as it is in exact arithmetic, not an f32 residue.
+        float acc = 0.0f;
+        for (int c = 0; c < p.dv; ++c) acc = std::fma(g[c], o[c], acc);
+        dsum[dsum_base[b] + size_t(h) * seq.Lq + i] = acc;
+        std::fill_n(bp.dq + seq.dq_offset + h * bp.dq_head + int64_t{i} * bp.dq_row, p.d, 0.0f);
+      }
+    }
+    // Phase 2: pack K and V; zero the rows of dk, dv beyond each key length.
+#pragma omp for schedule(static)
+    for (int n = 0; n < n_pack; ++n) {
+      const auto [b, hk, t] = pack_items[n];
+      const Sequence& seq = p.seqs[b];
+      const int j0 = t * kBk, nk = std::min(kBk, seq.Lk - j0);
+      float* tile = pk.Tile(pack, p, b, hk, t);
+      const float* k = p.k + seq.k_offset + hk * p.k_head + int64_t{j0} * p.k_row;
+      const float* v = p.v + seq.v_offset + hk * p.v_head + int64_t{j0} * p.v_row;
+      PackPanel(k, p.k_row, nk, p.d, tile);
+      PackPanel(v, p.v_row, nk, p.dv, tile + size_t{kBk} * p.d);
+      PackRows(k, p.k_row, nk, p.d, pk.dp, tile + size_t{kBk} * (p.d + p.dv));
+    }
+#pragma omp single
+    {
+      if (bp.varlen_q_tokens > 0 || bp.varlen_k_tokens > 0) {  // tokens outside every sequence: 0
+        ZeroRows(bp.dq, bp.dq_row, bp.dq_head, bp.varlen_q_tokens, p.Hq, p.d);
+        ZeroRows(bp.dk, bp.dk_row, bp.dk_head, bp.varlen_k_tokens, p.Hkv, p.d);
+        ZeroRows(bp.dv, bp.dv_row, bp.dv_head, bp.varlen_k_tokens, p.Hkv, p.dv);
+      }
+      for (int b = 0; b < p.B; ++b) {  // keys beyond key_lengths[b] get no gradient
+        const Sequence& seq = p.seqs[b];
+        const int64_t extra = seq.Lk_rows - seq.Lk;
+        ZeroRows(bp.dk + seq.dk_offset + int64_t{seq.Lk} * bp.dk_row, bp.dk_row, bp.dk_head, extra, p.Hkv, p.d);
+        ZeroRows(bp.dv + seq.dv_offset + int64_t{seq.Lk} * bp.dv_row, bp.dv_row, bp.dv_head, extra, p.Hkv, p.dv);
+      }
+    }
+    // Phase 3: the key-tile items (see the top of the file for the dQ order).
+#pragma omp for schedule(monotonic : dynamic, 1)
+    for (int n = 0; n < n_items; ++n) {
+      const Item it = items[n];
+      if (it.b >= 0) {
+        BackwardItem(sh, it.b, it.h, it.t);
+      } else {
+        for (int b = 0; b < p.B; ++b) {
+          if (it.t >= KeyTiles(p.seqs[b].Lk)) continue;
+          for (int hk = 0; hk < p.Hkv; ++hk) BackwardItem(sh, b, hk, it.t);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace attn::detail::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace attn::detail {
+
+HWY_EXPORT(BackwardF32);
+
+void attention_backward_cpu(const BackwardProblem& bp, int threads) {
+  HWY_DYNAMIC_DISPATCH(BackwardF32)(bp, threads);
+}
+
+}  // namespace attn::detail
+#endif  // HWY_ONCE
