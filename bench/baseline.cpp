@@ -65,6 +65,39 @@ void baseline_attention(const float* q, const float* k, const float* v, float* o
   }
 }
 
+void baseline_attention_backward(const float* q, const float* k, const float* v, const float* probs,
+                                 const float* dout, float* dq, float* dk, float* dv, int B, int L,
+                                 int H, int d) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const int ld = H * d;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(g_threads) if (g_threads > 1)
+  for (int bh = 0; bh < B * H; ++bh) {
+    static thread_local std::vector<float> ds;
+    ds.resize(static_cast<size_t>(L) * L);
+    const int b = bh / H, h = bh % H;
+    const size_t off = static_cast<size_t>(b) * L * ld + static_cast<size_t>(h) * d;
+    const float* P = probs + static_cast<size_t>(bh) * L * L;
+    float* dS = ds.data();
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, L, d, L, 1.0f, P, L, dout + off, ld, 0.0f,
+                dv + off, ld);  // dV = Pᵀ·dO
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, L, L, d, 1.0f, dout + off, ld, v + off, ld,
+                0.0f, dS, L);  // dP = dO·Vᵀ
+    for (int i = 0; i < L; ++i) {  // dS = P ∘ (dP − rowsum(P ∘ dP))
+      float* g = dS + static_cast<size_t>(i) * L;
+      const float* pr = P + static_cast<size_t>(i) * L;
+      float dot = 0;
+#pragma omp simd reduction(+ : dot)
+      for (int j = 0; j < L; ++j) dot += pr[j] * g[j];
+#pragma omp simd
+      for (int j = 0; j < L; ++j) g[j] = pr[j] * (g[j] - dot);
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, L, d, L, scale, dS, L, k + off, ld, 0.0f,
+                dq + off, ld);  // dQ = scale·dS·K
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, L, d, L, scale, dS, L, q + off, ld, 0.0f,
+                dk + off, ld);  // dK = scale·dSᵀ·Q
+  }
+}
+
 size_t baseline_extra_bytes(int L, int threads) {
   return sizeof(float) * static_cast<size_t>(L) * L * static_cast<size_t>(std::max(1, threads));
 }

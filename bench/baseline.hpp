@@ -13,6 +13,14 @@ namespace attn::bench {
 void baseline_attention(const float* q, const float* k, const float* v, float* out, int B,
                         int L, int H, int d, bool causal);
 
+/// The backward a C++ user would write for that pipeline, given P (the forward's
+/// softmax, [B, H, L, L], kept from the forward as such code does): per (b, h)
+///   dV = Pᵀ·dO, dP = dO·Vᵀ, dS = P ∘ (dP − rowsum(P ∘ dP)), dQ = scale·dS·K,
+///   dK = scale·dSᵀ·Q    (four cblas_sgemm calls and one elementwise pass).
+void baseline_attention_backward(const float* q, const float* k, const float* v, const float* probs,
+                                 const float* dout, float* dq, float* dk, float* dv, int B, int L,
+                                 int H, int d);
+
 /// Bytes of score matrices the baseline holds (L×L floats per thread).
 size_t baseline_extra_bytes(int L, int threads);
 

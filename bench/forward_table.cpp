@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <cstdio>
 #include <ostream>
 #include <random>
@@ -46,16 +47,37 @@ ForwardRow time_forward(const ForwardConfig& c, const TableOptions& o) {
 
   ForwardRow row;
   row.config = c;
-  row.flops = 4.0 * c.N * c.N * c.d * c.H * c.B * (c.causal ? 0.5 : 1.0);
+  row.flops = 4.0 * c.N * c.N * c.d * c.H * c.B * (c.causal ? 0.5 : 1.0) * (c.backward ? 2.5 : 1.0);
   row.extra_mb = attention_workspace_bytes(qv, kv, vv, ov, opt, c.threads) / 1e6;
   row.baseline_extra_mb = baseline_extra_bytes(c.N, c.threads) / 1e6;
 
   set_num_threads(c.threads);
   baseline_configure(c.threads);
-  auto run_attn = [&] { attention(qv, kv, vv, ov, opt); };
-  auto run_base = [&] {
+  std::function<void()> run_attn = [&] { attention(qv, kv, vv, ov, opt); };
+  std::function<void()> run_base = [&] {
     baseline_attention(q.data(), k.data(), v.data(), out_base.data(), c.B, c.N, c.H, c.d, c.causal);
   };
+  // Backward: the forward's out, lse (attn) and P (baseline) are computed once,
+  // untimed; dq, dk, dv are compared as out is for the forward.
+  std::vector<float> lse, dout, dq, dk, dv, probs, bq, bk, bv;
+  if (c.backward) {
+    lse.resize(static_cast<size_t>(c.B) * c.H * c.N);
+    dout.resize(n), dq.resize(n), dk.resize(n), dv.resize(n), bq.resize(n), bk.resize(n), bv.resize(n);
+    for (float& x : dout) x = u(rng);
+    const TensorView lv(lse.data(), DType::f32, {c.B, c.H, c.N});
+    attention(qv, kv, vv, ov, opt, lv);
+    auto view = [&](std::vector<float>& t) { return TensorView(t.data(), DType::f32, {c.B, c.N, c.H, c.d}); };
+    run_attn = [&, lv] { attention_backward(qv, kv, vv, ov, lv, view(dout), view(dq), view(dk), view(dv), opt); };
+    if (o.baseline) {
+      probs.resize(static_cast<size_t>(c.B) * c.H * c.N * c.N);
+      attention(qv, kv, vv, ov, opt, {}, TensorView(probs.data(), DType::f32, {c.B, c.H, c.N, c.N}));
+    }
+    run_base = [&] {
+      baseline_attention_backward(q.data(), k.data(), v.data(), probs.data(), dout.data(), bq.data(),
+                                  bk.data(), bv.data(), c.B, c.N, c.H, c.d);
+    };
+    row.baseline_extra_mb = (probs.size() * sizeof(float) + baseline_extra_bytes(c.N, c.threads)) / 1e6;
+  }
   // Each implementation in its own phase: after a parallel region, libgomp's and
   // OpenBLAS's idle threads spin for milliseconds, and interleaved runs would
   // spend the other core fighting them. A pause between phases lets them sleep.
@@ -74,9 +96,13 @@ ForwardRow time_forward(const ForwardConfig& c, const TableOptions& o) {
   if (o.baseline) {
     row.baseline_ms = phase(run_base);
     double num = 0, den = 0;
-    for (size_t i = 0; i < n; ++i) {
-      num += (double(out[i]) - out_base[i]) * (double(out[i]) - out_base[i]);
-      den += double(out[i]) * out[i];
+    auto compare = [&](const std::vector<float>& a, const std::vector<float>& b) {
+      for (size_t i = 0; i < n; ++i) num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]), den += double(a[i]) * a[i];
+    };
+    if (c.backward) {
+      compare(dq, bq), compare(dk, bk), compare(dv, bv);
+    } else {
+      compare(out, out_base);
     }
     row.baseline_difference = den > 0 ? std::sqrt(num / den) : 0;
   }
@@ -90,7 +116,7 @@ std::vector<ForwardRow> run_forward_table(const TableOptions& o, std::ostream& l
       for (int d : o.head_dims) {
         for (bool causal : o.causal) {
           ForwardConfig c;
-          c.N = N, c.d = d, c.causal = causal, c.threads = threads;
+          c.N = N, c.d = d, c.causal = causal, c.threads = threads, c.backward = o.backward;
           rows.push_back(time_forward(c, o));
           const ForwardRow& r = rows.back();
           char line[200];

@@ -15,11 +15,12 @@ struct ForwardConfig {
   int B = 1, H = 8, N = 2048, d = 128;
   bool causal = false;
   int threads = 1;
+  bool backward = false;  // time attention_backward (flops: 2.5× the forward's)
 };
 
 struct ForwardRow {
   ForwardConfig config;
-  double flops = 0;        // 4·N²·d·H·B, halved for causal (visible pairs only)
+  double flops = 0;        // 4·N²·d·H·B, halved for causal (visible pairs only); ×2.5 backward
   double ms = 0;           // attn, median
   double baseline_ms = 0;  // cblas pipeline, median (0 = not run)
   double extra_mb = 0;     // attn's workspace
@@ -37,6 +38,7 @@ struct TableOptions {
   int min_reps = 5;
   double min_seconds = 1.0;  // per configuration and implementation
   bool baseline = true;
+  bool backward = false;  // the backward table instead of the forward's
 };
 
 /// Times one configuration: attn and (optionally) the baseline interleaved, so

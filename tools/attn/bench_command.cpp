@@ -30,6 +30,7 @@ namespace {
 struct BenchArgs {
   bool quick = false;
   bool no_baseline = false;
+  bool backward = false;
   std::vector<int> sizes, dims, threads;
   std::string markdown, json;
 };
@@ -46,6 +47,9 @@ Command add_bench_command(CLI::App& app) {
   sub->add_option("--threads", args->threads, "thread counts (default: 1 and all cores)")
       ->check(CLI::PositiveNumber);
   sub->add_flag("--no-baseline", args->no_baseline, "skip the cblas baseline");
+  sub->add_flag("--backward", args->backward,
+                "time attention_backward (GFLOP/s count 2.5× the forward's flops); the baseline "
+                "is the explicit N×N backward with cblas, given the forward's P");
   sub->add_option("--markdown", args->markdown, "also write the table to this file");
   sub->add_option("--json", args->json, "also write all figures to this JSON file");
 
@@ -59,6 +63,7 @@ Command add_bench_command(CLI::App& app) {
     if (!args->dims.empty()) o.head_dims = args->dims;
     if (!args->threads.empty()) o.threads = args->threads;
     o.baseline = !args->no_baseline;
+    o.backward = args->backward;
 
     std::printf("attn bench on %s (%d cores)\n", cpu_model().c_str(), all);
     std::printf("measuring the FMA peak (bench/peak) ...\n");
@@ -67,7 +72,8 @@ Command add_bench_command(CLI::App& app) {
     std::printf("  f32 FMA peak: %.1f GFLOP/s on 1 thread, %.1f on %d (%s); bf16 dot: %.1f, %.1f\n",
                 p1.f32_gflops, pall.f32_gflops, all, p1.isa, p1.bf16_gflops, pall.bf16_gflops);
     std::printf("  baseline BLAS: OpenBLAS, core %s\n", bench::baseline_configure(1));
-    std::printf("timing (flops = 4·N²·d·H, halved for causal) ...\n");
+    std::printf("timing %s (flops = 4·N²·d·H, halved for causal%s) ...\n",
+                o.backward ? "the backward" : "the forward", o.backward ? ", times 2.5" : "");
     const auto rows = bench::run_forward_table(o, std::cout);
     const std::string table = bench::format_forward_table(rows, p1, pall);
     std::printf("\n%s", table.c_str());
@@ -78,11 +84,12 @@ Command add_bench_command(CLI::App& app) {
     if (!args->json.empty()) {
       nlohmann::json j;
       j["cpu"] = cpu_model();
+      j["pass"] = o.backward ? "backward" : "forward";
       j["peak"] = {{"f32_gflops_1thread", p1.f32_gflops}, {"f32_gflops_all", pall.f32_gflops},
                    {"bf16_gflops_1thread", p1.bf16_gflops}, {"bf16_gflops_all", pall.bf16_gflops},
                    {"threads_all", all}};
       for (const auto& r : rows) {
-        j["forward"].push_back({{"N", r.config.N}, {"d", r.config.d}, {"H", r.config.H},
+        j["rows"].push_back({{"N", r.config.N}, {"d", r.config.d}, {"H", r.config.H},
                                 {"causal", r.config.causal}, {"threads", r.config.threads},
                                 {"ms", r.ms}, {"gflops", r.gflops()},
                                 {"baseline_ms", r.baseline_ms},
