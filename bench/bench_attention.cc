@@ -35,6 +35,31 @@ void BM_AttentionForward(benchmark::State& state) {
   state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// The backward (forward run once outside the timing); GFLOP/s count 2.5× the forward's.
+void BM_AttentionBackward(benchmark::State& state) {
+  const int N = static_cast<int>(state.range(0)), d = static_cast<int>(state.range(1));
+  const bool causal = state.range(2) != 0;
+  const int H = 8;
+  const size_t n = static_cast<size_t>(N) * H * d;
+  std::vector<float> q(n), k(n), v(n), out(n), dout(n), dq(n), dk(n), dv(n), lse(static_cast<size_t>(H) * N);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (auto* t : {&q, &k, &v, &dout}) {
+    for (float& x : *t) x = u(rng);
+  }
+  auto view = [&](std::vector<float>& t) { return attn::TensorView(t.data(), attn::DType::f32, {1, N, H, d}); };
+  const attn::TensorView lv(lse.data(), attn::DType::f32, {1, H, N});
+  attn::AttentionOptions opt;
+  opt.causal = causal ? attn::Causal::TopLeft : attn::Causal::None;
+  attn::set_num_threads(static_cast<int>(state.range(3)));
+  attn::attention(view(q), view(k), view(v), view(out), opt, lv);
+  for (auto _ : state) {
+    attn::attention_backward(view(q), view(k), view(v), view(out), lv, view(dout), view(dq), view(dk), view(dv), opt);
+  }
+  const double flops = 2.5 * 4.0 * N * N * d * H * (causal ? 0.5 : 1.0);
+  state.counters["GFLOP/s"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
 void BM_BaselineSgemm(benchmark::State& state) {
   const int N = static_cast<int>(state.range(0)), d = static_cast<int>(state.range(1));
   const bool causal = state.range(2) != 0;
@@ -70,6 +95,7 @@ void Shapes(benchmark::internal::Benchmark* b) {
 }
 
 BENCHMARK(BM_AttentionForward)->Apply(Shapes);
+BENCHMARK(BM_AttentionBackward)->Apply(Shapes);
 BENCHMARK(BM_BaselineSgemm)->Apply(Shapes);
 
 }  // namespace

@@ -207,3 +207,84 @@ TEST(AttentionErrors, ThreadCount) {
 
 }  // namespace
 }  // namespace attn
+
+namespace attn {
+namespace {
+
+// attention_backward: the forward's checks, plus the gradients' own.
+struct BackwardCall : Call {
+  std::vector<float> g_dout, g_dq, g_dk, g_dv, g_mask, g_dbias;
+  TensorView doutv, dqv, dkv, dvv, dbv;
+  BackwardCall() {
+    g_dout.assign(out.size(), 0.5f), g_dq.assign(q.size(), kSentinel), g_dk.assign(k.size(), kSentinel),
+        g_dv.assign(v.size(), kSentinel);
+    doutv = TensorView(g_dout.data(), DType::f32, ov.shape());
+    dqv = TensorView(g_dq.data(), DType::f32, qv.shape());
+    dkv = TensorView(g_dk.data(), DType::f32, kv.shape());
+    dvv = TensorView(g_dv.data(), DType::f32, vv.shape());
+    attention(qv, kv, vv, ov, opt, lv);  // a valid forward first
+  }
+  void run_backward() { attention_backward(qv, kv, vv, ov, lv, doutv, dqv, dkv, dvv, opt, dbv); }
+  bool grads_untouched() const {
+    for (const auto* vec : {&g_dq, &g_dk, &g_dv}) {
+      for (float x : *vec) {
+        if (x != kSentinel) return false;
+      }
+    }
+    return true;
+  }
+};
+
+void expect_backward_error(const std::function<void(BackwardCall&)>& breakit,
+                           std::vector<std::string> needles) {
+  BackwardCall c;
+  breakit(c);
+  try {
+    c.run_backward();
+    ADD_FAILURE() << "no error thrown; expected one mentioning '" << needles[0] << "'";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    for (const auto& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << "message: " << msg;
+    EXPECT_TRUE(c.grads_untouched()) << "a gradient was written before the error: " << msg;
+  }
+}
+
+TEST(AttentionBackwardErrors, ValidCallSucceeds) {
+  BackwardCall c;
+  EXPECT_NO_THROW(c.run_backward());
+  EXPECT_FALSE(c.grads_untouched());
+}
+
+TEST(AttentionBackwardErrors, GradientShapesAndDtypes) {
+  expect_backward_error([](BackwardCall& c) { c.lv = TensorView(); }, {"lse is required"});
+  expect_backward_error([](BackwardCall& c) { c.doutv = TensorView(); }, {"dout is required"});
+  expect_backward_error([](BackwardCall& c) { c.doutv = TensorView(c.g_dout.data(), DType::f32, {c.B, c.Lq, c.Hq, c.dv - 1}); },
+                        {"dout must have the shape of out"});
+  expect_backward_error([](BackwardCall& c) { c.dqv = TensorView(c.g_dq.data(), DType::bf16, c.qv.shape()); },
+                        {"dq must have dtype f32"});
+  expect_backward_error([](BackwardCall& c) { c.dkv = TensorView(c.g_dk.data(), DType::f32, {c.B, c.Lk - 1, c.Hkv, c.d}); },
+                        {"dk must have the shape of k"});
+  expect_backward_error([](BackwardCall& c) { c.dvv = TensorView(c.g_dv.data(), DType::f32, {c.B, c.Lk, c.Hkv}); },
+                        {"dv must have rank 4"});
+  expect_backward_error([](BackwardCall& c) {
+    c.dqv = TensorView(c.g_dq.data(), DType::f32, {c.B, c.Lq, c.Hq, c.d / 2}, {c.Lq * c.Hq * c.d, c.Hq * c.d, c.d, 2});
+    c.qv = TensorView(c.q.data(), DType::f32, {c.B, c.Lq, c.Hq, c.d / 2});
+    c.kv = TensorView(c.k.data(), DType::f32, {c.B, c.Lk, c.Hkv, c.d / 2});
+  }, {"dq must have a contiguous last dimension"});
+}
+
+TEST(AttentionBackwardErrors, BiasGradientNeedsAnAdditiveMaskOfItsShape) {
+  expect_backward_error([](BackwardCall& c) {
+    c.g_dbias.assign(c.Lq * c.Lk, 0.0f);
+    c.dbv = TensorView(c.g_dbias.data(), DType::f32, {c.Lq, c.Lk});
+  }, {"dbias needs an additive (f32) mask"});
+  expect_backward_error([](BackwardCall& c) {
+    c.g_mask.assign(c.Lq * c.Lk, 0.0f);
+    c.opt.mask = TensorView(c.g_mask.data(), DType::f32, {c.Lq, c.Lk});
+    c.g_dbias.assign(c.Lq * c.Lk, 0.0f);
+    c.dbv = TensorView(c.g_dbias.data(), DType::f32, {c.Lk, c.Lq});
+  }, {"dbias must have the shape of options.mask"});
+}
+
+}  // namespace
+}  // namespace attn

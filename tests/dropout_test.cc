@@ -148,3 +148,19 @@ TEST(Dropout, ExpectationOverSeedsIsTheNoDropoutOutput) {
 
 }  // namespace
 }  // namespace attn::testing
+
+namespace attn::testing {
+namespace {
+
+TEST(Dropout, ZeroProbabilityBackwardIsBitwiseNoDropout) {
+  Config s;
+  s.Lq = 70, s.Lk = 90, s.Hq = 2, s.Hkv = 1, s.opt.causal = Causal::BottomRight;
+  const std::vector<float> plain = run_backward_raw(s, 6);
+  s.opt.seed = 99, s.opt.offset = 4;  // p = 0: the seed must not matter
+  const std::vector<float> zero = run_backward_raw(s, 6);
+  ASSERT_EQ(plain.size(), zero.size());
+  EXPECT_EQ(0, std::memcmp(plain.data(), zero.data(), plain.size() * sizeof(float)));
+}
+
+}  // namespace
+}  // namespace attn::testing
