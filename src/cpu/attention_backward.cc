@@ -187,10 +187,10 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
     w.first[blk] = first, w.count[blk] = last - first + 1;
     QkRows(w.q + size_t(r) * dp, dp, kpanel, p.d, w.s + r * kBk, kBk, first, w.count[blk]);
   }
-  const bool keep_raw = p.softcap > 0.0f;
-  const bool keep_pre = p.mods != nullptr && p.mods->grad_tile != nullptr;
-  ApplyScoreMods(p, seq, place, w.s, kBk, TileNeedsBand(place), keep_raw ? w.raw : nullptr,
-                 keep_pre ? w.pre_mod : nullptr);
+  const bool save_raw = p.softcap > 0.0f;
+  const bool save_pre = p.mods != nullptr && p.mods->grad_tile != nullptr;
+  ApplyScoreMods(p, seq, place, w.s, kBk, TileNeedsBand(place), save_raw ? w.raw : nullptr,
+                 save_pre ? w.pre_mod : nullptr);
 
   // P = 2^(S − lse₂); rows without a visible key (lse = −∞) and padding: 0.
   for (int r = 0; r < kBq; ++r) {
@@ -203,7 +203,7 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
     for (int n = 0; n < kKeyVectors; ++n) {
       // Exact 0 for removed keys (−∞), as the reference.
       const VF x = hn::Load(df, row + n * kLanes);
-      const VF e = Exp2NonPositive(df, hn::Min(hn::Sub(x, l2), hn::Zero(df)));
+      const VF e = Exp2NonPositive(df, hn::Sub(x, l2));  // S ≤ lse up to rounding
       hn::Store(hn::IfThenZeroElse(hn::Eq(x, hn::Set(df, -HUGE_VALF)), e), df, row + n * kLanes);
     }
   }
@@ -239,14 +239,21 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
   }
 
   // dS = P ∘ (dP − D), the gradient of the (natural-unit) final scores; −∞ entries
-  // of dP (keys outside a block's vectors) meet P = 0 and give 0.
+  // of dP (keys outside a block's vectors) meet P = 0 and give 0. With c = scale /
+  // qscale: dK += (c·dS)ᵀ·(qscale·Q) and dQ = qscale·((c·dS)·K). The factor c is
+  // applied here, unless dbias, score_mod' or softcap' still need dS unscaled.
+  const bool keep_raw = p.softcap > 0.0f;
+  const bool keep_pre = p.mods != nullptr && p.mods->grad_tile != nullptr;
+  const float c = p.scale / sh.qscale;
+  const bool late_c = keep_raw || keep_pre || bp.dbias != nullptr;
+  const VF c_now = hn::Set(df, late_c ? 1.0f : c);
   for (int r = 0; r < kBq; ++r) {
     float* dsr = w.ds + r * kBk;
     const float* pr = w.s + r * kBk;
     const VF dsum = hn::Set(df, w.dsum[r]);
     for (int n = 0; n < kKeyVectors; ++n) {
       const VF pv = hn::Load(df, pr + n * kLanes);
-      const VF g = hn::Mul(pv, hn::Sub(hn::Load(df, dsr + n * kLanes), dsum));
+      const VF g = hn::Mul(hn::Mul(pv, c_now), hn::Sub(hn::Load(df, dsr + n * kLanes), dsum));
       hn::Store(hn::IfThenZeroElse(hn::Eq(pv, hn::Zero(df)), g), df, dsr + n * kLanes);
     }
   }
@@ -269,9 +276,7 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
       }
     }
   }
-  // With c = scale / qscale: dK += (c·dS)ᵀ·(qscale·Q) and dQ = qscale·((c·dS)·K).
-  const float c = p.scale / sh.qscale;
-  if (c != 1.0f) {
+  if (late_c && c != 1.0f) {
     const VF cv = hn::Set(df, c);
     for (int r = 0; r < rows; ++r) {
       for (int n = 0; n < kKeyVectors; ++n) {
