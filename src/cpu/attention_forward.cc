@@ -215,9 +215,13 @@ void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int
     const bool any = sum > 0.0f;
     const float inv = any ? 1.0f / sum : 0.0f;
     for (int c = 0; c < p.dv; ++c) dst[c] = acc[c] * inv;
-    if (p.lse != nullptr) {  // natural log: m is in base-2 units
+    if (p.lse != nullptr) {
+      // Natural log; m is in base-2 units. In double, so that the only rounding
+      // beyond the plain softmax's is that of s·log₂e (in f32, m·ln2 + log(l)
+      // added ~3 ulp of |lse|).
       p.lse[seq.lse_offset + h * p.lse_h + int64_t{i0 + r} * p.lse_i] =
-          any ? w.m[r] * 0.69314718055994530942f + std::log(sum) : -HUGE_VALF;
+          any ? static_cast<float>(double{w.m[r]} * 0.693147180559945309417 + std::log(double{sum}))
+              : -HUGE_VALF;
     }
     w.alpha[r] = inv;  // kept for the probabilities below
   }
