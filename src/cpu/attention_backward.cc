@@ -3,7 +3,8 @@
 //   D_i = rowsum(dO ∘ O)                                       (phase 1, per query row)
 //   for each key tile (a work item, owning its dK and dV):      (phase 3)
 //     for each query head of its kv group, each query tile its band reaches:
-//       S  = (scale·Q)·Kᵀ, modified and masked, P = exp(S − lse)  (recomputed)
+//       S  = (scale·Q)·Kᵀ, modified and masked, P = exp(S − lse)  (recomputed, in
+//            natural units: see BackwardTilePair on keeping P accurate)
 //       dV += P'ᵀ·dO                     P' = P with dropout applied
 //       dP = dO·Vᵀ (dropout applied), dS = P ∘ (dP − D)   (then softcap', score_mod')
 //       dK += scale·dSᵀ·Q
@@ -101,7 +102,7 @@ struct BwdScratch {
   float* drop;           // [Bq][Bk]             dropout multipliers: 0 or 1/(1 − p)
   float *raw, *pre_mod;  // [Bq][Bk] each        kept for softcap' / score_mod'
   float* dq;             // [Bq][dp]             this tile's dQ contribution
-  float *lse2, *dsum;    // [Bq]                 lse·log₂e and D per row
+  float *lse, *dsum;     // [Bq]                 lse and D per row
   int *lo, *hi, *first, *count;
 
   BwdScratch(int dp, int dvp) {
@@ -120,7 +121,7 @@ struct BwdScratch {
     drop = x, x += tile;
     raw = x, x += tile;
     pre_mod = x, x += tile;
-    lse2 = x, x += kBq;
+    lse = x, x += kBq;
     dsum = x, x += kBq;
     lo = reinterpret_cast<int*>(x), hi = lo + kBq, first = hi + kBq, count = first + kBq;
   }
@@ -137,7 +138,6 @@ struct BwdShared {
   const std::vector<size_t>& turn_base;        // per sequence
   const std::vector<std::vector<int>>& qt_first;  // per sequence, per query tile
   const std::vector<std::vector<int>>& qt_last;
-  float qscale;  // the query scale in S: scale·log₂e, or scale when options modify scores
 };
 
 /// One (sequence b, kv head hk, key tile kt) item's work for query head h, tile qt.
@@ -154,24 +154,28 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
   const float* krows = vpanel + size_t{kBk} * p.dv;
   const DF df;
 
-  // Query rows: scaled q, dO, lse in base 2, D, and the band.
+  // Query rows: scale·q, dO, lse, D, and the band. The backward works in natural
+  // units: P = exp(S − lse) is formed as 2^((S − lse)·log₂e). S − lse is exact
+  // when the two are close, so the rounding of the base-2 conversion applies to
+  // the small difference; converting S and lse to base 2 first (as the forward
+  // does) would cost eps·|lse| in every P, visible in dbias.
   for (int r = 0; r < kBq; ++r) {
     float* qr = w.q + size_t(r) * dp;
     float* gr = w.dout + size_t(r) * dvp;
     if (r < rows) {
       const float* src = p.q + seq.q_offset + h * p.q_head + int64_t{i0 + r} * p.q_row;
-      for (int c = 0; c < p.d; ++c) qr[c] = src[c] * sh.qscale;
+      for (int c = 0; c < p.d; ++c) qr[c] = src[c] * p.scale;
       std::fill(qr + p.d, qr + dp, 0.0f);
       const float* g = bp.dout + seq.dout_offset + h * bp.dout_head + int64_t{i0 + r} * bp.dout_row;
       std::memcpy(gr, g, sizeof(float) * p.dv);
       std::fill(gr + p.dv, gr + dvp, 0.0f);
-      w.lse2[r] = p.lse[seq.lse_offset + h * p.lse_h + int64_t{i0 + r} * p.lse_i] * 1.44269504088896341f;
+      w.lse[r] = p.lse[seq.lse_offset + h * p.lse_h + int64_t{i0 + r} * p.lse_i];
       w.dsum[r] = sh.dsum[sh.dsum_base[b] + size_t(h) * seq.Lq + i0 + r];
       BandOfRow(p, seq, i0 + r, &w.lo[r], &w.hi[r]);
     } else {
       std::fill(qr, qr + dp, 0.0f);
       std::fill(gr, gr + dvp, 0.0f);
-      w.lse2[r] = -HUGE_VALF, w.dsum[r] = 0.0f;
+      w.lse[r] = -HUGE_VALF, w.dsum[r] = 0.0f;
     }
   }
 
@@ -190,20 +194,21 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
   const bool save_raw = p.softcap > 0.0f;
   const bool save_pre = p.mods != nullptr && p.mods->grad_tile != nullptr;
   ApplyScoreMods(p, seq, place, w.s, kBk, TileNeedsBand(place), save_raw ? w.raw : nullptr,
-                 save_pre ? w.pre_mod : nullptr);
+                 save_pre ? w.pre_mod : nullptr, /*to_base2=*/false);
 
-  // P = 2^(S − lse₂); rows without a visible key (lse = −∞) and padding: 0.
+  // P = exp(S − lse); rows without a visible key (lse = −∞) and padding: 0.
+  const VF log2e = hn::Set(df, 1.44269504088896341f);
   for (int r = 0; r < kBq; ++r) {
     float* row = w.s + r * kBk;
-    if (w.lse2[r] == -HUGE_VALF) {
+    if (w.lse[r] == -HUGE_VALF) {
       for (int n = 0; n < kKeyVectors; ++n) hn::Store(hn::Zero(df), df, row + n * kLanes);
       continue;
     }
-    const VF l2 = hn::Set(df, w.lse2[r]);
+    const VF lse = hn::Set(df, w.lse[r]);
     for (int n = 0; n < kKeyVectors; ++n) {
       // Exact 0 for removed keys (−∞), as the reference.
       const VF x = hn::Load(df, row + n * kLanes);
-      const VF e = Exp2NonPositive(df, hn::Sub(x, l2));  // S ≤ lse up to rounding
+      const VF e = Exp2NonPositive(df, hn::Mul(hn::Sub(x, lse), log2e));  // S ≤ lse
       hn::Store(hn::IfThenZeroElse(hn::Eq(x, hn::Set(df, -HUGE_VALF)), e), df, row + n * kLanes);
     }
   }
@@ -238,22 +243,17 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
     for (size_t n = 0; n < size_t{kBq} * kBk; ++n) w.ds[n] *= w.drop[n];
   }
 
-  // dS = P ∘ (dP − D), the gradient of the (natural-unit) final scores; −∞ entries
-  // of dP (keys outside a block's vectors) meet P = 0 and give 0. With c = scale /
-  // qscale: dK += (c·dS)ᵀ·(qscale·Q) and dQ = qscale·((c·dS)·K). The factor c is
-  // applied here, unless dbias, score_mod' or softcap' still need dS unscaled.
+  // dS = P ∘ (dP − D), the gradient of the final scores; −∞ entries of dP (keys
+  // outside a block's vectors) meet P = 0 and give 0.
   const bool keep_raw = p.softcap > 0.0f;
   const bool keep_pre = p.mods != nullptr && p.mods->grad_tile != nullptr;
-  const float c = p.scale / sh.qscale;
-  const bool late_c = keep_raw || keep_pre || bp.dbias != nullptr;
-  const VF c_now = hn::Set(df, late_c ? 1.0f : c);
   for (int r = 0; r < kBq; ++r) {
     float* dsr = w.ds + r * kBk;
     const float* pr = w.s + r * kBk;
     const VF dsum = hn::Set(df, w.dsum[r]);
     for (int n = 0; n < kKeyVectors; ++n) {
       const VF pv = hn::Load(df, pr + n * kLanes);
-      const VF g = hn::Mul(hn::Mul(pv, c_now), hn::Sub(hn::Load(df, dsr + n * kLanes), dsum));
+      const VF g = hn::Mul(pv, hn::Sub(hn::Load(df, dsr + n * kLanes), dsum));
       hn::Store(hn::IfThenZeroElse(hn::Eq(pv, hn::Zero(df)), g), df, dsr + n * kLanes);
     }
   }
@@ -276,15 +276,7 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
       }
     }
   }
-  if (late_c && c != 1.0f) {
-    const VF cv = hn::Set(df, c);
-    for (int r = 0; r < rows; ++r) {
-      for (int n = 0; n < kKeyVectors; ++n) {
-        float* g = w.ds + r * kBk + n * kLanes;
-        hn::Store(hn::Mul(hn::Load(df, g), cv), df, g);
-      }
-    }
-  }
+  // s = scale·q·k: dK += dSᵀ·(scale·Q), dQ = scale·(dS·K).
   for (int kr = 0; kr < kBk; kr += kRowsPerBlock) {
     PvRows(w.ds + kr, 1, kBk, w.q, dp, rows, nullptr, w.dk + size_t(kr) * dp);
   }
@@ -303,7 +295,7 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
   for (int r = 0; r < rows; ++r) {
     float* dst = bp.dq + seq.dq_offset + h * bp.dq_head + int64_t{i0 + r} * bp.dq_row;
     const float* src = w.dq + size_t(r) * dp;
-    for (int cc = 0; cc < p.d; ++cc) dst[cc] += sh.qscale * src[cc];
+    for (int cc = 0; cc < p.d; ++cc) dst[cc] += p.scale * src[cc];
   }
   turn.store(kt + 1, std::memory_order_release);
 }
@@ -385,8 +377,7 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
   }
 
   const int nt = flops < 4e6 ? 1 : std::max(1, threads);
-  const BwdShared sh{bp, pk, pack, dsum.data(), dsum_base, turns.get(), turn_base, qt_first, qt_last,
-                     ModifiesScores(p) ? p.scale : p.scale * 1.44269504088896341f};
+  const BwdShared sh{bp, pk, pack, dsum.data(), dsum_base, turns.get(), turn_base, qt_first, qt_last};
   const int n_rows = static_cast<int>(rows_items.size()), n_pack = static_cast<int>(pack_items.size()),
             n_items = static_cast<int>(items.size());
 #pragma omp parallel num_threads(nt) if (nt > 1)

@@ -68,13 +68,14 @@ HWY_INLINE bool ModifiesScores(const Problem& p) {
 }
 
 /// Applies every enabled modifier and mask to the tile's real rows (row stride
-/// ld); with ModifiesScores(p), finally multiplies the rows by log₂e. For the
-/// backward's chain rule, `raw` (if not null) receives the scores before softcap
-/// and `pre_mod` those before the user's score_mod (same layout as s).
+/// ld); with ModifiesScores(p) and to_base2, finally multiplies the rows by log₂e.
+/// For the backward's chain rule, `raw` (if not null) receives the scores before
+/// softcap and `pre_mod` those before the user's score_mod (same layout as s); the
+/// backward works in natural units (to_base2 = false).
 HWY_INLINE void ApplyScoreMods(const Problem& p, const Sequence& seq, const TilePlace& t,
                                float* HWY_RESTRICT s, size_t ld, bool band,
                                float* HWY_RESTRICT raw = nullptr,
-                               float* HWY_RESTRICT pre_mod = nullptr) {
+                               float* HWY_RESTRICT pre_mod = nullptr, bool to_base2 = true) {
   const DF df;
   const hn::RebindToSigned<DF> di;
   const VF neg_inf = hn::Set(df, -HUGE_VALF);
@@ -157,7 +158,7 @@ HWY_INLINE void ApplyScoreMods(const Problem& p, const Sequence& seq, const Tile
   if (p.mods != nullptr) {
     p.mods->tile(p.mods->ctx, s, static_cast<int64_t>(ld), t.b, t.h, t.i0, t.rows, t.j0, t.cols);
   }
-  if (ModifiesScores(p)) {
+  if (to_base2 && ModifiesScores(p)) {
     const VF log2e = hn::Set(df, 1.44269504088896341f);
     for (int r = 0; r < t.rows; ++r) {
       float* row = s + r * ld;
