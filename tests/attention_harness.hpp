@@ -98,7 +98,7 @@ struct GradErrors {
 GradErrors run_backward_case(Config& s, std::mt19937_64& rng, Mods mods = {}, bool want_dbias = false);
 
 /// The bar for gradients: relative error ≤ 1e-5 (where the plain f32 code
-/// is within half of that), no NaN, and a 4× plain screen; pooled 2× per test.
+/// is within half of that), no NaN, and a 10× plain screen; pooled 2× per test.
 class GradLedger {
  public:
   ::testing::AssertionResult check(const GradErrors& e);
@@ -124,7 +124,7 @@ std::vector<float> run_fused_raw(Config& s, uint64_t input_seed);
 /// Checks one case against the bar: every relative error ≤ 1e-6 (where the
 /// plain f32 code itself is within 0.5e-6), no NaN,
 /// fully masked rows exactly 0 with lse −∞; and, as a screen for gross errors,
-/// ≤ 4× the plain f32 error plus two f32 roundings. With absolute_bar = false the
+/// ≤ 10× the plain f32 error plus two f32 roundings. With absolute_bar = false the
 /// 1e-6 bar is skipped: for large logits, f32 rounds each score to eps·|s| and
 /// even the plain code misses it.
 ::testing::AssertionResult errors_ok(const Errors& e, bool absolute_bar = true);
