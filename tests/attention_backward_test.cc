@@ -97,6 +97,7 @@ TEST_F(AttentionBackward, BiasGradientsReduceOverBroadcastDimensions) {
     SCOPED_TRACE(s.describe());
     EXPECT_TRUE(ledger.check(run_backward_case(s, rng, {}, /*want_dbias=*/true)));
   }
+  EXPECT_TRUE(ledger.pooled_within_factor_of_plain());
 }
 
 TEST_F(AttentionBackward, UserScoreModWithItsDerivative) {
@@ -111,7 +112,14 @@ TEST_F(AttentionBackward, UserScoreModWithItsDerivative) {
   EXPECT_TRUE(ledger.check(run_backward_case(s, rng, {&mods})));
 }
 
-TEST_F(AttentionBackward, RandomCombinations) {
+// Pooled at 3× the plain f32 error, not 2×: the random draws include ALiBi and mask
+// offsets of tens, and the backward (as FlashAttention's) recomputes P = exp(S − lse)
+// from the f32 lse the forward returned, which carries 0.5 ulp of |lse| (a few e-6
+// at |lse| ~ 40) into every P; the plain code takes S − max before the exp and never
+// rounds a large lse. Measured over 100 runs: pooled ratios up to ~2.7×. Every
+// option on its own (the tests above) stays within 2×.
+TEST(AttentionBackwardCombinations, RandomCombinations) {
+  GradLedger ledger(3.0);
   auto rng = make_rng(507);
   auto pick = [&](auto const& xs) { return xs[std::uniform_int_distribution<size_t>(0, std::size(xs) - 1)(rng)]; };
   auto coin = [&] { return std::bernoulli_distribution(0.5)(rng); };
@@ -146,6 +154,7 @@ TEST_F(AttentionBackward, RandomCombinations) {
     SCOPED_TRACE(s.describe());
     EXPECT_TRUE(ledger.check(run_backward_case(s, rng, {}, /*want_dbias=*/true)));
   }
+  EXPECT_TRUE(ledger.pooled_within_factor_of_plain());
 }
 
 // With dropout, a row with one visible key has dS = P(dP − D) = 0 exactly, but

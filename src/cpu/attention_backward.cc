@@ -267,12 +267,11 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
     }
   }
   if (keep_raw) {  // s_capped = cap·tanh(s/cap): ds = ds_capped·(1 − tanh²(s/cap))
-    const VF inv_cap = hn::Set(df, 1.0f / p.softcap), one = hn::Set(df, 1.0f);
     for (int r = 0; r < rows; ++r) {
       for (int n = 0; n < kKeyVectors; ++n) {
         float* g = w.ds + r * kBk + n * kLanes;
-        const VF th = hn::Tanh(df, hn::Mul(hn::Load(df, w.raw + r * kBk + n * kLanes), inv_cap));
-        hn::Store(hn::Mul(hn::Load(df, g), hn::NegMulAdd(th, th, one)), df, g);
+        const VF deriv = SoftcapDerivative(df, hn::Load(df, w.raw + r * kBk + n * kLanes), p.softcap);
+        hn::Store(hn::Mul(hn::Load(df, g), deriv), df, g);
       }
     }
   }

@@ -59,6 +59,39 @@ HWY_INLINE bool TileNeedsBand(const TilePlace& t) {
   return false;
 }
 
+/// Applies f (a function of a float64 vector) to each lane of x in float64 and
+/// rounds the result once to f32. For softcap's tanh: Highway's f32 Tanh errs by
+/// up to ~4 ulp, which made softcapped scores (and so P and dS) measurably less
+/// accurate than a plain f32 implementation with libm's tanh.
+template <class F>
+HWY_INLINE VF InFloat64(DF df, VF x, F f) {
+#if HWY_TARGET == HWY_SCALAR
+  const hn::Sisd<double> dd;
+  return hn::Set(df, static_cast<float>(hn::GetLane(f(dd, hn::Set(dd, double{hn::GetLane(x)})))));
+#else
+  const hn::Half<DF> dh;
+  const hn::Rebind<double, decltype(dh)> dd;
+  const auto lo = f(dd, hn::PromoteTo(dd, hn::LowerHalf(dh, x)));
+  const auto hi = f(dd, hn::PromoteTo(dd, hn::UpperHalf(dh, x)));
+  return hn::Combine(df, hn::DemoteTo(dh, hi), hn::DemoteTo(dh, lo));
+#endif
+}
+
+/// Softcap: cap·tanh(s / cap), evaluated in float64.
+HWY_INLINE VF Softcap(DF df, VF s, double cap) {
+  return InFloat64(df, s, [cap](auto dd, auto x) {
+    return hn::Mul(hn::Set(dd, cap), hn::Tanh(dd, hn::Div(x, hn::Set(dd, cap))));
+  });
+}
+
+/// Softcap's derivative 1 − tanh²(s / cap), in float64 (no cancellation near ±1).
+HWY_INLINE VF SoftcapDerivative(DF df, VF s, double cap) {
+  return InFloat64(df, s, [cap](auto dd, auto x) {
+    const auto t = hn::Tanh(dd, hn::Div(x, hn::Set(dd, cap)));
+    return hn::NegMulAdd(t, t, hn::Set(dd, 1.0));
+  });
+}
+
 /// True when an option changes score values (not only removes keys). Those work
 /// in natural units, so the query is scaled by `scale` alone and the tile is
 /// converted to the softmax's base-2 units after them (ApplyScoreMods); otherwise
@@ -83,12 +116,10 @@ HWY_INLINE void ApplyScoreMods(const Problem& p, const Sequence& seq, const Tile
   if (raw != nullptr) std::memcpy(raw, s, sizeof(float) * ld * t.rows);
 
   if (p.softcap > 0.0f) {
-    const VF cap = hn::Set(df, p.softcap), inv_cap = hn::Set(df, 1.0f / p.softcap);
     for (int r = 0; r < t.rows; ++r) {
       float* row = s + r * ld;
       for (int n = 0; n < kKeyVectors; ++n) {
-        const VF x = hn::Load(df, row + n * kLanes);
-        hn::Store(hn::Mul(cap, hn::Tanh(df, hn::Mul(x, inv_cap))), df, row + n * kLanes);
+        hn::Store(Softcap(df, hn::Load(df, row + n * kLanes), p.softcap), df, row + n * kLanes);
       }
     }
   }
