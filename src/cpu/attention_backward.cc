@@ -44,10 +44,6 @@ HWY_BEFORE_NAMESPACE();
 namespace attn::detail::HWY_NAMESPACE {
 namespace {
 
-int RoundUp(int x, int m) { return (x + m - 1) / m * m; }
-int KeyTiles(int lk) { return (lk + kBk - 1) / kBk; }
-int QueryTiles(int lq) { return (lq + kBq - 1) / kBq; }
-
 /// Packed K and V of each (sequence, kv head): per key tile a [d][Bk] panel of K
 /// (for S = Q·Kᵀ), a [dv][Bk] panel of V (for dP = dO·Vᵀ) and [Bk][dp] rows of K
 /// (for dQ = dS·K).
@@ -182,14 +178,8 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
   // S (only the key vectors each 4-row block's band reaches), modifiers, masks.
   const TilePlace place{b, h, i0, rows, j0, nk, w.lo, w.hi};
   for (int r = 0, blk = 0; r < kBq; r += kRowsPerBlock, ++blk) {
-    int lo = INT_MAX, hi = -1;
-    for (int i = r; i < std::min(r + kRowsPerBlock, rows); ++i) {
-      if (w.lo[i] <= w.hi[i]) lo = std::min(lo, w.lo[i]), hi = std::max(hi, w.hi[i]);
-    }
-    int first = 0, last = -1;
-    if (hi >= j0 && lo < j0 + kBk) first = std::max(0, lo - j0) / kLanes, last = std::min(kBk - 1, hi - j0) / kLanes;
-    w.first[blk] = first, w.count[blk] = last - first + 1;
-    QkRows(w.q + size_t(r) * dp, dp, kpanel, p.d, w.s + r * kBk, kBk, first, w.count[blk]);
+    BlockKeyVectors(w.lo, w.hi, r, rows, j0, &w.first[blk], &w.count[blk]);
+    QkRows(w.q + size_t(r) * dp, dp, kpanel, p.d, w.s + r * kBk, kBk, w.first[blk], w.count[blk]);
   }
   const bool save_raw = p.softcap > 0.0f;
   const bool save_pre = p.mods != nullptr && p.mods->grad_tile != nullptr;

@@ -38,9 +38,6 @@ HWY_BEFORE_NAMESPACE();
 namespace attn::detail::HWY_NAMESPACE {
 namespace {
 
-int RoundUp(int x, int m) { return (x + m - 1) / m * m; }
-int KeyTiles(int lk) { return (lk + kBk - 1) / kBk; }
-
 /// Where the packed K and V of each (sequence, kv head) start in the pack buffer.
 struct PackLayout {
   int dvp = 0;                   // dv rounded up to a whole vector
@@ -137,18 +134,8 @@ void LoadQueryTile(const Problem& p, const float* q, int rows, float* dst) {
 void ScoreTile(const Problem& p, const Sequence& seq, const TileScratch& w, const float* kt,
                const TilePlace& place) {
   for (int r = 0, blk = 0; r < kBq; r += kRowsPerBlock, ++blk) {
-    int lo = INT32_MAX, hi = -1;
-    for (int i = r; i < std::min(r + kRowsPerBlock, place.rows); ++i) {
-      if (w.lo[i] <= w.hi[i]) lo = std::min(lo, w.lo[i]), hi = std::max(hi, w.hi[i]);
-    }
-    int first = 0, last = -1;  // key vectors of the tile, inclusive
-    if (hi >= place.j0 && lo < place.j0 + kBk) {
-      first = std::max(0, lo - place.j0) / kLanes;
-      last = std::min(kBk - 1, hi - place.j0) / kLanes;
-    }
-    w.first[blk] = first;
-    w.count[blk] = last - first + 1;
-    QkRows(w.q + static_cast<size_t>(r) * p.d, p.d, kt, p.d, w.s + r * kBk, kBk, first,
+    BlockKeyVectors(w.lo, w.hi, r, place.rows, place.j0, &w.first[blk], &w.count[blk]);
+    QkRows(w.q + static_cast<size_t>(r) * p.d, p.d, kt, p.d, w.s + r * kBk, kBk, w.first[blk],
            w.count[blk]);
   }
   ApplyScoreMods(p, seq, place, w.s, kBk, TileNeedsBand(place));
@@ -277,7 +264,7 @@ void ForwardF32(const Problem& p, int threads) {
     for (int hk = 0; hk < p.Hkv; ++hk) {
       for (int t = 0; t < KeyTiles(seq.Lk); ++t) packs.push_back({b, hk, t});
     }
-    const int qtiles = (seq.Lq + kBq - 1) / kBq;
+    const int qtiles = QueryTiles(seq.Lq);
     for (int h = 0; h < p.Hq; ++h) {
       for (int t = 0; t < qtiles; ++t) tiles.push_back({b, h, t});
     }

@@ -17,6 +17,8 @@
 #include <hwy/contrib/math/math-inl.h>
 #include <hwy/highway.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 #include "cpu/tile_kernels-inl.h"
@@ -49,6 +51,25 @@ HWY_INLINE void BandOfRow(const Problem& p, const Sequence& seq, int i, int* lo,
   if (first > last) first = 1, last = 0;  // empty; keep the values in int range
   *lo = static_cast<int>(first);
   *hi = static_cast<int>(last);
+}
+
+/// The key vectors of the tile [j0, j0+Bk) that rows r0..r0+kRowsPerBlock (of the
+/// first `rows` real ones) can see through their bands lo/hi: vectors first ..
+/// first+count−1 (count 0: none). Blocks compute only those (causal diagonals,
+/// windows, padding rows).
+HWY_INLINE void BlockKeyVectors(const int* lo, const int* hi, int r0, int rows, int j0,
+                                int* first, int* count) {
+  int block_lo = INT32_MAX, block_hi = -1;
+  for (int i = r0; i < std::min(r0 + kRowsPerBlock, rows); ++i) {
+    if (lo[i] <= hi[i]) block_lo = std::min(block_lo, lo[i]), block_hi = std::max(block_hi, hi[i]);
+  }
+  int f = 0, last = -1;
+  if (block_hi >= j0 && block_lo < j0 + kBk) {
+    f = std::max(0, block_lo - j0) / kLanes;
+    last = std::min(kBk - 1, block_hi - j0) / kLanes;
+  }
+  *first = f;
+  *count = last - f + 1;
 }
 
 /// True when some row of the tile loses keys of [j0, j0+Bk) to the band.

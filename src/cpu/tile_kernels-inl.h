@@ -46,6 +46,11 @@ constexpr int kBk = kKeyVectors * kLanes;        // keys per tile
 constexpr int kBq = 16 * kRowsPerBlock;          // queries per tile
 static_assert(kBq % kLanes == 0 || kLanes > kBq, "row vectors must tile Bq");
 
+HWY_INLINE int RoundUp(int x, int m) { return (x + m - 1) / m * m; }
+/// Key tiles covering lk keys, and query tiles covering lq queries.
+HWY_INLINE int KeyTiles(int lk) { return (lk + kBk - 1) / kBk; }
+HWY_INLINE int QueryTiles(int lq) { return (lq + kBq - 1) / kBq; }
+
 /// S[r][n·N ..] = Σ_c Q[r][c] · Kt[c][n·N ..] for kRowsPerBlock rows and NKV key
 /// vectors. q: rows of d floats (row stride q_ld); kt: the [d][Bk] panel, offset
 /// to the first key vector wanted; s: row stride s_ld, offset likewise.
