@@ -10,6 +10,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev
   libbenchmark-dev
   libcli11-dev nlohmann-json3-dev libpng-dev
+  clang-14 libclang-rt-14-dev   # libFuzzer for the safetensors loader
 )
 
 missing=()
