@@ -1,0 +1,119 @@
+// Multi-head attention with PyTorch's nn.MultiheadAttention semantics and parameter
+// names, on attn's fused kernels, plus what PyTorch lacks: grouped-query heads,
+// RoPE, a sliding window and a KV cache for incremental decoding.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "attn/attention.hpp"
+#include "attn/nn/layers.hpp"
+#include "attn/nn/positional.hpp"
+
+namespace attn::nn {
+
+struct MultiheadAttentionConfig {
+  int64_t embed_dim = 0;
+  int64_t num_heads = 1;
+  float dropout = 0.0f;       ///< on the attention probabilities, training mode only
+  bool bias = true;           ///< in_proj_bias and out_proj.bias
+  int64_t kdim = 0;           ///< key features; 0 = embed_dim
+  int64_t vdim = 0;           ///< value features; 0 = embed_dim
+  bool batch_first = false;   ///< [B, L, E] instead of PyTorch's default [L, B, E]
+  // Beyond PyTorch:
+  int64_t num_kv_heads = 0;   ///< grouped-query (GQA) / multi-query (1) heads; 0 = num_heads
+  RopeStyle rope = RopeStyle::none;
+  double rope_base = 10000.0;
+  Window window;              ///< sliding window over positions (bottom-right aligned)
+  uint64_t seed = 0;          ///< dropout stream
+};
+
+/// Keys and values of the positions decoded so far, per layer: k [B, capacity, Hkv, hd]
+/// and v [B, capacity, Hkv, hd]; positions [0, length) are valid.
+struct KVCache {
+  Tensor k, v;
+  int64_t length = 0;
+  int64_t capacity() const { return k.shape().empty() ? 0 : k.shape()[1]; }
+};
+
+struct MultiheadAttentionOutput {
+  Tensor output;   ///< like query: [B, L, E] / [L, B, E] / unbatched [L, E]
+  Tensor weights;  ///< when need_weights: [B, L, S] averaged over heads, or [B, H, L, S]
+                   ///< (unbatched: [L, S] / [H, L, S]); after dropout, as PyTorch's
+};
+
+struct MultiheadAttentionGrads {
+  Tensor dquery, dkey, dvalue;  ///< shaped like the inputs; for self-attention, add them
+};
+
+/// out_proj(softmax(q·kᵀ/√hd + masks)·v) over heads, q/k/v = in-projections of
+/// query/key/value. Parameters (PyTorch's names):
+///   in_proj_weight [E + 2·Hkv·hd, E] when kdim == vdim == E, else
+///   q_proj_weight [E, E], k_proj_weight [Hkv·hd, kdim], v_proj_weight [Hkv·hd, vdim];
+///   in_proj_bias [E + 2·Hkv·hd]; out_proj.weight [E, E], out_proj.bias [E].
+/// With num_kv_heads == num_heads these are exactly PyTorch's shapes.
+class MultiheadAttention : public Module {
+ public:
+  MultiheadAttention(const MultiheadAttentionConfig& config, Rng& rng);
+
+  /// query [B, L, E] ([L, B, E] unless batch_first; [L, E] unbatched), key [.., S, kdim],
+  /// value [.., S, vdim]. Masks as PyTorch's:
+  ///   key_padding_mask [B, S] (unbatched [S]): boolean, true = *ignore* that key; or f32, added.
+  ///   attn_mask [L, S] or [B·H, L, S]: boolean, true = *not allowed*; or f32, added.
+  ///   is_causal: key j is visible to query i iff j ≤ i (applied with attn_mask if both given).
+  /// A query that sees no key outputs out_proj.bias (PyTorch gives NaN there).
+  MultiheadAttentionOutput forward(const TensorView& query, const TensorView& key, const TensorView& value,
+                                   const TensorView& key_padding_mask = {}, bool need_weights = true,
+                                   const TensorView& attn_mask = {}, bool average_attn_weights = true,
+                                   bool is_causal = false);
+
+  /// Gradients of the last forward given d(loss)/d(output); adds into parameter grads.
+  /// The returned weights are not differentiated (they are for inspection).
+  MultiheadAttentionGrads backward(const TensorView& doutput);
+
+  /// An empty cache for `batch` sequences of up to `capacity` positions.
+  KVCache make_cache(int64_t batch, int64_t capacity) const;
+  /// Incremental self-attention for decoding (no backward): x [B, T, E] (or [T, B, E])
+  /// holds the next T positions; their keys and values are appended to `cache`, and
+  /// they attend to every cached position with causal bottom-right alignment (plus the
+  /// window, RoPE at their absolute positions). Returns [B, T, E] / [T, B, E].
+  Tensor forward_cached(const TensorView& x, KVCache& cache);
+
+  const MultiheadAttentionConfig& config() const { return cfg_; }
+  int64_t head_dim() const { return hd_; }
+
+  Parameter* in_proj_weight = nullptr;  // kdim == vdim == embed_dim
+  Parameter* q_proj_weight = nullptr;   // otherwise
+  Parameter* k_proj_weight = nullptr;
+  Parameter* v_proj_weight = nullptr;
+  Parameter* in_proj_bias = nullptr;
+  Linear out_proj;
+
+ private:
+  struct Shapes {
+    int64_t B, L, S;
+    bool unbatched;
+  };
+  Shapes check_inputs(const TensorView& q, const TensorView& k, const TensorView& v) const;
+  void build_mask(const Shapes& s, const TensorView& key_padding_mask, const TensorView& attn_mask);
+  const float* w_q() const;
+  const float* w_k() const;
+  const float* w_v() const;
+  float* grad_w(int which);
+  TensorView heads_view(const Tensor& rows, int64_t B, int64_t L, int64_t H) const;
+
+  MultiheadAttentionConfig cfg_;
+  int64_t E_, hd_, Hkv_, kdim_, vdim_;
+  RotaryEmbedding rope_;
+  uint64_t calls_ = 0;
+
+  // What backward needs from the last forward.
+  Shapes shapes_{};
+  Tensor query_, key_, value_;  // inputs as rows
+  Tensor q_, k_, v_, attn_;     // projections (q, k after RoPE) and the heads' output, as rows
+  Tensor lse_, mask_;
+  AttentionOptions opt_;
+  bool have_forward_ = false;
+};
+
+}  // namespace attn::nn
