@@ -24,7 +24,7 @@ MultiheadAttention::MultiheadAttention(const MultiheadAttentionConfig& config, R
       Hkv_(config.num_kv_heads > 0 ? config.num_kv_heads : config.num_heads),
       kdim_(config.kdim > 0 ? config.kdim : config.embed_dim),
       vdim_(config.vdim > 0 ? config.vdim : config.embed_dim),
-      rope_(hd_ > 0 ? hd_ : 2, config.rope, config.rope_base) {
+      rope_(hd_ > 0 ? hd_ : 2, hd_ % 2 == 0 ? config.rope : RopeStyle::none, config.rope_base) {
   if (E_ < 1 || cfg_.num_heads < 1 || E_ % cfg_.num_heads != 0)
     throw Error("MultiheadAttention: embed_dim (" + str(E_) + ") must be a positive multiple of num_heads (" +
                 str(cfg_.num_heads) + ")");

@@ -1,0 +1,214 @@
+// MultiheadAttention beyond what PyTorch parity covers: grouped-query heads, RoPE,
+// the KV cache, windows, gradients by finite differences, weights, errors.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "attn/error.hpp"
+#include "attn/nn/multihead_attention.hpp"
+#include "nn_test_util.hpp"
+
+namespace attn::testing {
+namespace {
+
+nn::MultiheadAttentionConfig config(int64_t E, int64_t H, int64_t Hkv = 0, bool batch_first = true) {
+  nn::MultiheadAttentionConfig c;
+  c.embed_dim = E;
+  c.num_heads = H;
+  c.num_kv_heads = Hkv;
+  c.batch_first = batch_first;
+  return c;
+}
+
+void randomize(nn::Module& m, nn::Rng& rng) {
+  for (auto& [name, p] : m.named_parameters()) init_uniform(*p, 0.5f, rng);
+}
+
+TEST(MultiheadAttention, GroupedQueryEqualsRepeatedKeyValueHeads) {
+  nn::Rng rng = nn_rng(41);
+  const int64_t E = 16, H = 4, Hkv = 2, hd = 4, B = 2, L = 5, S = 7;
+  nn::MultiheadAttention gqa(config(E, H, Hkv), rng), full(config(E, H), rng);
+  randomize(gqa, rng);
+  // full's k/v rows for head h are gqa's rows for kv head h / 2.
+  const auto& w = gqa.in_proj_weight->value;
+  const auto& b = gqa.in_proj_bias->value;
+  auto& fw = full.in_proj_weight->value;
+  auto& fb = full.in_proj_bias->value;
+  std::copy(w.begin(), w.begin() + E * E, fw.begin());
+  std::copy(b.begin(), b.begin() + E, fb.begin());
+  for (int part = 0; part < 2; ++part)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t r = 0; r < hd; ++r) {
+        const int64_t src = E + part * Hkv * hd + (h / 2) * hd + r, dst = E + part * E + h * hd + r;
+        std::copy_n(w.begin() + src * E, E, fw.begin() + dst * E);
+        fb[dst] = b[src];
+      }
+  full.out_proj.weight.value = gqa.out_proj.weight.value;
+  full.out_proj.bias->value = gqa.out_proj.bias->value;
+  Tensor q = random_tensor({B, L, E}, rng), kv = random_tensor({B, S, E}, rng);
+  auto a = gqa.forward(q, kv, kv), c = full.forward(q, kv, kv);
+  EXPECT_LT(max_rel_diff(a.output.data_as<float>(), c.output.data_as<float>(), a.output.numel()), 1e-5);
+  EXPECT_LT(max_rel_diff(a.weights.data_as<float>(), c.weights.data_as<float>(), a.weights.numel()), 1e-5);
+  Tensor g = random_tensor({B, L, E}, rng);
+  gqa.zero_grad();
+  full.zero_grad();
+  auto ga = gqa.backward(g), gc = full.backward(g);
+  EXPECT_LT(max_rel_diff(ga.dquery.data_as<float>(), gc.dquery.data_as<float>(), ga.dquery.numel()), 1e-5);
+  EXPECT_LT(max_rel_diff(ga.dkey.data_as<float>(), gc.dkey.data_as<float>(), ga.dkey.numel()), 1e-5);
+  // A kv head's weight gradient is the sum over the query heads that share it.
+  for (int64_t r = 0; r < hd; ++r)
+    for (int64_t col = 0; col < E; ++col) {
+      const int64_t kv_row = E + 1 * hd + r;  // kv head 1 of the key projection
+      const double want = double(full.in_proj_weight->grad[(E + 2 * hd + r) * E + col]) +
+                          full.in_proj_weight->grad[(E + 3 * hd + r) * E + col];
+      EXPECT_NEAR(gqa.in_proj_weight->grad[kv_row * E + col], want, 1e-4 * (1 + std::fabs(want)));
+    }
+}
+
+TEST(MultiheadAttention, KvCacheDecodingEqualsTheFullCausalForward) {
+  nn::Rng rng = nn_rng(42);
+  for (auto rope : {nn::RopeStyle::none, nn::RopeStyle::half, nn::RopeStyle::interleaved})
+    for (bool batch_first : {true, false}) {
+      auto cfg = config(24, 6, 2, batch_first);
+      cfg.rope = rope;
+      cfg.window = {4, 0};
+      nn::MultiheadAttention mha(cfg, rng);
+      randomize(mha, rng);
+      mha.eval();
+      const int64_t B = 2, L = 9;
+      Tensor x = random_tensor({B, L, 24}, rng);  // read as [L, B, E] when !batch_first: same numbers
+      TensorView xv(x.data(), DType::f32, batch_first ? std::vector<int64_t>{B, L, 24} : std::vector<int64_t>{L, B, 24});
+      Tensor full = mha.forward(xv, xv, xv, {}, false, {}, true, /*is_causal=*/true).output;
+      nn::KVCache cache = mha.make_cache(B, 16);
+      // Decode as 1 + 1 + 3 + 4 positions.
+      int64_t t0 = 0;
+      for (int64_t n : {1, 1, 3, 4}) {
+        Tensor chunk(DType::f32, batch_first ? std::vector<int64_t>{B, n, 24} : std::vector<int64_t>{n, B, 24});
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t t = 0; t < n; ++t) {
+            const int64_t src = batch_first ? b * L + t0 + t : (t0 + t) * B + b;
+            const int64_t dst = batch_first ? b * n + t : t * B + b;
+            std::memcpy(chunk.data_as<float>() + dst * 24, x.data_as<float>() + src * 24, sizeof(float) * 24);
+          }
+        Tensor y = mha.forward_cached(chunk, cache);
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t t = 0; t < n; ++t) {
+            const int64_t src = batch_first ? b * L + t0 + t : (t0 + t) * B + b;
+            const int64_t dst = batch_first ? b * n + t : t * B + b;
+            EXPECT_LT(max_rel_diff(y.data_as<float>() + dst * 24, full.data_as<float>() + src * 24, 24), 1e-5)
+                << "position " << t0 + t << " rope " << int(rope) << " batch_first " << batch_first;
+          }
+        t0 += n;
+      }
+      EXPECT_EQ(cache.length, L);
+      EXPECT_THROW(mha.forward_cached(random_tensor({B, 8, 24}, rng), cache), Error);  // 9 + 8 > 16
+    }
+}
+
+TEST(MultiheadAttention, GradientsWithEveryFeature) {
+  nn::Rng rng = nn_rng(43);
+  auto cfg = config(16, 4, 2, /*batch_first=*/false);
+  cfg.kdim = 5;
+  cfg.vdim = 7;
+  cfg.rope = nn::RopeStyle::half;
+  nn::MultiheadAttention mha(cfg, rng);
+  randomize(mha, rng);
+  const int64_t B = 2, L = 4, S = 6;
+  Tensor q = random_tensor({L, B, 16}, rng), k = random_tensor({S, B, 5}, rng), v = random_tensor({S, B, 7}, rng);
+  Tensor kpm(DType::boolean, {B, S});
+  for (int64_t i = 0; i < B * S; ++i) kpm.data_as<uint8_t>()[i] = (i % S) == 5 && i >= S;  // pad the last key of b=1
+  Tensor am = random_tensor({L, S}, rng);  // additive
+  nn::MultiheadAttentionGrads g;
+  auto slots = parameter_slots(mha);
+  slots.push_back({"query", q.data_as<float>(), q.numel(), [&] { return g.dquery.data_as<float>(); }});
+  slots.push_back({"key", k.data_as<float>(), k.numel(), [&] { return g.dkey.data_as<float>(); }});
+  slots.push_back({"value", v.data_as<float>(), v.numel(), [&] { return g.dvalue.data_as<float>(); }});
+  mha.zero_grad();
+  check_gradients([&] { return mha.forward(q, k, v, kpm, false, am, true, true).output; },
+                  [&](const Tensor& dy) { g = mha.backward(dy); }, slots, rng);
+}
+
+TEST(MultiheadAttention, WeightsAreDistributionsAndAverageOverHeads) {
+  nn::Rng rng = nn_rng(44);
+  nn::MultiheadAttention mha(config(8, 2), rng);
+  Tensor x = random_tensor({3, 5, 8}, rng);
+  auto per_head = mha.forward(x, x, x, {}, true, {}, /*average=*/false, /*causal=*/true);
+  auto averaged = mha.forward(x, x, x, {}, true, {}, true, true);
+  ASSERT_EQ(per_head.weights.shape(), (std::vector<int64_t>{3, 2, 5, 5}));
+  ASSERT_EQ(averaged.weights.shape(), (std::vector<int64_t>{3, 5, 5}));
+  for (int64_t b = 0; b < 3; ++b)
+    for (int64_t i = 0; i < 5; ++i) {
+      double row = 0;
+      for (int64_t j = 0; j < 5; ++j) {
+        const float* p = per_head.weights.data_as<float>();
+        const double mean = (p[((b * 2 + 0) * 5 + i) * 5 + j] + p[((b * 2 + 1) * 5 + i) * 5 + j]) / 2.0;
+        EXPECT_NEAR(averaged.weights.data_as<float>()[(b * 5 + i) * 5 + j], mean, 1e-7);
+        if (j > i) EXPECT_EQ(averaged.weights.data_as<float>()[(b * 5 + i) * 5 + j], 0.0f);  // causal
+        row += averaged.weights.data_as<float>()[(b * 5 + i) * 5 + j];
+      }
+      EXPECT_NEAR(row, 1.0, 1e-6);
+    }
+  // Unbatched input: [L, E] in, [L, E] and [L, S] out.
+  Tensor u = random_tensor({4, 8}, rng);
+  auto r = mha.forward(u, u, u);
+  EXPECT_EQ(r.output.shape(), (std::vector<int64_t>{4, 8}));
+  EXPECT_EQ(r.weights.shape(), (std::vector<int64_t>{4, 4}));
+}
+
+TEST(MultiheadAttention, FullyMaskedQueryGivesTheOutputBiasNotNaN) {
+  nn::Rng rng = nn_rng(45);
+  nn::MultiheadAttention mha(config(4, 1), rng);
+  randomize(mha, rng);
+  Tensor x = random_tensor({1, 2, 4}, rng);
+  uint8_t all[2] = {1, 1};  // every key ignored
+  auto r = mha.forward(x, x, x, TensorView(all, DType::boolean, {1, 2}));
+  for (int64_t i = 0; i < 8; ++i) EXPECT_EQ(r.output.data_as<float>()[i], mha.out_proj.bias->value[i % 4]);
+  auto g = mha.backward(random_tensor({1, 2, 4}, rng));
+  for (int64_t i = 0; i < 8; ++i) EXPECT_EQ(g.dquery.data_as<float>()[i], 0.0f);
+}
+
+TEST(MultiheadAttention, DropoutOnlyInTrainingAndReproducible) {
+  nn::Rng rng = nn_rng(46);
+  auto cfg = config(8, 2);
+  cfg.dropout = 0.5f;
+  cfg.seed = 7;
+  nn::Rng r1(1), r2(1);
+  nn::MultiheadAttention a(cfg, r1), b(cfg, r2);
+  Tensor x = random_tensor({2, 6, 8}, rng);
+  Tensor ya = a.forward(x, x, x).output, yb = b.forward(x, x, x).output;
+  EXPECT_EQ(std::memcmp(ya.data(), yb.data(), sizeof(float) * ya.numel()), 0);
+  a.eval();
+  Tensor ye = a.forward(x, x, x).output;
+  EXPECT_NE(std::memcmp(ya.data(), ye.data(), sizeof(float) * ya.numel()), 0);
+}
+
+TEST(MultiheadAttention, ErrorsNameTheArgument) {
+  nn::Rng rng(5);
+  EXPECT_THROW(nn::MultiheadAttention(config(10, 3), rng), Error);
+  EXPECT_THROW(nn::MultiheadAttention(config(12, 4, 3), rng), Error);
+  auto odd = config(12, 4);
+  odd.rope = nn::RopeStyle::half;
+  EXPECT_THROW(nn::MultiheadAttention(odd, rng), Error);  // head_dim 3
+  nn::MultiheadAttention mha(config(8, 2), rng);
+  Tensor x = random_tensor({2, 3, 8}, rng), y = random_tensor({2, 3, 6}, rng), z = random_tensor({3, 3, 8}, rng);
+  auto message = [&](auto&& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message([&] { mha.forward(y, y, y); }).find("embed_dim 8"), std::string::npos);
+  EXPECT_NE(message([&] { mha.forward(x, z, z); }).find("batch size"), std::string::npos);
+  Tensor kpm(DType::boolean, {2, 4});
+  EXPECT_NE(message([&] { mha.forward(x, x, x, kpm); }).find("key_padding_mask must be [2, 3]"), std::string::npos);
+  Tensor am = random_tensor({3, 4}, rng);
+  EXPECT_NE(message([&] { mha.forward(x, x, x, {}, true, am); }).find("attn_mask must be [3, 3] or [4, 3, 3]"),
+            std::string::npos);
+  nn::MultiheadAttention fresh(config(8, 2), rng);
+  EXPECT_THROW(fresh.backward(x), Error);
+}
+
+}  // namespace
+}  // namespace attn::testing
