@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "attn/nn/multihead_attention.hpp"
+#include "attn/nn/transformer.hpp"
 #include "nn_parity.hpp"
 
 namespace attn::testing {
@@ -52,6 +53,80 @@ TEST_P(MhaParity, OutputsWeightsAndGradients) {
 INSTANTIATE_TEST_SUITE_P(PyTorch, MhaParity,
                          ::testing::Values("basic", "batch_first_cross", "kdim_vdim", "float_masks_per_head",
                                            "float_padding", "causal_self", "one_head_odd"));
+
+nn::TransformerLayerConfig layer_config(const nlohmann::json& cfg) {
+  nn::TransformerLayerConfig c;
+  c.d_model = cfg["E"];
+  c.nhead = cfg["H"];
+  c.dim_feedforward = cfg["F"];
+  c.batch_first = cfg["batch_first"];
+  c.norm_first = cfg.value("norm_first", false);
+  c.activation = nn::activation_from_name(cfg.value("activation", std::string("relu")));
+  return c;
+}
+
+// PyTorch's boolean causal mask [L, L]: true above the diagonal (not allowed).
+Tensor causal_mask(int64_t L) {
+  Tensor m(DType::boolean, {L, L});
+  for (int64_t i = 0; i < L; ++i)
+    for (int64_t j = 0; j < L; ++j) m.data_as<uint8_t>()[i * L + j] = j > i;
+  return m;
+}
+
+class LayerParity : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
+
+TEST_P(LayerParity, EncoderLayer) {
+  const auto [norm_first, batch_first] = GetParam();
+  ParityCase c("encoder_layer_nf" + std::to_string(norm_first) + "_bf" + std::to_string(batch_first) +
+               ".safetensors");
+  nn::Rng rng(0);
+  nn::TransformerEncoderLayer layer(layer_config(c.config), rng);
+  c.load_params(layer);
+  Tensor src = c.tensor("in.src"), kpm = c.tensor("in.src_key_padding_mask");
+  c.expect_close("out.output", layer.forward(src, {}, kpm));
+  c.expect_close("grad.src", layer.backward(c.tensor("dout.output")));
+  c.expect_param_grads(layer);
+}
+
+TEST_P(LayerParity, DecoderLayer) {
+  const auto [norm_first, batch_first] = GetParam();
+  ParityCase c("decoder_layer_nf" + std::to_string(norm_first) + "_bf" + std::to_string(batch_first) +
+               ".safetensors");
+  nn::Rng rng(0);
+  nn::TransformerDecoderLayer layer(layer_config(c.config), rng);
+  c.load_params(layer);
+  Tensor tgt = c.tensor("in.tgt"), memory = c.tensor("in.memory"), mkpm = c.tensor("in.memory_key_padding_mask");
+  c.expect_close("out.output", layer.forward(tgt, memory, {}, {}, {}, mkpm, /*tgt_is_causal=*/true));
+  nn::DecoderGrads g = layer.backward(c.tensor("dout.output"));
+  c.expect_close("grad.tgt", g.dtgt);
+  c.expect_close("grad.memory", g.dmemory);
+  c.expect_param_grads(layer);
+}
+
+INSTANTIATE_TEST_SUITE_P(PyTorch, LayerParity, ::testing::Combine(::testing::Bool(), ::testing::Bool()));
+
+TEST(StackParity, EncoderWithFinalNorm) {
+  ParityCase c("encoder_stack.safetensors");
+  nn::Rng rng(0);
+  nn::TransformerEncoder enc(layer_config(c.config), c.config["layers"], /*final_norm=*/true, rng);
+  c.load_params(enc);
+  c.expect_close("out.output", enc.forward(c.tensor("in.src")));
+  c.expect_close("grad.src", enc.backward(c.tensor("dout.output")));
+  c.expect_param_grads(enc);
+}
+
+TEST(StackParity, DecoderWithFinalNormAndABooleanCausalMask) {
+  ParityCase c("decoder_stack.safetensors");
+  nn::Rng rng(0);
+  nn::TransformerDecoder dec(layer_config(c.config), c.config["layers"], /*final_norm=*/true, rng);
+  c.load_params(dec);
+  Tensor mask = causal_mask(c.config["L"]);
+  c.expect_close("out.output", dec.forward(c.tensor("in.tgt"), c.tensor("in.memory"), mask));
+  nn::DecoderGrads g = dec.backward(c.tensor("dout.output"));
+  c.expect_close("grad.tgt", g.dtgt);
+  c.expect_close("grad.memory", g.dmemory);
+  c.expect_param_grads(dec);
+}
 
 }  // namespace
 }  // namespace attn::testing
