@@ -28,6 +28,7 @@ class ParityCase {
   }
 
   bool has(const std::string& name) const { return file_.tensors.count(name) != 0; }
+  const io::SafeTensors& file() const { return file_; }
 
   /// A recorded tensor as f32 (BOOL tensors become DType::boolean).
   Tensor tensor(const std::string& name) const {

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "attn/nn/multihead_attention.hpp"
+#include "attn/nn/recurrent.hpp"
 #include "attn/nn/transformer.hpp"
 #include "nn_parity.hpp"
 
@@ -127,6 +128,50 @@ TEST(StackParity, DecoderWithFinalNormAndABooleanCausalMask) {
   c.expect_close("grad.memory", g.dmemory);
   c.expect_param_grads(dec);
 }
+
+class RecurrentParity : public ::testing::TestWithParam<std::tuple<const char*, bool>> {};
+
+void check_recurrent(const ParityCase& c, bool lstm) {
+  nn::RecurrentConfig rc;
+  rc.input_size = c.config["input_size"];
+  rc.hidden_size = c.config["hidden_size"];
+  rc.num_layers = c.config["num_layers"];
+  rc.bidirectional = c.config["bidirectional"];
+  rc.batch_first = c.config["batch_first"];
+  nn::Rng rng(0);
+  nn::RecurrentLayers rnn(lstm ? nn::RecurrentLayers::Kind::lstm : nn::RecurrentLayers::Kind::gru, rc, rng);
+  c.load_params(rnn);
+  Tensor c0 = lstm && c.has("in.c0") ? c.tensor("in.c0") : Tensor();
+  Tensor h0 = c.has("in.h0") ? c.tensor("in.h0") : Tensor();
+  std::vector<int32_t> lengths = c.has("in.lengths") ? c.file().at("in.lengths").to_i32() : std::vector<int32_t>{};
+  const TensorView lengths_view = lengths.empty() ? TensorView()
+                                                  : TensorView(lengths.data(), DType::i32, {int64_t(lengths.size())});
+  auto out = rnn.forward(c.tensor("in.input"), c.has("in.h0") ? h0.view() : TensorView(),
+                         lstm && c.has("in.c0") ? c0.view() : TensorView(), lengths_view);
+  c.expect_close("out.output", out.output);
+  c.expect_close("out.h_n", out.h_n);
+  if (lstm) c.expect_close("out.c_n", out.c_n);
+  Tensor dc = lstm ? c.tensor("dout.c_n") : Tensor();
+  auto g = rnn.backward(c.tensor("dout.output"), c.tensor("dout.h_n"), lstm ? dc.view() : TensorView());
+  c.expect_close("grad.input", g.dinput);
+  if (c.has("grad.h0")) c.expect_close("grad.h0", g.dh0);
+  if (c.has("grad.c0")) c.expect_close("grad.c0", g.dc0);
+  c.expect_param_grads(rnn);
+}
+
+TEST_P(RecurrentParity, TwoLayerBidirectional) {
+  const auto [kind, batch_first] = GetParam();
+  check_recurrent(ParityCase(std::string(kind) + "_bf" + std::to_string(batch_first) + ".safetensors"),
+                  std::string(kind) == "lstm");
+}
+
+TEST(RecurrentParity, VariableLengthsAsPackedSequences) {
+  check_recurrent(ParityCase("gru_packed.safetensors"), false);
+  check_recurrent(ParityCase("lstm_packed.safetensors"), true);
+}
+
+INSTANTIATE_TEST_SUITE_P(PyTorch, RecurrentParity,
+                         ::testing::Combine(::testing::Values("gru", "lstm"), ::testing::Bool()));
 
 }  // namespace
 }  // namespace attn::testing

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 DTYPES = {np.dtype("float64"): "F64", np.dtype("float32"): "F32", np.dtype("bool"): "BOOL",
           np.dtype("int64"): "I64", np.dtype("int32"): "I32"}
+# (record() stores integer inputs such as lengths as they are; they get no gradient.)
 
 
 def save_safetensors(path, tensors, metadata):
@@ -237,6 +238,28 @@ def rnn_cases(out):
                         batch_first=batch_first))
 
 
+def packed_cases(out):
+    """Variable lengths through pack_padded_sequence: attn's `lengths` must agree."""
+    for kind in ("GRU", "LSTM"):
+        I, Hd, L, B = 4, 6, 7, 4
+        m = prepare(getattr(nn, kind)(I, Hd, num_layers=2, batch_first=True, bidirectional=True))
+        x = leaf(randn(B, L, I))
+        lengths = torch.tensor([random.randint(1, L) for _ in range(B)])
+        lengths[random.randrange(B)] = L  # pad_packed_sequence pads to the longest
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        if kind == "LSTM":
+            o, (hn, cn) = m(packed)
+            outputs = {"h_n": hn, "c_n": cn}
+        else:
+            o, hn = m(packed)
+            outputs = {"h_n": hn}
+        outputs["output"], _ = nn.utils.rnn.pad_packed_sequence(o, batch_first=True, total_length=L)
+        record(os.path.join(out, "%s_packed.safetensors" % kind.lower()), m,
+               {"input": x, "lengths": lengths.to(torch.int32)}, outputs,
+               dict(kind=kind, input_size=I, hidden_size=Hd, L=L, B=B, num_layers=2, bidirectional=True,
+                    batch_first=True))
+
+
 def main():
     out = sys.argv[1]
     os.makedirs(out, exist_ok=True)
@@ -247,6 +270,7 @@ def main():
     mha_cases(out)
     transformer_cases(out)
     rnn_cases(out)
+    packed_cases(out)
     print("make_parity: wrote %d files to %s" % (len(os.listdir(out)), out))
 
 
