@@ -1,0 +1,192 @@
+// Additive (Bahdanau) and Luong attention against float64 formulas, on every SIMD
+// target; gradients by finite differences; masks over padded source positions.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "attn/error.hpp"
+#include "attn/nn/rnn_attention.hpp"
+#include "cpu/attention_forward.hpp"  // simd_targets, force_simd_target
+#include "nn_test_util.hpp"
+
+namespace attn::testing {
+namespace {
+
+// Reference context and weights in float64 for scores e(b, t, j).
+template <class Score>
+void reference_attention(int64_t B, int64_t T, int64_t S, int64_t Dk, const float* keys,
+                         const std::vector<int32_t>& lengths, Score score, std::vector<double>& context,
+                         std::vector<double>& weights) {
+  context.assign(B * T * Dk, 0.0);
+  weights.assign(B * T * S, 0.0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t n = lengths[b];
+      if (n == 0) continue;
+      std::vector<double> e(n);
+      double mx = -1e300, sum = 0;
+      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, e[j] = score(b, t, j));
+      for (int64_t j = 0; j < n; ++j) sum += std::exp(e[j] - mx);
+      for (int64_t j = 0; j < n; ++j) {
+        const double a = std::exp(e[j] - mx) / sum;
+        weights[(b * T + t) * S + j] = a;
+        for (int64_t c = 0; c < Dk; ++c) context[(b * T + t) * Dk + c] += a * keys[(b * S + j) * Dk + c];
+      }
+    }
+}
+
+void expect_near_all(const Tensor& got, const std::vector<double>& want, double tol, const char* what) {
+  double scale = 1e-30;
+  for (double w : want) scale = std::max(scale, std::fabs(w));
+  for (int64_t i = 0; i < got.numel(); ++i)
+    ASSERT_NEAR(got.data_as<float>()[i], want[i], tol * scale) << what << " element " << i << " " << seed_note();
+}
+
+TEST(AdditiveAttention, MatchesFloat64OnEverySimdTarget) {
+  nn::Rng rng = nn_rng(71);
+  for (int64_t target : detail::simd_targets()) {
+    detail::force_simd_target(target);
+    for (auto [A, Dq, Dk] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1}, {17, 5, 9}, {64, 32, 48}, {100, 8, 3}}) {
+      nn::AdditiveAttention att(Dq, Dk, A, /*bias=*/A != 64, rng);
+      if (att.bias) init_uniform(*att.bias, 0.5f, rng);
+      const int64_t B = 3, T = 2, S = 7;
+      Tensor q = random_tensor({B, T, Dq}, rng), k = random_tensor({B, S, Dk}, rng);
+      const std::vector<int32_t> lengths{7, 3, 0};
+      auto out = att.forward(q, k, TensorView(lengths.data(), DType::i32, {B}));
+      auto score = [&](int64_t b, int64_t t, int64_t j) {
+        double e = 0;
+        for (int64_t a = 0; a < A; ++a) {
+          double u = att.bias ? att.bias->value[a] : 0.0;
+          for (int64_t i = 0; i < Dq; ++i) u += double(att.query_proj.value[a * Dq + i]) * q.data_as<float>()[(b * T + t) * Dq + i];
+          for (int64_t i = 0; i < Dk; ++i) u += double(att.key_proj.value[a * Dk + i]) * k.data_as<float>()[(b * S + j) * Dk + i];
+          e += att.v.value[a] * std::tanh(u);
+        }
+        return e;
+      };
+      std::vector<double> context, weights;
+      reference_attention(B, T, S, Dk, k.data_as<float>(), lengths, score, context, weights);
+      expect_near_all(out.context, context, 2e-6, "context");
+      expect_near_all(out.weights, weights, 2e-6, "weights");
+    }
+  }
+  detail::force_simd_target(0);
+}
+
+TEST(AdditiveAttention, GradientsThroughSeveralStepsOnOneMemory) {
+  nn::Rng rng = nn_rng(72);
+  nn::AdditiveAttention att(6, 5, 19, true, rng);
+  init_uniform(*att.bias, 0.5f, rng);
+  const int64_t B = 2, S = 4;
+  Tensor k = random_tensor({B, S, 5}, rng), q1 = random_tensor({B, 1, 6}, rng), q2 = random_tensor({B, 3, 6}, rng);
+  const std::vector<int32_t> lengths{4, 2};
+  const TensorView len(lengths.data(), DType::i32, {B});
+  // Two decoder steps on the same memory; output = [context1, context2] flattened.
+  nn::AdditiveAttention::Memory mem;
+  nn::AdditiveAttention::Step s1, s2;
+  Tensor dq1, dq2, dk;
+  auto forward = [&] {
+    mem = att.encode(k, len);
+    Tensor c1 = att.attend(q1, mem, s1), c2 = att.attend(q2, mem, s2);
+    Tensor y(DType::f32, {c1.numel() + c2.numel()});
+    std::copy_n(c1.data_as<float>(), c1.numel(), y.data_as<float>());
+    std::copy_n(c2.data_as<float>(), c2.numel(), y.data_as<float>() + c1.numel());
+    return y;
+  };
+  auto backward = [&](const Tensor& g) {
+    Tensor g1 = nn::clone(TensorView(g.data(), DType::f32, {B, 1, 5}));
+    Tensor g2 = nn::clone(TensorView(g.data_as<float>() + B * 5, DType::f32, {B, 3, 5}));
+    dq2 = att.attend_backward(s2, mem, g2);  // any order
+    dq1 = att.attend_backward(s1, mem, g1);
+    dk = att.encode_backward(mem);
+  };
+  auto slots = parameter_slots(att);
+  slots.push_back({"q1", q1.data_as<float>(), q1.numel(), [&] { return dq1.data_as<float>(); }});
+  slots.push_back({"q2", q2.data_as<float>(), q2.numel(), [&] { return dq2.data_as<float>(); }});
+  slots.push_back({"keys", k.data_as<float>(), k.numel(), [&] { return dk.data_as<float>(); }});
+  att.zero_grad();
+  check_gradients(forward, backward, slots, rng);
+  // Masked keys get no gradient.
+  for (int64_t j = 2; j < S; ++j)
+    for (int64_t c = 0; c < 5; ++c) EXPECT_EQ(dk.data_as<float>()[((1 * S) + j) * 5 + c], 0.0f);
+}
+
+TEST(LuongAttention, EveryScoreMatchesFloat64AndHasGradients) {
+  nn::Rng rng = nn_rng(73);
+  for (auto score : {nn::LuongScore::dot, nn::LuongScore::general, nn::LuongScore::concat}) {
+    const int64_t Dq = 6, Dk = score == nn::LuongScore::dot ? 6 : 4, B = 3, T = 5, S = 6;
+    nn::LuongAttention att(Dq, Dk, score, rng, 7);
+    Tensor q = random_tensor({B, T, Dq}, rng), m = random_tensor({B, S, Dk}, rng);
+    const std::vector<int32_t> lengths{6, 1, 4};
+    const TensorView len(lengths.data(), DType::i32, {B});
+    auto out = att.forward(q, m, len);
+    const float* qd = q.data_as<float>();
+    const float* md = m.data_as<float>();
+    auto e = [&](int64_t b, int64_t t, int64_t j) {
+      const float* h = qd + (b * T + t) * Dq;
+      const float* hs = md + (b * S + j) * Dk;
+      double s = 0;
+      if (score == nn::LuongScore::dot) {
+        for (int64_t c = 0; c < Dk; ++c) s += double(h[c]) * hs[c];
+      } else if (score == nn::LuongScore::general) {
+        for (int64_t r = 0; r < Dk; ++r) {
+          double wh = 0;
+          for (int64_t c = 0; c < Dq; ++c) wh += double(att.linear_in->value[r * Dq + c]) * h[c];
+          s += wh * hs[r];
+        }
+      } else {
+        const auto& p = att.named_parameters();
+        const nn::Parameter* wq = nullptr;
+        const nn::Parameter* wk = nullptr;
+        const nn::Parameter* v = nullptr;
+        for (auto& [n, ptr] : p) {
+          if (n == "query_proj.weight") wq = ptr;
+          if (n == "key_proj.weight") wk = ptr;
+          if (n == "v") v = ptr;
+        }
+        for (int64_t a = 0; a < 7; ++a) {
+          double u = 0;
+          for (int64_t c = 0; c < Dq; ++c) u += double(wq->value[a * Dq + c]) * h[c];
+          for (int64_t c = 0; c < Dk; ++c) u += double(wk->value[a * Dk + c]) * hs[c];
+          s += v->value[a] * std::tanh(u);
+        }
+      }
+      return s;
+    };
+    std::vector<double> context, weights;
+    reference_attention(B, T, S, Dk, md, lengths, e, context, weights);
+    expect_near_all(out.context, context, 2e-6, "context");
+    expect_near_all(out.weights, weights, 2e-6, "weights");
+    // h̃ = tanh(W_c·[c; h])
+    for (int64_t r = 0; r < B * T; ++r)
+      for (int64_t o = 0; o < Dq; ++o) {
+        double pre = 0;
+        for (int64_t c = 0; c < Dk; ++c) pre += double(att.linear_out.value[o * (Dk + Dq) + c]) * context[r * Dk + c];
+        for (int64_t c = 0; c < Dq; ++c) pre += double(att.linear_out.value[o * (Dk + Dq) + Dk + c]) * qd[r * Dq + c];
+        EXPECT_NEAR(out.attentional.data_as<float>()[r * Dq + o], std::tanh(pre), 2e-6);
+      }
+    std::pair<Tensor, Tensor> g;
+    auto slots = parameter_slots(att);
+    slots.push_back({"queries", q.data_as<float>(), q.numel(), [&] { return g.first.data_as<float>(); }});
+    slots.push_back({"memory", m.data_as<float>(), m.numel(), [&] { return g.second.data_as<float>(); }});
+    att.zero_grad();
+    check_gradients([&] { return att.forward(q, m, len).attentional; }, [&](const Tensor& d) { g = att.backward(d); },
+                    slots, rng);
+  }
+}
+
+TEST(RnnAttention, Errors) {
+  nn::Rng rng(1);
+  EXPECT_THROW(nn::LuongAttention(4, 5, nn::LuongScore::dot, rng), Error);
+  nn::AdditiveAttention att(3, 4, 5, true, rng);
+  Tensor k = random_tensor({2, 3, 4}, rng);
+  const int32_t bad[] = {4, 1};
+  EXPECT_THROW(att.encode(k, TensorView(bad, DType::i32, {2})), Error);
+  EXPECT_THROW(att.encode(random_tensor({2, 3, 5}, rng)), Error);
+  auto mem = att.encode(k);
+  nn::AdditiveAttention::Step step;
+  EXPECT_THROW(att.attend(random_tensor({3, 1, 3}, rng), mem, step), Error);
+  EXPECT_THROW(att.backward(random_tensor({2, 1, 4}, rng)), Error);
+}
+
+}  // namespace
+}  // namespace attn::testing
