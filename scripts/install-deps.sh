@@ -6,11 +6,12 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake ninja-build pkg-config
   libhwy-dev            # Highway: SIMD with runtime dispatch
-  libopenblas-dev       # CBLAS for the baseline and (later) the nn modules
+  libopenblas-dev       # CBLAS: the nn modules' dense products, and the baseline
   libgtest-dev libgmock-dev
   libbenchmark-dev
   libcli11-dev nlohmann-json3-dev libpng-dev
   clang-14 libclang-rt-14-dev   # libFuzzer for the safetensors loader
+  python3-torch python3-numpy   # the PyTorch parity oracle (tests/parity), for /usr/bin/python3
 )
 
 missing=()

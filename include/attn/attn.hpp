@@ -3,4 +3,5 @@
 
 #include "attn/attention.hpp"
 #include "attn/error.hpp"
+#include "attn/nn.hpp"
 #include "attn/tensor.hpp"
