@@ -53,7 +53,8 @@ TEST_P(MhaParity, OutputsWeightsAndGradients) {
 
 INSTANTIATE_TEST_SUITE_P(PyTorch, MhaParity,
                          ::testing::Values("basic", "batch_first_cross", "kdim_vdim", "float_masks_per_head",
-                                           "float_padding", "causal_self", "one_head_odd"));
+                                           "float_padding", "causal_self", "one_head_odd"),
+                         [](const auto& info) { return std::string(info.param); });
 
 nn::TransformerLayerConfig layer_config(const nlohmann::json& cfg) {
   nn::TransformerLayerConfig c;
@@ -104,7 +105,11 @@ TEST_P(LayerParity, DecoderLayer) {
   c.expect_param_grads(layer);
 }
 
-INSTANTIATE_TEST_SUITE_P(PyTorch, LayerParity, ::testing::Combine(::testing::Bool(), ::testing::Bool()));
+INSTANTIATE_TEST_SUITE_P(PyTorch, LayerParity, ::testing::Combine(::testing::Bool(), ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param) ? "pre_norm" : "post_norm") +
+                                  (std::get<1>(info.param) ? "_batch_first" : "_seq_first");
+                         });
 
 TEST(StackParity, EncoderWithFinalNorm) {
   ParityCase c("encoder_stack.safetensors");
@@ -171,7 +176,11 @@ TEST(RecurrentParity, VariableLengthsAsPackedSequences) {
 }
 
 INSTANTIATE_TEST_SUITE_P(PyTorch, RecurrentParity,
-                         ::testing::Combine(::testing::Values("gru", "lstm"), ::testing::Bool()));
+                         ::testing::Combine(::testing::Values("gru", "lstm"), ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "_batch_first" : "_seq_first");
+                         });
 
 }  // namespace
 }  // namespace attn::testing
