@@ -1,0 +1,305 @@
+"""attn: fused, exact attention kernels for the CPU.
+
+A drop-in for PyTorch's ``scaled_dot_product_attention`` (layout ``[..., H, L, d]``,
+same argument names and semantics) that is faster and takes more options: sliding
+windows, bottom-right causal alignment, soft-capping, ALiBi, grouped-query heads,
+packed variable-length batches, dropout that the backward reproduces, and the
+log-sum-exp. Inputs are NumPy arrays or CPU PyTorch tensors (float32); they are read
+in place, whatever their strides, and the result has the input's type. The kernels run
+with the GIL released.
+
+    import attn
+    out = attn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out, lse = attn.scaled_dot_product_attention(q, k, v, window=(128, 0), return_lse=True)
+    dq, dk, dv = attn.attention_backward(grad_out, q, k, v, out, lse, window=(128, 0))
+
+For PyTorch training, ``attn.torch.scaled_dot_product_attention`` is the same function
+as a ``torch.autograd.Function``.
+"""
+
+import secrets as _secrets
+
+import numpy as _np
+
+from . import _attn
+from ._attn import Error, num_threads, set_num_threads
+
+__all__ = ["scaled_dot_product_attention", "varlen_attention", "attention_backward", "set_num_threads",
+           "num_threads", "Error", "copies_made"]
+__version__ = "0.1.0"
+
+_copies = 0  # copies the wrapper had to make (see copies_made)
+
+
+def copies_made():
+    """How many array copies this module has made since import.
+
+    The kernels read their inputs in place; the wrapper copies only when several leading
+    batch dimensions cannot be viewed as one (NumPy's reshape rule), or to broadcast a mask
+    over several such dimensions. Tests use this to check zero-copy behaviour."""
+    return _copies
+
+
+def _is_torch(x):
+    return type(x).__module__.startswith("torch")
+
+
+def _array(x, name, kinds=("f",), allow_none=False):
+    """A NumPy view of x (a NumPy array, a CPU torch tensor or an array-like)."""
+    if x is None:
+        if allow_none:
+            return None
+        raise TypeError("%s: expected an array, got None" % name)
+    if _is_torch(x):
+        if x.device.type != "cpu":
+            raise ValueError("%s: expected a CPU tensor, got one on %s" % (name, x.device))
+        if str(x.dtype) == "torch.bfloat16":
+            raise TypeError("%s: bfloat16 is not supported by attn's CPU kernels yet; use float32" % name)
+        x = x.detach().numpy()  # a view, never a copy
+    elif not isinstance(x, _np.ndarray):
+        x = _np.asarray(x)
+    ok = (x.dtype == _np.float32 and "f" in kinds) or (x.dtype == _np.bool_ and "b" in kinds) or (
+        x.dtype == _np.int32 and "i" in kinds)
+    if not ok:
+        want = {"f": "float32", "b": "bool", "i": "int32"}
+        raise TypeError("%s: expected dtype %s, got %s" % (name, " or ".join(want[k] for k in kinds), x.dtype))
+    return x
+
+
+def _merge_batch(x, name, batch):
+    """x [..., a, b, c] as [B, a, b, c] with B the product of the leading dims (a view when possible)."""
+    global _copies
+    merged = x.reshape((int(_np.prod(batch, dtype=_np.int64)),) + x.shape[len(batch):])
+    if x.size and not _np.shares_memory(merged, x):
+        _copies += 1
+    return merged
+
+
+def _bshd(x):
+    """[B, H, L, d] seen as [B, L, H, d]: the kernels' layout, by strides only."""
+    return x.transpose(0, 2, 1, 3)
+
+
+def _causal_code(is_causal, alignment):
+    if not is_causal:
+        return 0
+    if alignment == "top_left":
+        return 1
+    if alignment == "bottom_right":
+        return 2
+    raise ValueError("causal_alignment must be \"top_left\" or \"bottom_right\", got %r" % (alignment,))
+
+
+def _window(window):
+    if window is None:
+        return -1, -1
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise ValueError("window must be a pair (left, right) of ints (-1 = unbounded), got %r" % (window,))
+    return int(left), int(right)
+
+
+def _check_common(q, k, v, enable_gqa):
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.ndim < 3:
+            raise ValueError("%s: expected shape [..., H, L, d] (at least 3 dimensions), got %s" % (name, t.shape))
+    if not (q.ndim == k.ndim == v.ndim):
+        raise ValueError("query, key and value must have the same number of dimensions, got %s, %s, %s"
+                         % (q.shape, k.shape, v.shape))
+    if q.shape[:-3] != k.shape[:-3] or q.shape[:-3] != v.shape[:-3]:
+        raise ValueError("query, key and value must have the same batch dimensions, got %s, %s, %s"
+                         % (q.shape, k.shape, v.shape))
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError("query and key must have the same head dimension d, got %d and %d" % (q.shape[-1], k.shape[-1]))
+    if k.shape[-2] != v.shape[-2] or k.shape[-3] != v.shape[-3]:
+        raise ValueError("key and value must have the same heads and length, got %s and %s" % (k.shape, v.shape))
+    hq, hkv = q.shape[-3], k.shape[-3]
+    if hq != hkv and not enable_gqa:
+        raise ValueError("query has %d heads and key/value %d: pass enable_gqa=True for grouped-query attention"
+                         % (hq, hkv))
+    if hq % hkv != 0:
+        raise ValueError("the number of key/value heads (%d) must divide the number of query heads (%d)" % (hkv, hq))
+
+
+def _mask(attn_mask, batch, hq, lq, lk):
+    """The mask as the kernels read it: broadcast over [B, Hq, Lq, Lk] by NumPy's rules."""
+    global _copies
+    m = _array(attn_mask, "attn_mask", kinds=("f", "b"), allow_none=True)
+    if m is None:
+        return None
+    try:
+        full = _np.broadcast_shapes(m.shape, tuple(batch) + (hq, lq, lk))
+    except ValueError:
+        raise ValueError("attn_mask of shape %s does not broadcast to %s" % (m.shape, tuple(batch) + (hq, lq, lk)))
+    if full != tuple(batch) + (hq, lq, lk):
+        raise ValueError("attn_mask of shape %s would enlarge the output shape %s"
+                         % (m.shape, tuple(batch) + (hq, lq, lk)))
+    if len(batch) <= 1 and m.ndim <= 4:
+        return m  # the kernels broadcast it themselves
+    m = _np.broadcast_to(m, full).reshape((-1, hq, lq, lk))
+    _copies += 1
+    return m
+
+
+def _alibi(alibi_slopes, batch, hq):
+    s = _array(alibi_slopes, "alibi_slopes", allow_none=True)
+    if s is not None and s.ndim == len(batch) + 1 and len(batch) > 1:
+        s = s.reshape(-1, hq)
+    return s
+
+
+def _seed(seed, dropout_p):
+    if seed is not None:
+        return int(seed)
+    return _secrets.randbits(63) if dropout_p > 0 else 0
+
+
+def _like(x, template):
+    if _is_torch(template):
+        import torch
+        return torch.from_numpy(x)
+    return x
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False, *, causal_alignment="top_left", window=None, softcap=None,
+                                 alibi_slopes=None, seed=None, return_lse=False):
+    """softmax(query·keyᵀ·scale + mask)·value, fused (never forms the L×S matrix).
+
+    Shapes follow PyTorch: query [..., Hq, L, d], key [..., Hkv, S, d], value [..., Hkv, S, dv];
+    the result is [..., Hq, L, dv], a NumPy array or a torch tensor like ``query``.
+    Inputs are float32 NumPy arrays or CPU torch tensors with any strides (the last
+    dimension contiguous); they are not copied.
+
+    attn_mask: boolean (True = take part in attention, PyTorch's rule) or float32 (added
+        to the scores), broadcastable to [..., Hq, L, S].
+    dropout_p: dropout on the attention probabilities; the decisions come from a
+        counter-based generator keyed by ``seed`` (random when None), so
+        ``attention_backward`` with the same seed reproduces them.
+    is_causal: key j is visible to query i iff j <= i (``causal_alignment="top_left"``,
+        PyTorch's) or j <= i + S - L (``"bottom_right"``, FlashAttention's, for KV caches).
+        May be combined with ``attn_mask``.
+    scale: multiplies query·key; default 1/sqrt(d).
+    enable_gqa: allow Hkv < Hq (Hkv must divide Hq); query head h reads kv head h // (Hq/Hkv).
+    window: (left, right): key j is visible iff i' - left <= j <= i' + right with
+        i' = i + S - L; -1 means unbounded.
+    softcap: Gemma-2 soft-capping, score <- softcap·tanh(score/softcap).
+    alibi_slopes: float32 [Hq] or [..., Hq]: adds -slope·|i' - j| to each score.
+    return_lse: also return the natural-log log-sum-exp of the scores, [..., Hq, L].
+
+    A query that sees no key gets output 0 and lse -inf (PyTorch gives NaN).
+    Raises TypeError for a wrong dtype and ValueError (attn.Error) for wrong shapes or
+    options, naming the argument.
+    """
+    q = _array(query, "query")
+    k = _array(key, "key")
+    v = _array(value, "value")
+    _check_common(q, k, v, enable_gqa)
+    batch = q.shape[:-3]
+    hq, lq, lk, dv = q.shape[-3], q.shape[-2], k.shape[-2], v.shape[-1]
+    q4, k4, v4 = (_merge_batch(t, n, batch) for t, n in ((q, "query"), (k, "key"), (v, "value")))
+    out = _np.empty(tuple(batch) + (hq, lq, dv), dtype=_np.float32)
+    out4 = out.reshape((q4.shape[0], hq, lq, dv))
+    lse = _np.empty(tuple(batch) + (hq, lq), dtype=_np.float32) if return_lse else None
+    left, right = _window(window)
+    _attn.forward(_bshd(q4), _bshd(k4), _bshd(v4), _bshd(out4), scale=None if scale is None else float(scale),
+                  causal=_causal_code(is_causal, causal_alignment), window_left=left, window_right=right,
+                  mask=_mask(attn_mask, batch, hq, lq, lk), alibi_slopes=_alibi(alibi_slopes, batch, hq),
+                  softcap=float(softcap or 0.0), dropout_p=float(dropout_p), seed=_seed(seed, dropout_p),
+                  lse=None if lse is None else lse.reshape((q4.shape[0], hq, lq)))
+    if return_lse:
+        return _like(out, query), _like(lse, query)
+    return _like(out, query)
+
+
+def attention_backward(grad_out, query, key, value, out, lse, attn_mask=None, dropout_p=0.0, is_causal=False,
+                       scale=None, enable_gqa=False, *, causal_alignment="top_left", window=None, softcap=None,
+                       alibi_slopes=None, seed=0, return_mask_grad=False):
+    """Gradients of ``scaled_dot_product_attention`` (FlashAttention-2's backward).
+
+    Takes grad_out (d loss / d out, shaped like out), the forward's inputs, its ``out`` and
+    ``lse`` (``return_lse=True``), and the same options (the same ``seed`` when dropout_p > 0).
+    Returns (dq, dk, dv) shaped like query, key, value; with grouped-query heads dk and dv
+    sum over each group. With ``return_mask_grad=True`` and a float32 ``attn_mask``, also
+    d loss / d attn_mask, summed over the mask's broadcast dimensions. Deterministic:
+    identical for any number of threads.
+    """
+    q = _array(query, "query")
+    k = _array(key, "key")
+    v = _array(value, "value")
+    _check_common(q, k, v, enable_gqa)
+    o = _array(out, "out")
+    g = _array(grad_out, "grad_out")
+    l = _array(lse, "lse")
+    batch = q.shape[:-3]
+    hq, lq, lk, dv = q.shape[-3], q.shape[-2], k.shape[-2], v.shape[-1]
+    for name, t, shape in (("out", o, tuple(batch) + (hq, lq, dv)), ("grad_out", g, tuple(batch) + (hq, lq, dv)),
+                           ("lse", l, tuple(batch) + (hq, lq))):
+        if t.shape != shape:
+            raise ValueError("%s: expected shape %s, got %s" % (name, shape, t.shape))
+    q4, k4, v4, o4, g4 = (_merge_batch(t, n, batch) for t, n in
+                          ((q, "query"), (k, "key"), (v, "value"), (o, "out"), (g, "grad_out")))
+    l3 = _merge_batch(l, "lse", batch)
+    dq = _np.empty(q.shape, _np.float32)
+    dk = _np.empty(k.shape, _np.float32)
+    dvv = _np.empty(v.shape, _np.float32)
+    mask = _mask(attn_mask, batch, hq, lq, lk)
+    dmask = None
+    if return_mask_grad:
+        if mask is None or mask.dtype != _np.float32:
+            raise ValueError("return_mask_grad=True needs a float32 attn_mask")
+        dmask = _np.empty(mask.shape, _np.float32)
+    left, right = _window(window)
+    _attn.backward(_bshd(q4), _bshd(k4), _bshd(v4), _bshd(o4), l3, _bshd(g4), _bshd(dq.reshape(q4.shape)),
+                   _bshd(dk.reshape(k4.shape)), _bshd(dvv.reshape(v4.shape)),
+                   scale=None if scale is None else float(scale), causal=_causal_code(is_causal, causal_alignment),
+                   window_left=left, window_right=right, mask=mask, alibi_slopes=_alibi(alibi_slopes, batch, hq),
+                   softcap=float(softcap or 0.0), dropout_p=float(dropout_p), seed=int(seed or 0), dbias=dmask)
+    grads = (_like(dq, query), _like(dk, query), _like(dvv, query))
+    if return_mask_grad:
+        m = _array(attn_mask, "attn_mask")
+        if dmask.shape != m.shape:  # the mask was broadcast over several batch dims: sum back
+            full = tuple(batch) + (hq, lq, lk)
+            d = dmask.reshape(full)
+            lead = len(full) - m.ndim
+            axes = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(m.shape) if n == 1 and full[lead + i] != 1)
+            dmask = d.sum(axis=axes, keepdims=True).reshape(m.shape).astype(_np.float32)
+        return grads + (_like(dmask, query),)
+    return grads
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
+                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                     seed=None, return_lse=False):
+    """Attention over a packed batch of variable-length sequences, as FlashAttention's
+    ``flash_attn_varlen_func``.
+
+    q [total_q, Hq, d], k [total_k, Hkv, d], v [total_k, Hkv, dv]; cu_seqlens_q and
+    cu_seqlens_k are int32 [B+1] prefix sums of the sequence lengths. ``causal`` is
+    bottom-right aligned (FlashAttention >= 2.1); window_size = (left, right), -1 unbounded.
+    max_seqlen_q/k are accepted for compatibility and checked when given. Returns
+    out [total_q, Hq, dv] (and lse [Hq, total_q] with return_lse=True).
+    """
+    qa = _array(q, "q")
+    ka = _array(k, "k")
+    va = _array(v, "v")
+    cq = _array(cu_seqlens_q, "cu_seqlens_q", kinds=("i",))
+    ck = _array(cu_seqlens_k, "cu_seqlens_k", kinds=("i",))
+    for name, t in (("q", qa), ("k", ka), ("v", va)):
+        if t.ndim != 3:
+            raise ValueError("%s: expected shape [total, H, d], got %s" % (name, t.shape))
+    for name, cu, given in (("max_seqlen_q", cq, max_seqlen_q), ("max_seqlen_k", ck, max_seqlen_k)):
+        if given is not None and cu.size >= 2 and int(_np.max(_np.diff(cu))) > int(given):
+            raise ValueError("%s=%d is smaller than the longest sequence (%d)" % (name, given, int(_np.max(_np.diff(cu)))))
+    out = _np.empty((qa.shape[0], qa.shape[1], va.shape[2]), _np.float32)
+    lse = _np.empty((qa.shape[1], qa.shape[0]), _np.float32) if return_lse else None
+    left, right = _window(window_size)
+    _attn.forward(qa, ka, va, out, scale=None if softmax_scale is None else float(softmax_scale),
+                  causal=2 if causal else 0, window_left=left, window_right=right,
+                  alibi_slopes=_array(alibi_slopes, "alibi_slopes", allow_none=True), softcap=float(softcap or 0.0),
+                  cu_seqlens_q=cq, cu_seqlens_k=ck, dropout_p=float(dropout_p), seed=_seed(seed, dropout_p),
+                  lse=lse)
+    if return_lse:
+        return _like(out, q), _like(lse, q)
+    return _like(out, q)

@@ -1,0 +1,64 @@
+from typing import Optional, Tuple, TypeVar, Union
+
+
+ArrayT = TypeVar("ArrayT")  # numpy.ndarray or torch.Tensor: results have the query's type
+
+class Error(ValueError): ...
+
+def scaled_dot_product_attention(
+    query: ArrayT,
+    key: ArrayT,
+    value: ArrayT,
+    attn_mask: Optional[ArrayT] = ...,
+    dropout_p: float = ...,
+    is_causal: bool = ...,
+    scale: Optional[float] = ...,
+    enable_gqa: bool = ...,
+    *,
+    causal_alignment: str = ...,
+    window: Optional[Tuple[int, int]] = ...,
+    softcap: Optional[float] = ...,
+    alibi_slopes: Optional[ArrayT] = ...,
+    seed: Optional[int] = ...,
+    return_lse: bool = ...,
+) -> Union[ArrayT, Tuple[ArrayT, ArrayT]]: ...
+def attention_backward(
+    grad_out: ArrayT,
+    query: ArrayT,
+    key: ArrayT,
+    value: ArrayT,
+    out: ArrayT,
+    lse: ArrayT,
+    attn_mask: Optional[ArrayT] = ...,
+    dropout_p: float = ...,
+    is_causal: bool = ...,
+    scale: Optional[float] = ...,
+    enable_gqa: bool = ...,
+    *,
+    causal_alignment: str = ...,
+    window: Optional[Tuple[int, int]] = ...,
+    softcap: Optional[float] = ...,
+    alibi_slopes: Optional[ArrayT] = ...,
+    seed: Optional[int] = ...,
+    return_mask_grad: bool = ...,
+) -> Tuple[ArrayT, ...]: ...
+def varlen_attention(
+    q: ArrayT,
+    k: ArrayT,
+    v: ArrayT,
+    cu_seqlens_q: ArrayT,
+    cu_seqlens_k: ArrayT,
+    max_seqlen_q: Optional[int] = ...,
+    max_seqlen_k: Optional[int] = ...,
+    dropout_p: float = ...,
+    softmax_scale: Optional[float] = ...,
+    causal: bool = ...,
+    window_size: Tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: Optional[ArrayT] = ...,
+    seed: Optional[int] = ...,
+    return_lse: bool = ...,
+) -> Union[ArrayT, Tuple[ArrayT, ArrayT]]: ...
+def set_num_threads(n: int) -> None: ...
+def num_threads() -> int: ...
+def copies_made() -> int: ...

@@ -1,0 +1,132 @@
+// The compiled half of the Python package `attn` (module attn._attn): thin
+// bindings from buffer-protocol objects (NumPy arrays, and PyTorch tensors through
+// their NumPy views) to attn's TensorViews, without copying, and the kernels run
+// with the GIL released. The pure-Python half (python/attn/__init__.py) turns
+// PyTorch's calling convention into these calls.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <optional>
+#include <string>
+
+#include "attn/attention.hpp"
+#include "attn/error.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+// A view of a buffer-protocol object: element type from its format, strides in
+// elements. Never copies; rejects what the kernels cannot read in place.
+attn::TensorView view_of(const py::object& obj, const char* name, bool writable) {
+  if (obj.is_none()) return {};
+  py::buffer buffer = py::reinterpret_borrow<py::buffer>(obj);
+  py::buffer_info info;
+  try {
+    info = buffer.request(writable);
+  } catch (const std::exception& e) {
+    throw py::type_error(std::string(name) + ": expected an array supporting the buffer protocol" +
+                         (writable ? " (writable)" : "") + ": " + e.what());
+  }
+  attn::DType dtype;
+  const std::string& f = info.format;
+  if (f == "f" && info.itemsize == 4) dtype = attn::DType::f32;
+  else if (f == "?" && info.itemsize == 1) dtype = attn::DType::boolean;
+  else if ((f == "i" || f == "l" || f == "<i" || f == "=i") && info.itemsize == 4) dtype = attn::DType::i32;
+  else
+    throw py::type_error(std::string(name) + ": unsupported element type (buffer format \"" + f + "\", " +
+                         std::to_string(info.itemsize) + " bytes); expected float32" +
+                         " (int32 for sequence lengths, bool or float32 for masks)");
+  std::vector<int64_t> shape(info.shape.begin(), info.shape.end()), strides;
+  for (py::ssize_t s : info.strides) {
+    if (s < 0 || s % info.itemsize != 0)
+      throw py::value_error(std::string(name) + ": negative or misaligned strides are not supported (stride " +
+                            std::to_string(s) + " bytes); pass a copy made with numpy.ascontiguousarray");
+    strides.push_back(s / info.itemsize);
+  }
+  if (shape.size() > attn::TensorView::kMaxRank)
+    throw py::value_error(std::string(name) + ": at most 8 dimensions are supported");
+  return attn::TensorView(info.ptr, dtype, shape, strides);
+}
+
+attn::AttentionOptions make_options(std::optional<float> scale, int causal, int window_left, int window_right,
+                                    const py::object& mask, const py::object& alibi_slopes, float softcap,
+                                    const py::object& cu_seqlens_q, const py::object& cu_seqlens_k,
+                                    const py::object& key_lengths, float dropout_p, uint64_t seed, uint64_t offset) {
+  attn::AttentionOptions o;
+  o.scale = scale;
+  o.causal = causal == 0 ? attn::Causal::None : causal == 1 ? attn::Causal::TopLeft : attn::Causal::BottomRight;
+  o.window = {window_left, window_right};
+  o.mask = view_of(mask, "attn_mask", false);
+  o.alibi_slopes = view_of(alibi_slopes, "alibi_slopes", false);
+  o.softcap = softcap;
+  o.cu_seqlens_q = view_of(cu_seqlens_q, "cu_seqlens_q", false);
+  o.cu_seqlens_k = view_of(cu_seqlens_k, "cu_seqlens_k", false);
+  o.key_lengths = view_of(key_lengths, "key_lengths", false);
+  o.dropout_p = dropout_p;
+  o.seed = seed;
+  o.offset = offset;
+  return o;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_attn, m) {
+  m.doc() = "attn's fused attention kernels (use the `attn` package, not this module directly).";
+  py::register_exception<attn::Error>(m, "Error", PyExc_ValueError);
+
+  m.def(
+      "forward",
+      [](const py::object& q, const py::object& k, const py::object& v, const py::object& out,
+         std::optional<float> scale, int causal, int window_left, int window_right, const py::object& mask,
+         const py::object& alibi_slopes, float softcap, const py::object& cu_seqlens_q,
+         const py::object& cu_seqlens_k, const py::object& key_lengths, float dropout_p, uint64_t seed,
+         uint64_t offset, const py::object& lse, const py::object& probs) {
+        const attn::AttentionOptions o = make_options(scale, causal, window_left, window_right, mask, alibi_slopes,
+                                                      softcap, cu_seqlens_q, cu_seqlens_k, key_lengths, dropout_p,
+                                                      seed, offset);
+        const attn::TensorView qv = view_of(q, "query", false), kv = view_of(k, "key", false),
+                               vv = view_of(v, "value", false), ov = view_of(out, "out", true),
+                               lv = view_of(lse, "lse", true), pv = view_of(probs, "probs", true);
+        py::gil_scoped_release release;  // the buffers stay alive: their owners are held by the caller
+        attn::attention(qv, kv, vv, ov, o, lv, pv);
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::kw_only(), py::arg("scale") = py::none(),
+      py::arg("causal") = 0, py::arg("window_left") = -1, py::arg("window_right") = -1,
+      py::arg("mask") = py::none(), py::arg("alibi_slopes") = py::none(), py::arg("softcap") = 0.0f,
+      py::arg("cu_seqlens_q") = py::none(), py::arg("cu_seqlens_k") = py::none(),
+      py::arg("key_lengths") = py::none(), py::arg("dropout_p") = 0.0f, py::arg("seed") = 0,
+      py::arg("offset") = 0, py::arg("lse") = py::none(), py::arg("probs") = py::none(),
+      "Fused attention forward on BSHD views (or packed [total, H, d] with cu_seqlens); writes out, lse, probs.");
+
+  m.def(
+      "backward",
+      [](const py::object& q, const py::object& k, const py::object& v, const py::object& out,
+         const py::object& lse, const py::object& dout, const py::object& dq, const py::object& dk,
+         const py::object& dv, std::optional<float> scale, int causal, int window_left, int window_right,
+         const py::object& mask, const py::object& alibi_slopes, float softcap, const py::object& cu_seqlens_q,
+         const py::object& cu_seqlens_k, const py::object& key_lengths, float dropout_p, uint64_t seed,
+         uint64_t offset, const py::object& dbias) {
+        const attn::AttentionOptions o = make_options(scale, causal, window_left, window_right, mask, alibi_slopes,
+                                                      softcap, cu_seqlens_q, cu_seqlens_k, key_lengths, dropout_p,
+                                                      seed, offset);
+        const attn::TensorView qv = view_of(q, "query", false), kv = view_of(k, "key", false),
+                               vv = view_of(v, "value", false), ov = view_of(out, "out", false),
+                               lv = view_of(lse, "lse", false), gv = view_of(dout, "grad_out", false),
+                               dqv = view_of(dq, "dq", true), dkv = view_of(dk, "dk", true),
+                               dvv = view_of(dv, "dv", true), dbv = view_of(dbias, "dbias", true);
+        py::gil_scoped_release release;
+        attn::attention_backward(qv, kv, vv, ov, lv, gv, dqv, dkv, dvv, o, dbv);
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dout"), py::arg("dq"),
+      py::arg("dk"), py::arg("dv"), py::kw_only(), py::arg("scale") = py::none(), py::arg("causal") = 0,
+      py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("mask") = py::none(),
+      py::arg("alibi_slopes") = py::none(), py::arg("softcap") = 0.0f, py::arg("cu_seqlens_q") = py::none(),
+      py::arg("cu_seqlens_k") = py::none(), py::arg("key_lengths") = py::none(), py::arg("dropout_p") = 0.0f,
+      py::arg("seed") = 0, py::arg("offset") = 0, py::arg("dbias") = py::none(),
+      "Gradients of forward (FlashAttention-2's backward); writes dq, dk, dv and optionally dbias.");
+
+  m.def("set_num_threads", &attn::set_num_threads, py::arg("n"),
+        "Threads the kernels use (default: all cores, or ATTN_NUM_THREADS). Results do not depend on it.");
+  m.def("num_threads", &attn::num_threads, "Threads the kernels use.");
+}

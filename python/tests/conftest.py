@@ -1,0 +1,71 @@
+"""Shared helpers: a seeded generator (fresh per run, ATTN_TEST_SEED reproduces) and the
+float64 reference, written as PyTorch's explicit matmul/softmax pipeline (Debian's torch
+1.13 has no public scaled_dot_product_attention)."""
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+SEED = int(os.environ.get("ATTN_TEST_SEED", random.SystemRandom().randrange(2**31)))
+
+
+def pytest_report_header(config):
+    return "attn python tests: ATTN_TEST_SEED=%d" % SEED
+
+
+@pytest.fixture
+def rng(request):
+    # Per test, derived from the run's seed and the test's name: reproducible one by one.
+    return np.random.default_rng([SEED, abs(hash(request.node.name)) % (2**31)])
+
+
+def _t(x):
+    """A torch view of x; tensors pass through (keeping autograd)."""
+    return x if torch.is_tensor(x) else torch.as_tensor(np.asarray(x))
+
+
+def reference(q, k, v, mask=None, is_causal=False, scale=None, alignment="top_left", window=None, softcap=None,
+              alibi=None):
+    """float64 torch tensors [..., H, L, d] → (out, lse), fully masked rows → 0 and -inf."""
+    q, k, v = (_t(x).double() for x in (q, k, v))
+    hq, hkv = q.shape[-3], k.shape[-3]
+    if hq != hkv:
+        k = k.repeat_interleave(hq // hkv, dim=-3)
+        v = v.repeat_interleave(hq // hkv, dim=-3)
+    L, S, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    s = (q @ k.transpose(-1, -2)) * (1.0 / np.sqrt(d) if scale is None else scale)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(L)[:, None]
+    j = torch.arange(S)[None, :]
+    ip = i + S - L
+    if alibi is not None:
+        slopes = _t(alibi).double()
+        s = s - slopes[..., None, None] * (ip - j).abs()
+    visible = torch.ones(L, S, dtype=torch.bool)
+    if mask is not None:
+        m = _t(mask)
+        if m.dtype == torch.bool:
+            visible = visible & m
+        else:
+            s = s + m.double()
+    if is_causal:
+        visible = visible & ((j <= i) if alignment == "top_left" else (j <= ip))
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            visible = visible & (j >= ip - left)
+        if right >= 0:
+            visible = visible & (j <= ip + right)
+    s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return p @ v, lse
+
+
+def rel_err(got, want):
+    got = torch.as_tensor(np.asarray(got), dtype=torch.float64)
+    want = torch.as_tensor(np.asarray(want), dtype=torch.float64)
+    return float((got - want).norm() / max(float(want.norm()), 1e-300))

@@ -1,0 +1,91 @@
+"""Gradients: attn.attention_backward and the autograd wrapper against PyTorch autograd of
+the explicit float64 pipeline; torch.autograd.gradcheck in f32 with suitable tolerances;
+mask gradients; dropout reproduced by the backward."""
+import numpy as np
+import pytest
+import torch
+
+import attn
+import attn.torch
+from conftest import SEED, reference, rel_err
+
+
+def rand(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def reference_grads(q, k, v, g, **opts):
+    leaves = [torch.tensor(np.asarray(x), dtype=torch.float64, requires_grad=True) for x in (q, k, v)]
+    mask = opts.pop("mask", None)
+    mask_leaf = None
+    if mask is not None and np.asarray(mask).dtype == np.float32:
+        mask_leaf = torch.tensor(np.asarray(mask), dtype=torch.float64, requires_grad=True)
+        mask = mask_leaf
+    out, _ = reference(*leaves, mask=mask, **opts)
+    (out * torch.as_tensor(np.asarray(g), dtype=torch.float64)).sum().backward()
+    grads = [t.grad for t in leaves]
+    return grads + ([mask_leaf.grad] if mask_leaf is not None else [])
+
+
+@pytest.mark.parametrize("case", range(16))
+def test_gradients_match_float64_autograd(rng, case):
+    B, hkv = int(rng.choice([1, 2])), int(rng.choice([1, 2]))
+    hq = hkv * int(rng.choice([1, 2]))
+    L, S = int(rng.choice([1, 7, 33, 80])), int(rng.choice([3, 33, 80]))
+    d = int(rng.choice([8, 32, 64]))
+    q, k, v = rand(rng, B, hq, L, d), rand(rng, B, hkv, S, d), rand(rng, B, hkv, S, d)
+    g = rand(rng, B, hq, L, d)
+    opts = {}
+    if case % 3 == 0:
+        opts.update(is_causal=True, causal_alignment="bottom_right")
+    if case % 4 == 1:
+        opts["window"] = (5, 3)
+    if case % 5 == 2:
+        opts["softcap"] = 8.0
+    mask = rand(rng, 1, hq, L, S) if case % 2 else None
+    out, lse = attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, return_lse=True, **opts)
+    grads = attn.attention_backward(g, q, k, v, out, lse, attn_mask=mask, enable_gqa=True,
+                                    return_mask_grad=mask is not None, **opts)
+    ref_opts = {"is_causal": opts.get("is_causal", False), "alignment": opts.get("causal_alignment", "top_left"),
+                "window": opts.get("window"), "softcap": opts.get("softcap")}
+    want = reference_grads(q, k, v, g, mask=mask, **ref_opts)
+    for name, got, w in zip(("dq", "dk", "dv", "dmask"), grads, want):
+        assert got.shape == tuple(w.shape), name
+        assert rel_err(got, w) <= 1e-5, "%s seed %d case %d" % (name, SEED, case)
+
+
+def test_autograd_wrapper_matches_float64_autograd(rng):
+    q, k, v = (torch.from_numpy(rand(rng, 2, 4, 19, 16)).requires_grad_() for _ in range(3))
+    mask = torch.from_numpy(rand(rng, 19, 19)).requires_grad_()
+    out = attn.torch.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+    g = torch.from_numpy(rand(rng, 2, 4, 19, 16))
+    (out * g).sum().backward()
+    want = reference_grads(q.detach(), k.detach(), v.detach(), g.numpy(), mask=mask.detach().numpy(), is_causal=True)
+    for got, w in zip((q.grad, k.grad, v.grad, mask.grad), want):
+        assert rel_err(got, w) <= 1e-5
+
+
+def test_gradcheck_in_float32():
+    torch.manual_seed(SEED)
+    q, k, v = (torch.randn(1, 2, 5, 4, requires_grad=True) for _ in range(3))
+    mask = torch.randn(5, 5, requires_grad=True)
+
+    def f(q, k, v, mask):
+        return attn.torch.scaled_dot_product_attention(q, k, v, attn_mask=mask, window=(2, 1))
+
+    # f32: central differences with eps 1e-2 are good to ~1e-3.
+    with pytest.warns(UserWarning):  # gradcheck warns that the inputs are not float64
+        assert torch.autograd.gradcheck(f, (q, k, v, mask), eps=1e-2, atol=5e-3, rtol=5e-2)
+
+
+def test_dropout_is_reproduced_by_the_backward(rng):
+    q, k, v = (torch.from_numpy(rand(rng, 1, 2, 6, 8)).requires_grad_() for _ in range(3))
+
+    def f(q, k, v):
+        return attn.torch.scaled_dot_product_attention(q, k, v, dropout_p=0.3, seed=1234)
+
+    a, b = f(q, k, v), f(q, k, v)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, attn.torch.scaled_dot_product_attention(q, k, v))
+    with pytest.warns(UserWarning):
+        assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-2, atol=5e-3, rtol=5e-2)
