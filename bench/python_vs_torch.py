@@ -5,6 +5,8 @@
 PyTorch is measured in the configurations it offers here, each in a child process with its
 own environment, and the best is the baseline:
   explicit   softmax(q·kᵀ·scale + mask)·v with torch.matmul / torch.softmax
+  in-place   the same with preallocated buffers (matmul(out=…)) and an in-place softmax:
+             fresh 134 MB score tensors cost more in page faults than in arithmetic
   sdpa       torch.nn.functional._scaled_dot_product_attention (1.13's private fused entry)
 each "out of the box" (this image's environment: OPENBLAS_CORETYPE as set, ATen's default
 AVX2 kernels) and "tuned" (OPENBLAS_CORETYPE=SkylakeX, ATEN_CPU_CAPABILITY=avx512, where
@@ -22,7 +24,7 @@ import subprocess
 import sys
 import time
 
-CONFIGS = ["explicit", "sdpa"]
+CONFIGS = ["explicit", "in-place", "sdpa"]
 
 
 def flops(n, d, causal, heads):
@@ -50,8 +52,8 @@ def measure_torch(config, sizes, dims, threads, repeats, heads):
             g = torch.Generator().manual_seed(n * 1000 + d)
             q, k, v = (torch.randn(1, heads, n, d, generator=g) for _ in range(3))
             for causal in (False, True):
+                mask = torch.triu(torch.full((n, n), float("-inf")), 1) if causal else None
                 if config == "explicit":
-                    mask = torch.triu(torch.full((n, n), float("-inf")), 1) if causal else None
 
                     def fn():
                         with torch.no_grad():
@@ -59,6 +61,20 @@ def measure_torch(config, sizes, dims, threads, repeats, heads):
                             if mask is not None:
                                 s = s + mask
                             return torch.matmul(torch.softmax(s, dim=-1), v)
+                elif config == "in-place":
+                    s = torch.empty(1, heads, n, n)
+                    o = torch.empty(1, heads, n, d)
+                    qs = q * (d ** -0.5)
+                    kt = k.transpose(-1, -2)
+
+                    def fn():
+                        with torch.no_grad():
+                            torch.matmul(qs, kt, out=s)
+                            if mask is not None:
+                                s.add_(mask)
+                            s.sub_(s.amax(-1, keepdim=True)).exp_()
+                            s.div_(s.sum(-1, keepdim=True))
+                            return torch.matmul(s, v, out=o)
                 else:
                     def fn():
                         with torch.no_grad():
@@ -102,6 +118,7 @@ def has_avx512():
 def run_child(name, env_extra, args):
     env = dict(os.environ, **env_extra)
     env["OMP_NUM_THREADS"] = str(args.threads)
+    env["OPENBLAS_NUM_THREADS"] = str(args.threads)  # OpenBLAS's own pool ignores torch.set_num_threads
     cmd = [sys.executable, __file__, "--child", name, "--sizes", ",".join(map(str, args.sizes)), "--dims",
            ",".join(map(str, args.dims)), "--threads", str(args.threads), "--repeats", str(args.repeats),
            "--heads", str(args.heads)]
