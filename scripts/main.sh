@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The README's first command: install what attn needs, build it, and run the
-# main job — a quick benchmark against this machine's peak and a cblas baseline,
-# then a worked example that prints the attention matrix of a sentence.
+# The README's first command: install what attn needs, build it, and run the main
+# job — `attn demo`, which trains an attention model to translate human-written dates
+# into ISO 8601 (about 15 s on 2 cores), reports its accuracy on 1,000 unseen dates,
+# and draws what it attends to (attn-demo/attention.png and .svg).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
 cmake --preset release >/dev/null
 cmake --build build/release -j "$(nproc)"
-./build/release/tools/attn/attn bench --quick
-./build/release/tools/attn/attn explain "the cat sat on the mat because the mat was warm"
+./build/release/tools/attn/attn demo --out attn-demo "$@"

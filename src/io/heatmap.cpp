@@ -57,7 +57,7 @@ struct Layout {
 Layout layout_of(const Heatmap& m) {
   Layout l;
   l.label_w = static_cast<int>(longest(m.row_labels)) * kCharW + kPad;
-  l.label_h = static_cast<int>(longest(m.col_labels)) * kCharW + kPad;  // column labels are written vertically
+  l.label_h = static_cast<int>(longest(m.col_labels)) * (kCharH + kScale) + kPad;  // stacked vertically
   l.title_h = kCharH + kPad;
   l.panel_w = l.label_w + static_cast<int>(m.col_labels.size()) * kCell + kPad;
   l.panel_h = l.title_h + l.label_h + static_cast<int>(m.row_labels.size()) * kCell + kPad;
@@ -74,16 +74,15 @@ class Canvas {
         p[0] = c.r, p[1] = c.g, p[2] = c.b;
       }
   }
-  // Text at (x, y) top-left; vertical text runs downwards, each glyph rotated 90° clockwise.
+  // Text at (x, y) top-left; vertical text stacks upright characters downwards
+  // (easier to read than rotated glyphs for the one-character labels of char models).
   void text(int x, int y, const std::string& s, bool vertical = false) {
     for (size_t k = 0; k < s.size(); ++k) {
       const char* const* g = font::glyph(s[k]);
+      const int cx = vertical ? x : x + int(k) * kCharW, cy = vertical ? y + int(k) * (kCharH + kScale) : y;
       for (int r = 0; r < font::kHeight; ++r)
-        for (int c = 0; c < font::kWidth; ++c) {
-          if (g[r][c] != '#') continue;
-          if (!vertical) fill(x + int(k) * kCharW + c * kScale, y + r * kScale, kScale, kScale, {0, 0, 0});
-          else fill(x + (font::kHeight - 1 - r) * kScale, y + int(k) * kCharW + c * kScale, kScale, kScale, {0, 0, 0});
-        }
+        for (int c = 0; c < font::kWidth; ++c)
+          if (g[r][c] == '#') fill(cx + c * kScale, cy + r * kScale, kScale, kScale, {0, 0, 0});
     }
   }
   int width() const { return w_; }
@@ -139,7 +138,8 @@ void write_heatmap_png(const std::string& path, const std::vector<Heatmap>& pane
     canvas.text(ox, oy, m.title);
     const int gx = ox + l.label_w, gy = oy + l.title_h + l.label_h;
     for (size_t c = 0; c < m.col_labels.size(); ++c)
-      canvas.text(gx + int(c) * kCell + (kCell - kCharH) / 2, oy + l.title_h, m.col_labels[c], /*vertical=*/true);
+      canvas.text(gx + int(c) * kCell + (kCell - font::kWidth * kScale) / 2, oy + l.title_h, m.col_labels[c],
+                  /*vertical=*/true);
     for (size_t r = 0; r < m.row_labels.size(); ++r) {
       const int tx = gx - kPad / 2 - static_cast<int>(m.row_labels[r].size()) * kCharW;
       canvas.text(tx, gy + int(r) * kCell + (kCell - kCharH) / 2, m.row_labels[r]);
@@ -183,9 +183,12 @@ void write_heatmap_svg(const std::string& path, const std::vector<Heatmap>& pane
     o << "<g>\n<text x=\"" << ox << "\" y=\"" << oy + kCharH << "\" font-weight=\"bold\">" << xml_escape(m.title)
       << "</text>\n";
     for (size_t c = 0; c < m.col_labels.size(); ++c) {
-      const int x = gx + int(c) * kCell + kCell / 2 + 4, y = gy - kPad / 2;
-      o << "<text transform=\"translate(" << x << ',' << y << ") rotate(-90)\">" << xml_escape(m.col_labels[c])
-        << "</text>\n";
+      const int x = gx + int(c) * kCell + kCell / 2, y = gy - kPad / 2;
+      if (m.col_labels[c].size() <= 1)  // one character: upright, centred on its column
+        o << "<text x=\"" << x << "\" y=\"" << y << "\" text-anchor=\"middle\">" << xml_escape(m.col_labels[c]) << "</text>\n";
+      else
+        o << "<text transform=\"translate(" << x + 4 << ',' << y << ") rotate(-90)\">" << xml_escape(m.col_labels[c])
+          << "</text>\n";
     }
     for (size_t r = 0; r < m.row_labels.size(); ++r) {
       o << "<text x=\"" << gx - kPad / 2 << "\" y=\"" << gy + int(r) * kCell + kCell / 2 + 4

@@ -8,6 +8,10 @@
 #include "attn/error.hpp"
 #include "attn/nn/module.hpp"
 
+namespace attn::nn {
+void set_blas_threads(int n) { openblas_set_num_threads(n < 1 ? 1 : n); }
+}  // namespace attn::nn
+
 namespace attn::nn::ops {
 
 void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,

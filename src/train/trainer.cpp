@@ -131,6 +131,7 @@ void save_checkpoint(const Session& s, const std::string& dir) {
   nlohmann::json j = {{"format", "attn-checkpoint-1"},
                       {"task", s.task},
                       {"step", s.step},
+                      {"training", s.training},
                       {"model", s.model->config().to_json()},
                       {"source_vocabulary", s.src_tok.to_json()},
                       {"target_vocabulary", s.tgt_tok.to_json()}};
@@ -156,6 +157,7 @@ Session load_checkpoint(const std::string& dir, const TrainOptions& options) {
   try {
     s.task = j.at("task").get<std::string>();
     s.step = j.at("step").get<int64_t>();
+    s.training = j.value("training", nlohmann::json::object());
     s.src_tok = Tokenizer::from_json(j.at("source_vocabulary"));
     s.tgt_tok = Tokenizer::from_json(j.at("target_vocabulary"));
     ModelConfig mc = ModelConfig::from_json(j.at("model"));

@@ -16,6 +16,10 @@ struct Command {
 Command add_bench_command(CLI::App& app);
 Command add_check_command(CLI::App& app);
 Command add_explain_command(CLI::App& app);
+Command add_demo_command(CLI::App& app);
+Command add_train_command(CLI::App& app);
+Command add_translate_command(CLI::App& app);
+Command add_plot_command(CLI::App& app);
 
 /// "AMD EPYC ..." from /proc/cpuinfo, or "unknown CPU".
 std::string cpu_model();

@@ -2,6 +2,8 @@
 //   attn bench    speed of the fused forward vs the machine's peak and a cblas baseline
 //   attn check    verify the kernels against the float64 reference on this machine
 //   attn explain  print the attention matrix of a small sentence (a worked example)
+//   attn demo     train a date-translation model and draw what it attends to
+//   attn train    train a model on a built-in task; attn translate / attn plot use it
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <vector>
@@ -19,7 +21,11 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   std::vector<attn::cli::Command> commands = {attn::cli::add_bench_command(app),
                                               attn::cli::add_check_command(app),
-                                              attn::cli::add_explain_command(app)};
+                                              attn::cli::add_explain_command(app),
+                                              attn::cli::add_demo_command(app),
+                                              attn::cli::add_train_command(app),
+                                              attn::cli::add_translate_command(app),
+                                              attn::cli::add_plot_command(app)};
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -91,6 +91,11 @@ void init_xavier_uniform(Parameter& p, Rng& rng);
 /// Fills `p` with a constant.
 void init_constant(Parameter& p, float value);
 
+/// Threads OpenBLAS may use for the modules' matrix products. The products of small
+/// models (a few hundred rows) run fastest on one thread: OpenBLAS's own pool costs more
+/// than it saves there, so training tools call set_blas_threads(1).
+void set_blas_threads(int n);
+
 /// An owning f32 tensor of this shape filled with zeros.
 Tensor zeros(std::vector<int64_t> shape);
 /// A contiguous f32 copy of `t` (which must be contiguous f32).

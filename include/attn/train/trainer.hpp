@@ -46,6 +46,7 @@ struct Session {
   std::unique_ptr<TranslationModel> model;
   std::unique_ptr<Adam> optimizer;
   int64_t step = 0;
+  nlohmann::json training = nlohmann::json::object();  ///< how the run was set up (saved, for resuming)
 };
 
 /// A new session for `task` data: tokenizers from the training split, a model of `config`

@@ -1,0 +1,26 @@
+// What the training commands share: model presets, the progress bar, and drawing
+// attention maps of translations (PNG, SVG, terminal).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "attn/train/trainer.hpp"
+
+namespace attn::cli {
+
+/// Model and training defaults for a model kind ("rnn" or "transformer"); throws attn::Error otherwise.
+void preset(const std::string& kind, train::ModelConfig& model, train::TrainOptions& options);
+
+/// A progress reporter: a live bar on a terminal, a line every few seconds otherwise.
+std::function<void(const train::Progress&)> progress_printer(bool tty);
+
+/// The maps of one translation as heatmap panels (rows: output characters, columns:
+/// input characters).
+std::vector<std::string> draw_maps(train::Session& s, const std::string& text, const train::Translation& t,
+                                   const std::string& path_prefix, bool print_terminal);
+
+/// True when stdout is a terminal (and TERM is not "dumb").
+bool stdout_is_tty();
+
+}  // namespace attn::cli
