@@ -20,7 +20,7 @@ void preset(const std::string& kind, train::ModelConfig& m, train::TrainOptions&
     m.embed_dim = 32, m.hidden = 64, m.attn_dim = 64;
     o.steps = 600, o.lr = 3e-3, o.warmup = 50, o.batch_size = 64;
   } else if (kind == "transformer") {
-    // 2 + 2 pre-norm layers, d_model 64, 4 heads, FFN 128 (~240k weights).
+    // 2 + 2 pre-norm layers, d_model 64, 4 heads, FFN 128 (~174k weights).
     m.embed_dim = 64, m.hidden = 128, m.layers = 2, m.heads = 4, m.dropout = 0.0f;
     o.steps = 900, o.lr = 1.5e-3, o.warmup = 100, o.batch_size = 64;
   } else {
