@@ -229,6 +229,30 @@ TEST(Training, BitwiseReproducibleForAnyThreadCount) {
   EXPECT_EQ(runs[1], runs[3]);  // transformer
 }
 
+TEST(Training, ResumingFromACheckpointContinuesTheSameRun) {
+  nn::set_blas_threads(1);
+  const train::TaskData data = train::make_task("dates", 3, 500, 0, 0);
+  train::TrainOptions o;
+  o.steps = 20;
+  o.batch_size = 16;
+  o.eval_every = 0;
+  train::Session whole = train::new_session(data, small_rnn(), o);
+  train::train(whole, data, o);
+  train::TrainOptions half = o;
+  half.max_seconds = 1e-9;  // stops after the first step: an interrupted run
+  train::Session first = train::new_session(data, small_rnn(), o);
+  train::train(first, data, half);
+  ASSERT_LT(first.step, o.steps);
+  const std::string dir = temp_dir("resume");
+  train::save_checkpoint(first, dir);
+  train::Session resumed = train::load_checkpoint(dir, o);
+  train::train(resumed, data, o);
+  EXPECT_EQ(resumed.step, whole.step);
+  auto a = whole.model->module().named_parameters(), b = resumed.model->module().named_parameters();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].second->value, b[i].second->value) << a[i].first;
+  fs::remove_all(dir);
+}
+
 bool valid_png(const std::string& path, int* w, int* h) {
   FILE* f = std::fopen(path.c_str(), "rb");
   if (!f) return false;
