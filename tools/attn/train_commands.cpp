@@ -201,16 +201,8 @@ Command add_translate_command(CLI::App& app) {
             for (size_t i = 0; i < a->texts.size(); ++i) {
               std::printf("%s\n", s.tgt_tok.decode(out[i].tokens).c_str());
               if (a->map) {
-                std::vector<std::string> cols = s.src_tok.split(a->texts[i]), rows;
-                for (int32_t id : out[i].tokens) rows.push_back(s.tgt_tok.token(id));
-                io::Heatmap h;
-                h.values = out[i].maps.front();
-                h.col_labels = cols;
-                h.row_labels = rows;
-                while (h.row_labels.size() < h.values.size()) h.row_labels.push_back("<eos>");
-                h.values.resize(h.row_labels.size(), std::vector<float>(cols.size(), 0.0f));
                 const bool tty = stdout_is_tty();
-                std::printf("%s", io::render_heatmap_text(h, tty, tty).c_str());
+                std::printf("%s", io::render_heatmap_text(heatmap_of(s, a->texts[i], out[i], 0), tty, tty).c_str());
               }
             }
             return 0;

@@ -61,23 +61,23 @@ std::function<void(const train::Progress&)> progress_printer(bool tty) {
   };
 }
 
+io::Heatmap heatmap_of(const train::Session& s, const std::string& text, const train::Translation& t, size_t index) {
+  io::Heatmap h;
+  h.col_labels = s.src_tok.split(text);
+  for (int32_t id : t.tokens) h.row_labels.push_back(s.tgt_tok.token(id));
+  h.values = t.maps.at(index);
+  // A map has a row per decoding step; the last step is the one that produced <eos>.
+  while (h.row_labels.size() < h.values.size()) h.row_labels.push_back("<eos>");
+  h.values.resize(h.row_labels.size(), std::vector<float>(h.col_labels.size(), 0.0f));
+  for (auto& r : h.values) r.resize(h.col_labels.size(), 0.0f);
+  h.title = t.maps.size() == 1 ? "attention" : t.map_names[index];
+  return h;
+}
+
 std::vector<std::string> draw_maps(train::Session& s, const std::string& text, const train::Translation& t,
                                    const std::string& prefix, bool print_terminal) {
-  std::vector<std::string> cols = s.src_tok.split(text), rows;
-  for (int32_t id : t.tokens) rows.push_back(s.tgt_tok.token(id));
   std::vector<io::Heatmap> panels;
-  for (size_t m = 0; m < t.maps.size(); ++m) {
-    io::Heatmap h;
-    h.values = t.maps[m];
-    h.col_labels = cols;
-    // A map has a row per decoding step, the last one producing <eos>.
-    h.row_labels = rows;
-    while (h.row_labels.size() < h.values.size()) h.row_labels.push_back("<eos>");
-    h.values.resize(h.row_labels.size(), std::vector<float>(cols.size(), 0.0f));
-    for (auto& r : h.values) r.resize(cols.size(), 0.0f);
-    h.title = t.maps.size() == 1 ? "attention" : t.map_names[m];
-    panels.push_back(std::move(h));
-  }
+  for (size_t m = 0; m < t.maps.size(); ++m) panels.push_back(heatmap_of(s, text, t, m));
   const std::string caption = "\"" + text + "\" -> \"" + s.tgt_tok.decode(t.tokens) + "\"";
   const int columns = t.maps.size() == 1 ? 1 : std::max(1, static_cast<int>(s.model->config().heads));
   std::vector<std::string> written{prefix + ".png", prefix + ".svg"};

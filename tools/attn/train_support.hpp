@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "attn/io/heatmap.hpp"
 #include "attn/train/trainer.hpp"
 
 namespace attn::cli {
@@ -15,8 +16,12 @@ void preset(const std::string& kind, train::ModelConfig& model, train::TrainOpti
 /// A progress reporter: a live bar on a terminal, a line every few seconds otherwise.
 std::function<void(const train::Progress&)> progress_printer(bool tty);
 
-/// The maps of one translation as heatmap panels (rows: output characters, columns:
-/// input characters).
+/// Map `index` of a translation as a heatmap panel (rows: output tokens, the last one
+/// <eos>; columns: input tokens).
+io::Heatmap heatmap_of(const train::Session& s, const std::string& text, const train::Translation& t, size_t index);
+
+/// Writes every map of one translation as panels of PREFIX.png and PREFIX.svg (a grid
+/// with a column per head) and, when asked, prints the first in the terminal.
 std::vector<std::string> draw_maps(train::Session& s, const std::string& text, const train::Translation& t,
                                    const std::string& path_prefix, bool print_terminal);
 
