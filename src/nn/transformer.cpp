@@ -2,6 +2,8 @@
 // attention, feed-forward and norm modules, forward and backward.
 #include "attn/nn/transformer.hpp"
 
+#include <functional>
+
 #include "attn/error.hpp"
 #include "nn/ops.hpp"
 
@@ -180,19 +182,29 @@ DecoderGrads TransformerDecoderLayer::backward(const TensorView& dout) {
 
 // ---- stacks ------------------------------------------------------------------------
 
-TransformerEncoder::TransformerEncoder(const TransformerLayerConfig& config, int64_t num_layers, bool final_norm,
-                                       Rng& rng) {
-  if (num_layers < 1) throw Error("TransformerEncoder: num_layers must be ≥ 1");
+// The layers of a stack ("layers.0" …, each with its own dropout stream from
+// stream_base) and the optional final norm ("norm"), registered on `stack`.
+template <class Layer>
+void build_stack(const char* what, const TransformerLayerConfig& config, int64_t num_layers, bool final_norm,
+                 uint64_t stream_base, Rng& rng, std::vector<std::unique_ptr<Layer>>& layers,
+                 std::unique_ptr<LayerNorm>& norm, const std::function<void(const std::string&, Module&)>& add) {
+  if (num_layers < 1) throw Error(std::string(what) + ": num_layers must be ≥ 1");
   for (int64_t i = 0; i < num_layers; ++i) {
     TransformerLayerConfig c = config;
-    c.seed = stream(config.seed, 100 + i);
-    layers.push_back(std::make_unique<TransformerEncoderLayer>(c, rng));
-    register_module("layers." + std::to_string(i), *layers.back());
+    c.seed = stream(config.seed, stream_base + i);
+    layers.push_back(std::make_unique<Layer>(c, rng));
+    add("layers." + std::to_string(i), *layers.back());
   }
   if (final_norm) {
     norm = std::make_unique<LayerNorm>(config.d_model, config.layer_norm_eps);
-    register_module("norm", *norm);
+    add("norm", *norm);
   }
+}
+
+TransformerEncoder::TransformerEncoder(const TransformerLayerConfig& config, int64_t num_layers, bool final_norm,
+                                       Rng& rng) {
+  build_stack("TransformerEncoder", config, num_layers, final_norm, 100, rng, layers, norm,
+              [this](const std::string& n, Module& m) { register_module(n, m); });
 }
 
 Tensor TransformerEncoder::forward(const TensorView& src, const TensorView& mask, const TensorView& kpm,
@@ -210,17 +222,8 @@ Tensor TransformerEncoder::backward(const TensorView& dout) {
 
 TransformerDecoder::TransformerDecoder(const TransformerLayerConfig& config, int64_t num_layers, bool final_norm,
                                        Rng& rng) {
-  if (num_layers < 1) throw Error("TransformerDecoder: num_layers must be ≥ 1");
-  for (int64_t i = 0; i < num_layers; ++i) {
-    TransformerLayerConfig c = config;
-    c.seed = stream(config.seed, 200 + i);
-    layers.push_back(std::make_unique<TransformerDecoderLayer>(c, rng));
-    register_module("layers." + std::to_string(i), *layers.back());
-  }
-  if (final_norm) {
-    norm = std::make_unique<LayerNorm>(config.d_model, config.layer_norm_eps);
-    register_module("norm", *norm);
-  }
+  build_stack("TransformerDecoder", config, num_layers, final_norm, 200, rng, layers, norm,
+              [this](const std::string& n, Module& m) { register_module(n, m); });
 }
 
 Tensor TransformerDecoder::forward(const TensorView& tgt, const TensorView& memory, const TensorView& tgt_mask,
