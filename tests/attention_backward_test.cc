@@ -4,9 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 
 #include "attention_harness.hpp"
+#include "cpu/attention_forward.hpp"  // simd_targets, force_simd_target
 
 namespace attn::testing {
 namespace {
@@ -198,6 +200,32 @@ TEST(AttentionBackwardThreads, BitwiseIdenticalGradientsForAnyThreadCount) {
     EXPECT_EQ(0, std::memcmp(results[0].data(), results[t - 1].data(), results[0].size() * sizeof(float)))
         << "1 thread and " << t << " threads differ";
   }
+}
+
+// The backward on every Highway target this CPU supports, every option that
+// changes the tile code: AVX2's 48×32 tiles (3-row blocks that do not divide 32
+// keys) once wrote a padding key row over the query tile, and AVX-512 machines
+// never ran them.
+TEST(AttentionBackwardTargets, EverySimdTargetMatchesTheReference) {
+  for (int64_t target : detail::simd_targets()) {
+    detail::force_simd_target(target);
+    SCOPED_TRACE(detail::attention_forward_target());
+    std::printf("[ target   ] %s\n", detail::attention_forward_target());
+    GradLedger ledger(3.0);
+    auto rng = make_rng(510 + target);
+    for (int d : {1, 33, 64, 128}) {
+      Config s;
+      s.Lq = 70, s.Lk = 131, s.d = d, s.dv = d == 33 ? 80 : d, s.Hq = 2, s.Hkv = 1;
+      s.opt.causal = d % 2 ? Causal::BottomRight : Causal::None;
+      s.opt.window = {d == 64 ? 40 : -1, -1};
+      if (d == 128) s.set_bool_mask({s.Lq, s.Lk}, rng), s.set_alibi(false, rng), s.opt.softcap = 5.0f;
+      if (d == 33) s.set_add_mask({1, s.Hq, s.Lq, s.Lk}, rng);
+      if (d == 1) s.opt.dropout_p = 0.2f, s.opt.seed = rng();
+      EXPECT_TRUE(ledger.check(run_backward_case(s, rng, {}, d == 33)));
+    }
+    EXPECT_TRUE(ledger.pooled_within_factor_of_plain());
+  }
+  detail::force_simd_target(0);
 }
 
 }  // namespace

@@ -10,6 +10,14 @@
 //       dK += scale·dSᵀ·Q
 //       dQ += scale·dS·K                  added in ascending key-tile order (below)
 //
+// Non-finite inputs: products with a zero factor of a key that takes no part
+// (a removed key, score −∞) would turn a NaN or ∞ in q, k, v or dO into NaN
+// gradients where the float64 reference has none; tile pairs holding such
+// numbers take GEMMs that skip removed keys (PvRowsGated). Rows
+// whose |lse| is so large that f32 rounding of lse would distort P = e^(S − lse)
+// (huge finite masks on every key, as Hugging Face's padding masks put there)
+// get their max and sum recomputed (RowStats).
+//
 // Determinism without atomics on data: every (query head, query tile) has a turn
 // counter; key tile t adds its dQ contribution only when the counter says t, then
 // passes it on, so dQ is summed in the same order for any number of threads. Work
@@ -51,6 +59,11 @@ struct BwdPack {
   int dp = 0;
   std::vector<size_t> seq_base;
   size_t total = 0;
+  std::vector<size_t> tile_base;              // per sequence: index of kv head 0, tile 0
+  mutable std::vector<uint8_t> kv_nonfinite;  // per tile: K or V holds a NaN or ±∞
+  uint8_t& NonFinite(const Problem& p, int b, int hk, int t) const {
+    return kv_nonfinite[tile_base[b] + static_cast<size_t>(hk) * KeyTiles(p.seqs[b].Lk) + t];
+  }
   size_t TileFloats(const Problem& p) const { return size_t{kBk} * (p.d + p.dv + dp); }
   float* Tile(float* pack, const Problem& p, int b, int hk, int t) const {
     return pack + seq_base[b] +
@@ -62,10 +75,15 @@ BwdPack MakeBwdPack(const Problem& p) {
   BwdPack pk;
   pk.dp = RoundUp(p.d, kLanes);
   pk.seq_base.resize(p.seqs.size());
+  pk.tile_base.resize(p.seqs.size());
+  size_t tiles = 0;
   for (size_t b = 0; b < p.seqs.size(); ++b) {
     pk.seq_base[b] = pk.total;
     pk.total += static_cast<size_t>(p.Hkv) * KeyTiles(p.seqs[b].Lk) * pk.TileFloats(p);
+    pk.tile_base[b] = tiles;
+    tiles += static_cast<size_t>(p.Hkv) * KeyTiles(p.seqs[b].Lk);
   }
+  pk.kv_nonfinite.assign(tiles, 0);
   return pk;
 }
 
@@ -90,35 +108,45 @@ void ZeroRows(float* base, int64_t row_stride, int64_t head_stride, int64_t rows
   }
 }
 
+/// Key rows of the dK and dV accumulators: the key-row GEMMs run in blocks of
+/// kRowsPerBlock rows, which need not divide Bk (AVX2: 3 rows, 32 keys), so the
+/// last block writes a padding row (discarded) and reads one float past its tile
+/// (each tile has kLanes of slack).
+constexpr int kBkRows = (kBk + kRowsPerBlock - 1) / kRowsPerBlock * kRowsPerBlock;
+
 /// Per-item scratch, carved from the thread's reusable buffer.
 struct BwdScratch {
-  float *dk, *dv;        // [Bk][dp], [Bk][dvp]  the item's gradient accumulators
+  float *dk, *dv;        // [BkRows][dp], [BkRows][dvp]  the item's gradient accumulators
   float *q, *dout;       // [Bq][dp], [Bq][dvp]  query tile (scaled) and dO tile
   float *s, *p, *ds;     // [Bq][Bk] each        scores → P, dropped P', dP → dS
+  float* kept;           // [Bq][Bk]             final scores (−∞: removed key)
   float* drop;           // [Bq][Bk]             dropout multipliers: 0 or 1/(1 − p)
   float *raw, *pre_mod;  // [Bq][Bk] each        kept for softcap' / score_mod'
   float* dq;             // [Bq][dp]             this tile's dQ contribution
-  float *lse, *dsum;     // [Bq]                 lse and D per row
+  float *lse, *dsum;     // [Bq]                 softmax max (lse) and D per row
+  float* inv_l;          // [Bq]                 1 / softmax sum (1 when lse is used)
   int *lo, *hi, *first, *count;
 
   BwdScratch(int dp, int dvp) {
-    const size_t tile = size_t{kBq} * kBk;
-    const size_t total = size_t{kBk} * (dp + dvp) + size_t{kBq} * (2 * dp + dvp) + 6 * tile +
-                         6 * size_t{kBq} + 64;
+    const size_t tile = size_t{kBq} * kBk + kLanes;
+    const size_t total = size_t{kBkRows} * (dp + dvp) + size_t{kBq} * (2 * dp + dvp) + 7 * tile +
+                         7 * size_t{kBq} + 64;
     float* x = thread_scratch(kSlotTile, total);
-    dk = x, x += size_t{kBk} * dp;
-    dv = x, x += size_t{kBk} * dvp;
+    dk = x, x += size_t{kBkRows} * dp;
+    dv = x, x += size_t{kBkRows} * dvp;
     q = x, x += size_t{kBq} * dp;
     dout = x, x += size_t{kBq} * dvp;
     dq = x, x += size_t{kBq} * dp;
     s = x, x += tile;
     p = x, x += tile;
     ds = x, x += tile;
+    kept = x, x += tile;
     drop = x, x += tile;
     raw = x, x += tile;
     pre_mod = x, x += tile;
     lse = x, x += kBq;
     dsum = x, x += kBq;
+    inv_l = x, x += kBq;
     lo = reinterpret_cast<int*>(x), hi = lo + kBq, first = hi + kBq, count = first + kBq;
   }
 };
@@ -129,6 +157,8 @@ struct BwdShared {
   const BwdPack& pack_layout;
   float* pack;
   const float* dsum;                           // D, per (sequence, head, row)
+  float* row_m;                                // softmax max per row (= lse usually)
+  float* row_inv_l;                            // and 1 / sum (= 1 usually): P = e^(S − m) / l
   const std::vector<size_t>& dsum_base;        // per sequence
   std::atomic<int>* turns;                     // per (sequence, head, query tile)
   const std::vector<size_t>& turn_base;        // per sequence
@@ -165,15 +195,18 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
       const float* g = bp.dout + seq.dout_offset + h * bp.dout_head + int64_t{i0 + r} * bp.dout_row;
       std::memcpy(gr, g, sizeof(float) * p.dv);
       std::fill(gr + p.dv, gr + dvp, 0.0f);
-      w.lse[r] = p.lse[seq.lse_offset + h * p.lse_h + int64_t{i0 + r} * p.lse_i];
       w.dsum[r] = sh.dsum[sh.dsum_base[b] + size_t(h) * seq.Lq + i0 + r];
+      w.inv_l[r] = sh.row_inv_l[sh.dsum_base[b] + size_t(h) * seq.Lq + i0 + r];
+      w.lse[r] = sh.row_m[sh.dsum_base[b] + size_t(h) * seq.Lq + i0 + r];
       BandOfRow(p, seq, i0 + r, &w.lo[r], &w.hi[r]);
     } else {
       std::fill(qr, qr + dp, 0.0f);
       std::fill(gr, gr + dvp, 0.0f);
-      w.lse[r] = -HUGE_VALF, w.dsum[r] = 0.0f;
+      w.lse[r] = -HUGE_VALF, w.dsum[r] = 0.0f, w.inv_l[r] = 1.0f;
     }
   }
+  const bool careful = sh.pack_layout.NonFinite(p, b, hk, kt) != 0 ||
+                       !AllFinite(w.q, size_t{kBq} * dp) || !AllFinite(w.dout, size_t{kBq} * dvp);
 
   // S (only the key vectors each 4-row block's band reaches), modifiers, masks.
   const TilePlace place{b, h, i0, rows, j0, nk, w.lo, w.hi};
@@ -184,21 +217,25 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
   const bool save_raw = p.softcap > 0.0f;
   const bool save_pre = p.mods != nullptr && p.mods->grad_tile != nullptr;
   ApplyScoreMods(p, seq, place, w.s, kBk, TileNeedsBand(place), save_raw ? w.raw : nullptr,
-                 save_pre ? w.pre_mod : nullptr, /*to_base2=*/false);
+                 save_pre ? w.pre_mod : nullptr);
 
-  // P = exp(S − lse); rows without a visible key (lse = −∞) and padding: 0.
-  const VF log2e = hn::Set(df, 1.44269504088896341f);
+  std::memcpy(w.kept, w.s, sizeof(float) * kBq * kBk);
+  // P = e^(S − m) / l (m = lse, l = 1 but for RowStats' rows); rows without a
+  // visible key (lse = −∞) and padding: 0.
   for (int r = 0; r < kBq; ++r) {
     float* row = w.s + r * kBk;
-    if (w.lse[r] == -HUGE_VALF) {
-      for (int n = 0; n < kKeyVectors; ++n) hn::Store(hn::Zero(df), df, row + n * kLanes);
+    if (w.lse[r] == -HUGE_VALF) {  // and every key of the row counts as removed
+      for (int n = 0; n < kKeyVectors; ++n) {
+        hn::Store(hn::Zero(df), df, row + n * kLanes);
+        hn::Store(hn::Set(df, -HUGE_VALF), df, w.kept + r * kBk + n * kLanes);
+      }
       continue;
     }
-    const VF lse = hn::Set(df, w.lse[r]);
+    const VF m = hn::Set(df, w.lse[r]), inv_l = hn::Set(df, w.inv_l[r]);
     for (int n = 0; n < kKeyVectors; ++n) {
       // Exact 0 for removed keys (−∞), as the reference.
       const VF x = hn::Load(df, row + n * kLanes);
-      const VF e = Exp2NonPositive(df, hn::Mul(hn::Sub(x, lse), log2e));  // S ≤ lse
+      const VF e = hn::Mul(ExpNonPositive(df, hn::Sub(x, m)), inv_l);  // S ≤ m
       hn::Store(hn::IfThenZeroElse(hn::Eq(x, hn::Set(df, -HUGE_VALF)), e), df, row + n * kLanes);
     }
   }
@@ -222,7 +259,12 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
 
   // dV += P'ᵀ·dO (rows: keys, inner: queries).
   for (int kr = 0; kr < kBk; kr += kRowsPerBlock) {
-    PvRows(pd + kr, 1, kBk, w.dout, dvp, rows, nullptr, w.dv + size_t(kr) * dvp);
+    if (careful) {
+      PvRowsGated(pd + kr, 1, kBk, w.kept + kr, 1, kBk, -HUGE_VALF, w.dout, dvp, rows, nullptr,
+                  w.dv + size_t(kr) * dvp);
+    } else {
+      PvRows(pd + kr, 1, kBk, w.dout, dvp, rows, nullptr, w.dv + size_t(kr) * dvp);
+    }
   }
 
   // dP = dO·Vᵀ over the same key vectors as S; dropout: dP ← dP·mask/(1 − p).
@@ -233,18 +275,21 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
     for (size_t n = 0; n < size_t{kBq} * kBk; ++n) w.ds[n] *= w.drop[n];
   }
 
-  // dS = P ∘ (dP − D), the gradient of the final scores; −∞ entries of dP (keys
-  // outside a block's vectors) meet P = 0 and give 0.
+  // dS = P ∘ (dP − D), the gradient of the final scores; 0 for removed keys
+  // (their dP may be −∞, outside a block's vectors, or NaN from a value), but
+  // computed for a visible key whose P underflowed, as in the reference.
   const bool keep_raw = p.softcap > 0.0f;
   const bool keep_pre = p.mods != nullptr && p.mods->grad_tile != nullptr;
   for (int r = 0; r < kBq; ++r) {
     float* dsr = w.ds + r * kBk;
     const float* pr = w.s + r * kBk;
+    const float* kr = w.kept + r * kBk;
     const VF dsum = hn::Set(df, w.dsum[r]);
     for (int n = 0; n < kKeyVectors; ++n) {
       const VF pv = hn::Load(df, pr + n * kLanes);
       const VF g = hn::Mul(pv, hn::Sub(hn::Load(df, dsr + n * kLanes), dsum));
-      hn::Store(hn::IfThenZeroElse(hn::Eq(pv, hn::Zero(df)), g), df, dsr + n * kLanes);
+      const auto removed = hn::Eq(hn::Load(df, kr + n * kLanes), hn::Set(df, -HUGE_VALF));
+      hn::Store(hn::IfThenZeroElse(removed, g), df, dsr + n * kLanes);
     }
   }
   if (keep_pre) {
@@ -253,7 +298,9 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
   if (bp.dbias != nullptr) {  // the additive mask's gradient is dS here (before softcap')
     for (int r = 0; r < rows; ++r) {
       float* db = bp.dbias + b * bp.dbias_b + h * bp.dbias_h + int64_t{i0 + r} * bp.dbias_i;
-      for (int j = 0; j < nk; ++j) db[int64_t{j0 + j} * bp.dbias_j] += w.ds[r * kBk + j];
+      for (int j = 0; j < nk; ++j) {
+        if (w.kept[r * kBk + j] != -HUGE_VALF) db[int64_t{j0 + j} * bp.dbias_j] += w.ds[r * kBk + j];
+      }
     }
   }
   if (keep_raw) {  // s_capped = cap·tanh(s/cap): ds = ds_capped·(1 − tanh²(s/cap))
@@ -266,12 +313,23 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
     }
   }
   // s = scale·q·k: dK += dSᵀ·(scale·Q), dQ = scale·(dS·K).
-  for (int kr = 0; kr < kBk; kr += kRowsPerBlock) {
-    PvRows(w.ds + kr, 1, kBk, w.q, dp, rows, nullptr, w.dk + size_t(kr) * dp);
-  }
   std::fill(w.dq, w.dq + size_t{kBq} * dp, 0.0f);
-  for (int r = 0; r < kBq; r += kRowsPerBlock) {
-    PvRows(w.ds + r * kBk, kBk, 1, krows, dp, nk, nullptr, w.dq + size_t(r) * dp);
+  if (careful) {
+    for (int kr = 0; kr < kBk; kr += kRowsPerBlock) {
+      PvRowsGated(w.ds + kr, 1, kBk, w.kept + kr, 1, kBk, -HUGE_VALF, w.q, dp, rows, nullptr,
+                  w.dk + size_t(kr) * dp);
+    }
+    for (int r = 0; r < kBq; r += kRowsPerBlock) {
+      PvRowsGated(w.ds + r * kBk, kBk, 1, w.kept + r * kBk, kBk, 1, -HUGE_VALF, krows, dp, nk, nullptr,
+                  w.dq + size_t(r) * dp);
+    }
+  } else {
+    for (int kr = 0; kr < kBk; kr += kRowsPerBlock) {
+      PvRows(w.ds + kr, 1, kBk, w.q, dp, rows, nullptr, w.dk + size_t(kr) * dp);
+    }
+    for (int r = 0; r < kBq; r += kRowsPerBlock) {
+      PvRows(w.ds + r * kBk, kBk, 1, krows, dp, nk, nullptr, w.dq + size_t(r) * dp);
+    }
   }
 
   // Add this tile's dQ when it is this key tile's turn for (h, qt).
@@ -289,6 +347,58 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
   turn.store(kt + 1, std::memory_order_release);
 }
 
+/// |lse| from which a row's softmax statistics are recomputed: f32 rounds lse
+/// by up to |lse|·2^−24, and P = e^(S − lse) inherits that as a relative error
+/// (7.6e-6 at 128). Ordinary rows stay far below (scores of a few tens plus
+/// ln Lk); rows whose every key carries a huge finite mask (−1e9, −FLT_MAX) sit
+/// far above, where the rounding can swallow ln Lk whole.
+constexpr float kLseRecompute = 128.0f;
+
+/// Recomputes max and sum of the softmax of rows of (sequence b, head h, query
+/// tile qt) whose |lse| ≥ kLseRecompute, as the forward does (same tiles, same
+/// order), into sh.row_m and sh.row_inv_l. The key tiles must be packed.
+void RowStats(const BwdShared& sh, int b, int h, int qt) {
+  const Problem& p = sh.bp.fwd;
+  const Sequence& seq = p.seqs[b];
+  const int dp = sh.pack_layout.dp, dvp = RoundUp(p.dv, kLanes);
+  BwdScratch w(dp, dvp);
+  const int i0 = qt * kBq, rows = std::min(kBq, seq.Lq - i0);
+  float* m = w.raw;              // [Bq]
+  float* alpha = w.raw + kBq;    // [Bq]
+  float* tmp = w.raw + 2 * kBq;  // [Bq]
+  float* l = w.p;                // [Bq][kLanes]
+  for (int r = 0; r < kBq; ++r) {
+    float* qr = w.q + size_t(r) * dp;
+    std::fill(qr, qr + dp, 0.0f);
+    if (r < rows) {
+      const float* src = p.q + seq.q_offset + h * p.q_head + int64_t{i0 + r} * p.q_row;
+      for (int c = 0; c < p.d; ++c) qr[c] = src[c] * p.scale;
+      BandOfRow(p, seq, i0 + r, &w.lo[r], &w.hi[r]);
+    }
+  }
+  std::fill(m, m + kBq, -HUGE_VALF);
+  std::fill(l, l + kBq * kLanes, 0.0f);
+  for (int kt = sh.qt_first[b][qt]; kt <= sh.qt_last[b][qt]; ++kt) {
+    const int j0 = kt * kBk;
+    const TilePlace place{b, h, i0, rows, j0, std::min(kBk, seq.Lk - j0), w.lo, w.hi};
+    const float* kpanel = sh.pack_layout.Tile(sh.pack, p, b, h / p.group(), kt);
+    for (int r = 0, blk = 0; r < kBq; r += kRowsPerBlock, ++blk) {
+      BlockKeyVectors(w.lo, w.hi, r, rows, j0, &w.first[blk], &w.count[blk]);
+      QkRows(w.q + size_t(r) * dp, dp, kpanel, p.d, w.s + r * kBk, kBk, w.first[blk], w.count[blk]);
+    }
+    ApplyScoreMods(p, seq, place, w.s, kBk, TileNeedsBand(place));
+    SoftmaxTile(w.s, kBk, kBq, m, l, alpha, tmp);
+  }
+  for (int r = 0; r < rows; ++r) {
+    const size_t at = sh.dsum_base[b] + size_t(h) * seq.Lq + i0 + r;
+    const float lse = p.lse[seq.lse_offset + h * p.lse_h + int64_t{i0 + r} * p.lse_i];
+    if (std::isfinite(lse) && std::fabs(lse) >= kLseRecompute && m[r] != -HUGE_VALF) {
+      sh.row_m[at] = m[r];
+      sh.row_inv_l[at] = 1.0f / RowSum(l, r);
+    }
+  }
+}
+
 /// Work item: key tile kt of (sequence b, kv head hk), over every query head of
 /// the group and every query tile whose band reaches it.
 void BackwardItem(const BwdShared& sh, int b, int hk, int kt) {
@@ -296,8 +406,8 @@ void BackwardItem(const BwdShared& sh, int b, int hk, int kt) {
   const Sequence& seq = p.seqs[b];
   const int dp = sh.pack_layout.dp, dvp = RoundUp(p.dv, kLanes);
   BwdScratch w(dp, dvp);
-  std::fill(w.dk, w.dk + size_t{kBk} * dp, 0.0f);
-  std::fill(w.dv, w.dv + size_t{kBk} * dvp, 0.0f);
+  std::fill(w.dk, w.dk + size_t{kBkRows} * dp, 0.0f);
+  std::fill(w.dv, w.dv + size_t{kBkRows} * dvp, 0.0f);
   const int nqt = QueryTiles(seq.Lq);
   for (int h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
     for (int qt = 0; qt < nqt; ++qt) {
@@ -345,7 +455,19 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
     }
     flops += 5.0 * seq.Lq * seq.Lk * (p.d + p.dv) * p.Hq;
   }
-  std::vector<float> dsum(dsum_total);
+  std::vector<float> dsum(dsum_total), row_m(dsum_total), row_inv_l(dsum_total, 1.0f);
+  // Query tiles with rows whose softmax statistics are recomputed (RowStats).
+  std::vector<Item> stats_items;
+  for (const Item& it : rows_items) {
+    const Sequence& seq = p.seqs[it.b];
+    bool recompute = false;
+    for (int i = it.t * kBq; i < std::min(seq.Lq, (it.t + 1) * kBq); ++i) {
+      const float lse = p.lse[seq.lse_offset + it.h * p.lse_h + int64_t{i} * p.lse_i];
+      row_m[dsum_base[it.b] + size_t(it.h) * seq.Lq + i] = lse;
+      recompute = recompute || (std::isfinite(lse) && std::fabs(lse) >= kLseRecompute);
+    }
+    if (recompute) stats_items.push_back(it);
+  }
   std::unique_ptr<std::atomic<int>[]> turns(new std::atomic<int>[std::max<size_t>(1, turn_total)]);
   for (int b = 0; b < p.B; ++b) {
     for (int h = 0; h < p.Hq; ++h) {
@@ -366,9 +488,10 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
   }
 
   const int nt = flops < 4e6 ? 1 : std::max(1, threads);
-  const BwdShared sh{bp, pk, pack, dsum.data(), dsum_base, turns.get(), turn_base, qt_first, qt_last};
+  const BwdShared sh{bp,        pk,        pack,     dsum.data(), row_m.data(), row_inv_l.data(),
+                    dsum_base, turns.get(), turn_base, qt_first,  qt_last};
   const int n_rows = static_cast<int>(rows_items.size()), n_pack = static_cast<int>(pack_items.size()),
-            n_items = static_cast<int>(items.size());
+            n_items = static_cast<int>(items.size()), n_stats = static_cast<int>(stats_items.size());
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     // Phase 1: D = rowsum(dO ∘ O) per query row; zero dq (it is accumulated).
@@ -400,7 +523,11 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
       PackPanel(k, p.k_row, nk, p.d, tile);
       PackPanel(v, p.v_row, nk, p.dv, tile + size_t{kBk} * p.d);
       PackRows(k, p.k_row, nk, p.d, pk.dp, tile + size_t{kBk} * (p.d + p.dv));
+      pk.NonFinite(p, b, hk, t) = !AllFinite(tile, pk.TileFloats(p));
     }
+    // Phase 2b: softmax statistics of rows with huge |lse| (needs the packed K).
+#pragma omp for schedule(dynamic, 1)
+    for (int n = 0; n < n_stats; ++n) RowStats(sh, stats_items[n].b, stats_items[n].h, stats_items[n].t);
 #pragma omp single
     {
       if (bp.varlen_q_tokens > 0 || bp.varlen_k_tokens > 0) {  // tokens outside every sequence: 0

@@ -4,12 +4,15 @@
 // For each work item (sequence b, query head h, tile of Bq queries):
 //   O = 0, m = −∞, l = 0
 //   for each key tile of Bk keys that the band leaves partly visible:
-//     S = (scale·log₂e·Q)·Kᵀ           QkBlock, K pre-packed as [d][Bk] panels
+//     S = (scale·Q)·Kᵀ                QkBlock, K pre-packed as [d][Bk] panels
 //     S = modifiers and masks (S)     ApplyScoreMods
-//     P = 2^(S − m_new), α = 2^(m − m_new), l = α·l + rowsum(P)   SoftmaxTile
-//                                     (S in base-2 units: log₂e folded into Q)
+//     P = e^(S − m_new), α = e^(m − m_new), l = α·l + rowsum(P)   SoftmaxTile
 //     O = α·O + P·V                   PvRows, V pre-packed as [Bk][dvp]
-//   out = O / l, lse = m·ln2 + ln(l)  (rows with no visible key: 0 and −∞)
+//   out = O / l, lse = m + ln(l)      (rows with no visible key: 0 and −∞)
+// Non-finite inputs give the float64 reference's answer (see attention.hpp): NaN
+// scores make their row NaN, removed keys never contribute — not even a NaN or
+// infinite value, which a plain P·V would turn into 0·NaN — so key tiles whose
+// V holds a non-finite number take a P·V that skips removed keys.
 // The Lq×Lk matrix never exists; extra memory is the packed K/V (the size of k
 // and v) plus one tile workspace per thread, both reused across calls.
 #include "cpu/attention_forward.hpp"
@@ -43,6 +46,13 @@ struct PackLayout {
   int dvp = 0;                   // dv rounded up to a whole vector
   std::vector<size_t> seq_base;  // per sequence: offset of kv head 0's panels
   size_t total = 0;              // floats
+  // Per (sequence, kv head, key tile): 1 when the tile's V holds a NaN or ±∞.
+  std::vector<size_t> tile_base;  // per sequence: index of kv head 0, tile 0
+  mutable std::vector<uint8_t> v_nonfinite;
+
+  uint8_t& VNonFinite(const Problem& p, int b, int hk, int tile) const {
+    return v_nonfinite[tile_base[b] + static_cast<size_t>(hk) * KeyTiles(p.seqs[b].Lk) + tile];
+  }
 
   size_t HeadFloats(int lk, int d) const {
     return static_cast<size_t>(KeyTiles(lk)) * kBk * static_cast<size_t>(d + dvp);
@@ -59,10 +69,15 @@ PackLayout MakePackLayout(const Problem& p) {
   PackLayout pl;
   pl.dvp = RoundUp(p.dv, kLanes);
   pl.seq_base.resize(p.seqs.size());
+  pl.tile_base.resize(p.seqs.size());
+  size_t tiles = 0;
   for (size_t b = 0; b < p.seqs.size(); ++b) {
     pl.seq_base[b] = pl.total;
     pl.total += p.Hkv * pl.HeadFloats(p.seqs[b].Lk, p.d);
+    pl.tile_base[b] = tiles;
+    tiles += static_cast<size_t>(p.Hkv) * KeyTiles(p.seqs[b].Lk);
   }
+  pl.v_nonfinite.assign(tiles, 0);
   return pl;
 }
 
@@ -74,14 +89,16 @@ void PackTile(const Problem& p, const PackLayout& pl, float* pack, int b, int hk
   const int j0 = tile * kBk, nk = std::min(kBk, seq.Lk - j0);
   PackPanel(p.k + seq.k_offset + hk * p.k_head + int64_t{j0} * p.k_row, p.k_row, nk, p.d,
             pl.K(pack, p, b, hk) + static_cast<size_t>(tile) * kBk * p.d);
-  PackRows(p.v + seq.v_offset + hk * p.v_head + int64_t{j0} * p.v_row, p.v_row, nk, p.dv, pl.dvp,
-           pl.V(pack, p, b, hk) + static_cast<size_t>(j0) * pl.dvp);
+  float* v = pl.V(pack, p, b, hk) + static_cast<size_t>(j0) * pl.dvp;
+  PackRows(p.v + seq.v_offset + hk * p.v_head + int64_t{j0} * p.v_row, p.v_row, nk, p.dv, pl.dvp, v);
+  pl.VNonFinite(p, b, hk, tile) = !AllFinite(v, static_cast<size_t>(kBk) * pl.dvp);
 }
 
 /// The per-thread tile workspace, carved from one reusable buffer.
 struct TileScratch {
   float* q;      // [Bq][d]    scaled query rows (padding rows zero)
   float* s;      // [Bq][Bk]   scores, then probabilities
+  float* kept;   // [Bq][Bk]   the scores before the softmax, for tiles whose V is not finite
   float* o;      // [Bq][dvp]  unnormalised output accumulator
   float* m;      // [Bq]       running max
   float* l;      // [Bq][N]    running sums, one vector of partial sums per row
@@ -96,10 +113,11 @@ struct TileScratch {
     const size_t qf = size_t{kBq} * d, sf = size_t{kBq} * kBk, of = size_t{kBq} * dvp;
     // Each piece starts on a 64-byte boundary (all sizes are multiples of 16 floats).
     const size_t qf16 = (qf + 15) / 16 * 16;
-    float* base = thread_scratch(kSlotTile, qf16 + sf + of + (8 + kLanes) * kBq + 64);
+    float* base = thread_scratch(kSlotTile, qf16 + 2 * sf + of + (8 + kLanes) * kBq + 64);
     q = base;
     s = q + qf16;
-    o = s + sf;
+    kept = s + sf;
+    o = kept + sf;
     l = o + of;
     m = l + kBq * kLanes;
     alpha = m + kBq;
@@ -111,11 +129,10 @@ struct TileScratch {
   }
 };
 
-/// Loads the query tile scaled by `scale`, times log₂e unless an option modifies
-/// score values (see ModifiesScores), so S needs no extra multiply; zeros the
-/// padding rows.
+/// Loads the query tile scaled by `scale` (so S needs no extra multiply); zeros
+/// the padding rows.
 void LoadQueryTile(const Problem& p, const float* q, int rows, float* dst) {
-  const float scale = ModifiesScores(p) ? p.scale : p.scale * 1.44269504088896341f;
+  const float scale = p.scale;
   for (int r = 0; r < kBq; ++r) {
     float* row = dst + static_cast<size_t>(r) * p.d;
     if (r < rows) {
@@ -182,6 +199,8 @@ void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int
     const int j0 = t * kBk;
     const TilePlace place{b, h, i0, rows, j0, std::min(kBk, seq.Lk - j0), w.lo, w.hi};
     ScoreTile(p, seq, w, kpack + static_cast<size_t>(t) * kBk * p.d, place);
+    const bool careful = pl.VNonFinite(p, b, hk, t) != 0;
+    if (careful) std::memcpy(w.kept, w.s, sizeof(float) * kBq * kBk);
     if (!SoftmaxTile(w.s, kBk, kBq, w.m, w.l, w.alpha, w.tmp)) continue;
     if (p.dropout_p > 0.0f) ApplyDropout(p, b, h, i0, rows, j0, w.s, kBk);
     const float* vt = vpack + static_cast<size_t>(j0) * dvp;
@@ -189,26 +208,32 @@ void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int
       // A block that saw no key of this tile kept its max: α = 1, nothing to add.
       if (w.count[blk] <= 0) continue;
       const int jb = w.first[blk] * kLanes, nk = w.count[blk] * kLanes;
-      PvRows(w.s + r * kBk + jb, kBk, 1, vt + static_cast<size_t>(jb) * dvp, dvp, nk, w.alpha + r,
-             w.o + static_cast<size_t>(r) * dvp);
+      if (careful) {
+        PvRowsGated(w.s + r * kBk + jb, kBk, 1, w.kept + r * kBk + jb, kBk, 1, -HUGE_VALF,
+                    vt + static_cast<size_t>(jb) * dvp, dvp, nk, w.alpha + r,
+                    w.o + static_cast<size_t>(r) * dvp);
+      } else {
+        PvRows(w.s + r * kBk + jb, kBk, 1, vt + static_cast<size_t>(jb) * dvp, dvp, nk,
+               w.alpha + r, w.o + static_cast<size_t>(r) * dvp);
+      }
     }
   }
 
-  // Normalise and write out; rows that saw no visible key give 0 and lse −∞.
+  // Normalise and write out; rows that saw no visible key give 0 and lse −∞;
+  // rows whose max or sum is NaN (a NaN score) give NaN.
   for (int r = 0; r < rows; ++r) {
     float* dst = p.out + seq.out_offset + h * p.out_head + int64_t{i0 + r} * p.out_row;
     const float* acc = w.o + static_cast<size_t>(r) * dvp;
     const float sum = RowSum(w.l, r);
-    const bool any = sum > 0.0f;
-    const float inv = any ? 1.0f / sum : 0.0f;
+    const bool none = w.m[r] == -HUGE_VALF;
+    const bool nan = std::isnan(w.m[r]) || std::isnan(sum);
+    const float inv = none ? 0.0f : nan ? NAN : 1.0f / sum;
     for (int c = 0; c < p.dv; ++c) dst[c] = acc[c] * inv;
+    if (nan) std::fill(dst, dst + p.dv, NAN);
     if (p.lse != nullptr) {
-      // Natural log; m is in base-2 units. In double, so that the only rounding
-      // beyond the plain softmax's is that of s·log₂e (in f32, m·ln2 + log(l)
-      // added ~3 ulp of |lse|).
+      // In double, so that m (a score, exact) is not rounded against ln(l).
       p.lse[seq.lse_offset + h * p.lse_h + int64_t{i0 + r} * p.lse_i] =
-          any ? static_cast<float>(double{w.m[r]} * 0.693147180559945309417 + std::log(double{sum}))
-              : -HUGE_VALF;
+          none ? -HUGE_VALF : static_cast<float>(double{w.m[r]} + std::log(double{sum}));
     }
     w.alpha[r] = inv;  // kept for the probabilities below
   }
@@ -229,19 +254,19 @@ void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int
       const TilePlace place{b, h, i0, rows, j0, cols, w.lo, w.hi};
       ScoreTile(p, seq, w, kpack + static_cast<size_t>(t) * kBk * p.d, place);
       for (int r = 0; r < rows; ++r) {
-        if (w.alpha[r] == 0.0f) continue;  // no visible key: the row stays 0
+        if (w.m[r] == -HUGE_VALF) continue;  // no visible key: the row stays 0
         float* row = w.s + r * kBk;
         const VF m = hn::Set(df, w.m[r]), inv_l = hn::Set(df, w.alpha[r]);
-        const VF ln2 = hn::Set(df, 0.69314718055994530942f);
         for (int n = 0; n < kKeyVectors; ++n) {
-          const VF e = hn::Exp(df, hn::Mul(hn::Sub(hn::Load(df, row + n * kLanes), m), ln2));
+          const VF x = hn::Load(df, row + n * kLanes);
+          const VF e = hn::IfThenZeroElse(hn::Eq(x, hn::Set(df, -HUGE_VALF)), hn::Exp(df, hn::Sub(x, m)));
           hn::Store(hn::Mul(e, inv_l), df, row + n * kLanes);
         }
       }
       if (p.dropout_p > 0.0f) ApplyDropout(p, b, h, i0, rows, j0, w.s, kBk);
       for (int r = 0; r < rows; ++r) {
         float* dst = p.probs + seq.probs_offset + h * p.probs_h + int64_t{i0 + r} * p.probs_i + j0;
-        if (w.alpha[r] != 0.0f) std::memcpy(dst, w.s + r * kBk, sizeof(float) * cols);
+        if (w.m[r] != -HUGE_VALF) std::memcpy(dst, w.s + r * kBk, sizeof(float) * cols);
       }
     }
   }
@@ -286,7 +311,7 @@ void ForwardF32(const Problem& p, int threads) {
 
 size_t WorkspaceBytes(const Problem& p, int threads) {
   const PackLayout pl = MakePackLayout(p);
-  const size_t tile = size_t{kBq} * (p.d + kBk + pl.dvp + 8 + kLanes) + 64;
+  const size_t tile = size_t{kBq} * (p.d + 2 * kBk + pl.dvp + 8 + kLanes) + 64;
   return sizeof(float) * (pl.total + static_cast<size_t>(std::max(1, threads)) * tile);
 }
 

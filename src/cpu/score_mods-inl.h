@@ -113,23 +113,14 @@ HWY_INLINE VF SoftcapDerivative(DF df, VF s, double cap) {
   });
 }
 
-/// True when an option changes score values (not only removes keys). Those work
-/// in natural units, so the query is scaled by `scale` alone and the tile is
-/// converted to the softmax's base-2 units after them (ApplyScoreMods); otherwise
-/// log₂e is folded into the query scale and scores arrive in base 2 directly.
-HWY_INLINE bool ModifiesScores(const Problem& p) {
-  return p.softcap > 0.0f || p.alibi != nullptr || p.add_mask != nullptr || p.mods != nullptr;
-}
-
 /// Applies every enabled modifier and mask to the tile's real rows (row stride
-/// ld); with ModifiesScores(p) and to_base2, finally multiplies the rows by log₂e.
+/// ld). Scores stay in natural units throughout (the softmax converts s − m).
 /// For the backward's chain rule, `raw` (if not null) receives the scores before
-/// softcap and `pre_mod` those before the user's score_mod (same layout as s); the
-/// backward works in natural units (to_base2 = false).
+/// softcap and `pre_mod` those before the user's score_mod (same layout as s).
 HWY_INLINE void ApplyScoreMods(const Problem& p, const Sequence& seq, const TilePlace& t,
                                float* HWY_RESTRICT s, size_t ld, bool band,
                                float* HWY_RESTRICT raw = nullptr,
-                               float* HWY_RESTRICT pre_mod = nullptr, bool to_base2 = true) {
+                               float* HWY_RESTRICT pre_mod = nullptr) {
   const DF df;
   const hn::RebindToSigned<DF> di;
   const VF neg_inf = hn::Set(df, -HUGE_VALF);
@@ -209,15 +200,6 @@ HWY_INLINE void ApplyScoreMods(const Problem& p, const Sequence& seq, const Tile
   if (pre_mod != nullptr) std::memcpy(pre_mod, s, sizeof(float) * ld * t.rows);
   if (p.mods != nullptr) {
     p.mods->tile(p.mods->ctx, s, static_cast<int64_t>(ld), t.b, t.h, t.i0, t.rows, t.j0, t.cols);
-  }
-  if (to_base2 && ModifiesScores(p)) {
-    const VF log2e = hn::Set(df, 1.44269504088896341f);
-    for (int r = 0; r < t.rows; ++r) {
-      float* row = s + r * ld;
-      for (int n = 0; n < kKeyVectors; ++n) {
-        hn::Store(hn::Mul(hn::Load(df, row + n * kLanes), log2e), df, row + n * kLanes);
-      }
-    }
   }
 }
 

@@ -20,6 +20,7 @@
 #include <hwy/highway.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 HWY_BEFORE_NAMESPACE();
@@ -145,6 +146,47 @@ HWY_INLINE void PvRows(const float* HWY_RESTRICT a, size_t a_row, size_t a_inner
   }
 }
 
+/// PvRows for tiles holding non-finite numbers: the same O = α·O + A·B, except
+/// that step j of row r is skipped where gate[r·g_row + j·g_inner] equals `skip`
+/// (a removed key's −∞ score, or a zero probability), so that 0·NaN and 0·∞ from
+/// keys that take no part cannot reach O. Row r's sum runs over j in the same
+/// order, with the same fused multiply-adds, as PvBlock's.
+HWY_INLINE void PvRowsGated(const float* HWY_RESTRICT a, size_t a_row, size_t a_inner,
+                            const float* HWY_RESTRICT gate, size_t g_row, size_t g_inner,
+                            float skip, const float* HWY_RESTRICT b, int width, int nk,
+                            const float* HWY_RESTRICT alpha, float* HWY_RESTRICT o) {
+  const DF df;
+  for (int r = 0; r < kRowsPerBlock; ++r) {
+    float* orow = o + static_cast<size_t>(r) * width;
+    const VF al = hn::Set(df, alpha != nullptr ? alpha[r] : 1.0f);
+    for (int c = 0; c < width; c += kLanes) hn::Store(hn::Mul(hn::Load(df, orow + c), al), df, orow + c);
+    for (int j = 0; j < nk; ++j) {
+      if (gate[r * g_row + j * g_inner] == skip) continue;
+      const VF av = hn::Set(df, a[r * a_row + j * a_inner]);
+      const float* brow = b + static_cast<size_t>(j) * width;
+      for (int c = 0; c < width; c += kLanes) {
+        hn::Store(hn::MulAdd(av, hn::Load(df, brow + c), hn::Load(df, orow + c)), df, orow + c);
+      }
+    }
+  }
+}
+
+/// True when none of the n floats is NaN or ±∞.
+HWY_INLINE bool AllFinite(const float* HWY_RESTRICT x, size_t n) {
+  const DF df;
+  const hn::RebindToUnsigned<DF> du;
+  const auto exp_mask = hn::Set(du, 0x7F800000u);
+  auto bad = hn::Zero(du);
+  size_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const auto bits = hn::BitCast(du, hn::LoadU(df, x + i));
+    bad = hn::Or(bad, hn::VecFromMask(du, hn::Eq(hn::And(bits, exp_mask), exp_mask)));
+  }
+  bool ok = hn::AllTrue(du, hn::Eq(bad, hn::Zero(du)));
+  for (; i < n; ++i) ok = ok && std::isfinite(x[i]);
+  return ok;
+}
+
 /// Packs nk rows of `width` floats (row stride src_ld) transposed into a
 /// [width][Bk] panel; rows nk..Bk are zero. (QkRows reads K, and V, this way.)
 HWY_INLINE void PackPanel(const float* src, int64_t src_ld, int nk, int width, float* dst) {
@@ -171,19 +213,29 @@ HWY_INLINE void PackRows(const float* src, int64_t src_ld, int nk, int width, in
   }
 }
 
-/// 2^x for x ≤ 0 (x = s₂ − max₂, or −∞), within 2 ulp: the softmax's exponential.
-/// Scores reach the softmax in base-2 units (log₂e folded into the query scale, as
-/// FlashAttention does), so no multiply by log₂e and no two-part ln 2 reduction:
-///   x = max(x, −125)              (2^−125 times the polynomial is still normal)
+/// max(x, lo) that keeps NaN: x86's maxps returns its second operand when either
+/// is NaN; Highway's scalar Max returns the other operand, so use a select there.
+HWY_INLINE VF ClampBelow(DF df, VF x, float lo) {
+#if HWY_ARCH_X86 && HWY_TARGET != HWY_SCALAR && HWY_TARGET != HWY_EMU128
+  return hn::Max(hn::Set(df, lo), x);
+#else
+  return hn::IfThenElse(hn::Lt(x, hn::Set(df, lo)), hn::Set(df, lo), x);
+#endif
+}
+
+/// 2^x for x ≤ 0 (or NaN), within 2 ulp down to the smallest normal, correctly
+/// scaled into the subnormals below it, exactly 0 below 2^−160 (so for x = −∞),
+/// and NaN for NaN: the softmax's exponential.
+///   x = max(x, −160)              (NaN stays NaN)
 ///   n = round(x), f = x − n       (exact; |f| ≤ 1/2)
 ///   2^f by a degree-6 polynomial  (Taylor in f·ln 2; error ≤ 1.2e-7)
-///   2^n by vscalefps on AVX-512, else by adding n to the exponent bits.
-/// About 11 operations on AVX-512; Highway's Exp (any sign and range) takes ~24.
-/// Entries clamped at −125 come out as ~2e-38 rather than 0: below any f32
-/// resolution once a visible key (p = 1 at the max) is in the row; rows with no
-/// visible key at all never reach this function (see SoftmaxTile).
+///   2^n by vscalefps on AVX-512 (subnormal results rounded once), else as
+///   2^max(n, −125) · 2^(n − max(n, −125)), two normal powers of two, so the one
+///   product that can leave the normal range rounds once.
+/// Exact zeros matter: a removed key's p multiplies its value, and a value near
+/// FLT_MAX times a "tiny" 2^−125 would add ~8 to the output.
 HWY_INLINE VF Exp2NonPositive(DF df, VF x) {
-  x = hn::Max(x, hn::Set(df, -125.0f));
+  x = ClampBelow(df, x, -160.0f);
   const VF n = hn::Round(x);
   const VF f = hn::Sub(x, n);
   // (ln 2)^k / k!, k = 6 … 0 (Horner).
@@ -197,46 +249,76 @@ HWY_INLINE VF Exp2NonPositive(DF df, VF x) {
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
   return VF{_mm512_scalef_ps(e.raw, n.raw)};
 #else
+  // NaN: e is NaN, and a product with NaN is NaN whatever the integer tricks
+  // below make of n.
   const hn::RebindToSigned<DF> di;
-  return hn::BitCast(df, hn::Add(hn::BitCast(di, e), hn::ShiftLeft<23>(hn::ConvertTo(di, n))));
+  const VF n1 = hn::Max(n, hn::Set(df, -125.0f));
+  const auto bias = hn::Set(di, 127);
+  const VF p1 = hn::BitCast(df, hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n1), bias)));
+  const VF p2 = hn::BitCast(df, hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, hn::Sub(n, n1)), bias)));
+  return hn::Mul(hn::Mul(e, p1), p2);
 #endif
 }
 
+/// e^x for x ≤ 0 (or NaN) through Exp2NonPositive: scores and maxima stay in
+/// natural units (no log₂e folded into the query, which would overflow f32 for
+/// finite scores above FLT_MAX / log₂e ≈ 2.4e38); the difference x = s − m is
+/// formed first, so only it is scaled.
+HWY_INLINE VF ExpNonPositive(DF df, VF x) {
+  return Exp2NonPositive(df, hn::Mul(x, hn::Set(df, 1.44269504088896341f)));
+}
+
+/// The maximum of a row of Bk scores, or NaN when any of them is NaN (max
+/// instructions drop NaN operands, which would hide a NaN score).
+HWY_INLINE float RowMaxOrNaN(DF df, const float* HWY_RESTRICT row) {
+  VF mx = hn::Load(df, row);
+  auto nan = hn::IsNaN(mx);
+  for (int n = 1; n < kKeyVectors; ++n) {
+    const VF x = hn::Load(df, row + n * kLanes);
+    mx = hn::Max(mx, x);
+    nan = hn::Or(nan, hn::IsNaN(x));
+  }
+  return hn::AllFalse(df, nan) ? hn::GetLane(hn::MaxOfLanes(df, mx)) : hn::GetLane(hn::Set(df, NAN));
+}
+
 /// Online-softmax step for a tile of `rows` rows × Bk scores (row stride ld),
-/// FlashAttention-2 style, in base 2. On entry s holds scores times log₂e (−∞ =
-/// removed); on exit it holds p = 2^(s − m_new). Updates the running max m per row and the running
-/// sums l — one vector of kLanes partial sums per row ([rows][kLanes]), reduced
-/// only at the end (RowSum), which saves a horizontal add per row per tile — and
-/// writes alpha = 2^(m_old − m_new), the factor the output rows must be
-/// rescaled by. `rows` is a multiple of kLanes. Returns false when every score of the tile
-/// is −∞ (then m and l are unchanged and alpha is all 1, so the P·V product may
-/// be skipped).
+/// FlashAttention-2 style. On entry s holds the final scores in natural units
+/// (−∞ = removed); on exit it holds p = e^(s − m_new). Updates the running max m
+/// per row and the running sums l — one vector of kLanes partial sums per row
+/// ([rows][kLanes]), reduced only at the end (RowSum), which saves a horizontal
+/// add per row per tile — and writes alpha = e^(m_old − m_new), the factor the
+/// output rows must be rescaled by. `rows` is a multiple of kLanes. Returns false
+/// when every score of the tile is −∞ (then m and l are unchanged and alpha is
+/// all 1, so the P·V product may be skipped).
+/// Non-finite scores follow the float64 reference: a NaN score makes the row's
+/// max NaN, and from then on its m, l, alpha and p are NaN; a +∞ score makes the
+/// max +∞ and its own p = e^(∞ − ∞) = NaN, as in any softmax.
 HWY_INLINE bool SoftmaxTile(float* HWY_RESTRICT s, size_t ld, int rows, float* HWY_RESTRICT m,
                             float* HWY_RESTRICT l, float* HWY_RESTRICT alpha,
                             float* HWY_RESTRICT row_max) {
   const DF df;
   const VF neg_inf = hn::Set(df, -HUGE_VALF);
-  VF any = neg_inf;
+  bool any = false;
   for (int r = 0; r < rows; ++r) {
-    const float* row = s + r * ld;
-    VF mx = hn::Load(df, row);
-    for (int n = 1; n < kKeyVectors; ++n) mx = hn::Max(mx, hn::Load(df, row + n * kLanes));
-    any = hn::Max(any, mx);
-    row_max[r] = hn::GetLane(hn::MaxOfLanes(df, mx));
+    row_max[r] = RowMaxOrNaN(df, s + r * ld);
+    any |= row_max[r] != -HUGE_VALF;  // true for NaN too
   }
-  if (hn::GetLane(hn::MaxOfLanes(df, any)) == -HUGE_VALF) {
+  if (!any) {
     for (int r = 0; r < rows; ++r) alpha[r] = 1.0f;
     return false;
   }
-  // Per row, vectorised over rows: the new max, the max actually subtracted (0 for
-  // a row that has seen only −∞, so exp gives 0 rather than NaN) and alpha.
+  // Per row, vectorised over rows: the new max (NaN sticks), the max actually
+  // subtracted (0 for a row that has seen only −∞, so exp gives 0 rather than
+  // NaN) and alpha.
   for (int r = 0; r < rows; r += kLanes) {
     const VF m_old = hn::Load(df, m + r);
-    const VF m_new = hn::Max(m_old, hn::Load(df, row_max + r));
+    const VF tile_max = hn::Load(df, row_max + r);
+    const VF m_new = hn::IfThenElse(hn::Or(hn::IsNaN(m_old), hn::IsNaN(tile_max)),
+                                    hn::Set(df, NAN), hn::Max(m_old, tile_max));
     const VF m_use = hn::IfThenZeroElse(hn::Eq(m_new, neg_inf), m_new);
-    // 2^(m_old − m_use): 1 exactly when the max did not move (blocks that saw no
-    // key of the tile rely on that); ~0 when m_old = −∞ (O and l are 0 there).
-    hn::Store(Exp2NonPositive(df, hn::Sub(m_old, m_use)), df, alpha + r);
+    // e^(m_old − m_use): 1 exactly when the max did not move (blocks that saw no
+    // key of the tile rely on that); 0 exactly when m_old = −∞ (O and l are 0).
+    hn::Store(ExpNonPositive(df, hn::Sub(m_old, m_use)), df, alpha + r);
     hn::Store(m_new, df, m + r);
     hn::Store(m_use, df, row_max + r);  // reused below as the max to subtract
   }
@@ -249,7 +331,8 @@ HWY_INLINE bool SoftmaxTile(float* HWY_RESTRICT s, size_t ld, int rows, float* H
     const VF mu = hn::Set(df, row_max[r]);
     VF sum[kKeyVectors];
     for (int n = 0; n < kKeyVectors; ++n) {
-      sum[n] = Exp2NonPositive(df, hn::Sub(hn::Load(df, row + n * kLanes), mu));
+      // s − m ≤ 0; it may round to −∞ (s = −FLT_MAX, m = FLT_MAX), where e^x is 0.
+      sum[n] = ExpNonPositive(df, hn::Sub(hn::Load(df, row + n * kLanes), mu));
       hn::Store(sum[n], df, row + n * kLanes);
     }
     float* lr = l + r * kLanes;

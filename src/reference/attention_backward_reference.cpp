@@ -67,17 +67,19 @@ void reference_backward(const BackwardProblem& bp, T* dq, T* dk, T* dv, T* dbias
                        ? T(p.mods->score(p.mods->ctx, double(t[j]), b, h, i, j))
                        : neg_inf;
           }
-          max_u = std::max(max_u, u[j]);
+          // NaN makes the max, and so the row, NaN (std::max would skip it).
+          max_u = std::isnan(u[j]) || std::isnan(max_u) ? std::numeric_limits<T>::quiet_NaN()
+                                                        : std::max(max_u, u[j]);
         }
         if (max_u == neg_inf) continue;  // no visible key: output 0, zero gradients
         T sum = 0;
-        for (int j = 0; j < seq.Lk; ++j) sum += (prob[j] = std::exp(u[j] - max_u));
+        for (int j = 0; j < seq.Lk; ++j) sum += (prob[j] = u[j] == neg_inf ? T(0) : std::exp(u[j] - max_u));
         for (int j = 0; j < seq.Lk; ++j) prob[j] /= sum;  // (5): P_ij
 
         // D_i = Σ_j P_ij · dP_ij, the softmax backward's row term.
         T D = 0;
         for (int j = 0; j < seq.Lk; ++j) {
-          if (prob[j] == 0) {
+          if (u[j] == neg_inf) {  // removed: takes no part (its v, dO products unread)
             dprob[j] = 0;
             continue;
           }
@@ -93,7 +95,7 @@ void reference_backward(const BackwardProblem& bp, T* dq, T* dk, T* dv, T* dbias
           D += prob[j] * dprob[j];
         }
         for (int j = 0; j < seq.Lk; ++j) {
-          if (prob[j] == 0) continue;
+          if (u[j] == neg_inf) continue;
           // (5) softmax: du_ij = P_ij (dP_ij − D_i).
           T g = prob[j] * (dprob[j] - D);
           // (4) u = score_mod(t): dt = du · score_mod'(t).

@@ -32,6 +32,7 @@ void reference_forward(const Problem& p, T* out, T* lse, T* probs) {
   for (int b = 0; b < p.B; ++b) {
     const Sequence& seq = p.seqs[static_cast<size_t>(b)];
     std::vector<T> score(static_cast<size_t>(seq.Lk));
+    std::vector<char> removed(static_cast<size_t>(seq.Lk));
     std::vector<T> acc(static_cast<size_t>(p.dv));
     for (int h = 0; h < p.Hq; ++h) {
       const int hk = h / p.group();
@@ -70,7 +71,14 @@ void reference_forward(const Problem& p, T* out, T* lse, T* probs) {
             }
           }
           score[static_cast<size_t>(j)] = s;
-          if (s > max_score) max_score = s;
+          removed[static_cast<size_t>(j)] = s == neg_inf;
+          // NaN anywhere makes the max, and so the whole row, NaN (a plain
+          // `s > max` would skip it).
+          if (std::isnan(s) || std::isnan(max_score)) {
+            max_score = std::numeric_limits<T>::quiet_NaN();
+          } else if (s > max_score) {
+            max_score = s;
+          }
         }
 
         // 2. Softmax over the visible keys (lse is that of the scores before
@@ -80,7 +88,8 @@ void reference_forward(const Problem& p, T* out, T* lse, T* probs) {
         if (max_score != neg_inf) {
           T sum = 0;
           for (int j = 0; j < seq.Lk; ++j) {
-            const T e = std::exp(score[static_cast<size_t>(j)] - max_score);  // exp(−∞) = 0
+            // A removed key's probability is 0 whatever the max (even +∞ or NaN).
+            const T e = removed[static_cast<size_t>(j)] ? T(0) : std::exp(score[static_cast<size_t>(j)] - max_score);
             score[static_cast<size_t>(j)] = e;
             sum += e;
           }
@@ -88,7 +97,11 @@ void reference_forward(const Problem& p, T* out, T* lse, T* probs) {
           for (int j = 0; j < seq.Lk; ++j) {
             T& prob = score[static_cast<size_t>(j)];
             prob /= sum;
-            if (p.dropout_p > 0) prob = dropout.keep(b, h, i, j) ? prob / keep_p : T(0);
+            // Removed keys take no part: their values are never read, so a NaN
+            // or ∞ there cannot reach the output (0·NaN would).
+            if (removed[static_cast<size_t>(j)]) continue;
+            // Dropout multiplies (as PyTorch's does): a dropped NaN stays NaN.
+            if (p.dropout_p > 0) prob *= dropout.keep(b, h, i, j) ? T(1) / keep_p : T(0);
             for (int c = 0; c < p.dv; ++c) acc[static_cast<size_t>(c)] += prob * static_cast<T>(v[j * p.v_row + c]);
           }
         } else {
