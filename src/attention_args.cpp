@@ -2,11 +2,14 @@
 // naming the argument, what was expected and what was given, before any output
 // is touched. The result is a normalised Problem (src/problem.hpp).
 #include <climits>
+#include <cstdint>
+#include <utility>
 #include <cmath>
 #include <sstream>
 #include <string>
 
 #include "problem.hpp"
+#include "tensor/overlap.hpp"
 
 namespace attn::detail {
 namespace {
@@ -41,6 +44,42 @@ class Checker {
     if (t.data() == nullptr && t.numel() > 0) {
       fail(std::string(name) + " has a null data pointer but " + std::to_string(t.numel()) +
            " elements");
+    }
+    nonnegative_strides(t, name);
+  }
+
+  // Negative strides are rejected everywhere (the kernels and the reference
+  // address a view from its first element upwards).
+  void nonnegative_strides(const TensorView& t, const char* name) const {
+    for (int i = 0; i < t.rank(); ++i) {
+      if (t.size(i) > 1 && t.stride(i) < 0) {
+        fail(std::string(name) + " must have non-negative strides, got stride " +
+             std::to_string(t.stride(i)) + " in dimension " + std::to_string(i) + " of " +
+             t.describe());
+      }
+    }
+  }
+
+  // An output must not overlap itself, nor any of `others` (inputs or outputs)
+  // except those `alias_ok` says it may equal exactly.
+  void writable(const TensorView& t, const char* name) const {
+    if (self_overlapping(t)) {
+      fail(std::string(name) + " is an output, so its elements must not overlap each other " +
+           "(no stride 0 on a dimension of size > 1), got " + t.describe());
+    }
+  }
+  void disjoint(const TensorView& out, const char* out_name, const TensorView& other,
+                const char* other_name, bool exact_alias_ok = false) const {
+    if (out.empty() || other.empty()) return;
+    if (exact_alias_ok && same_view(out, other)) return;
+    if (views_overlap(out, other)) {
+      fail(std::string(out_name) + " overlaps " + other_name +
+           (exact_alias_ok ? " without being exactly the same view" : "") +
+           ": an output must not share memory with an input or another output" +
+           (exact_alias_ok ? " (out may alias q, k or v exactly)" : "") + "; got " + out_name +
+           " " + out.describe() + " at " + std::to_string(reinterpret_cast<uintptr_t>(out.data())) +
+           ", " + other_name + " " + other.describe() + " at " +
+           std::to_string(reinterpret_cast<uintptr_t>(other.data())));
     }
   }
 
@@ -153,6 +192,14 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
   }
   c.require(Lq < INT_MAX && Lk < INT_MAX && d < INT_MAX && dv < INT_MAX && Hq < INT_MAX,
             "sizes must be below 2^31, got q " + q.describe() + ", k " + k.describe());
+  // The kernels count batches, rows of work and tiles in 32-bit integers.
+  const int64_t batches = varlen ? opt.cu_seqlens_q.size(0) - 1 : q.size(0);
+  c.require(batches < INT_MAX, "batch B must be below 2^31, got " + std::to_string(batches));
+  const double query_rows = double(varlen ? 1 : batches) * double(Lq) * double(Hq);
+  const double key_rows = double(varlen ? 1 : batches) * double(Lk) * double(Hkv);
+  c.require(query_rows < 2147483648.0 && key_rows < 2147483648.0,
+            "B·Lq·Hq and B·Lk·Hkv must be below 2^31 (rows of work are counted in 32 bits), "
+            "got q " + q.describe() + ", k " + k.describe());
 
   Problem p;
   p.B = varlen ? static_cast<int>(opt.cu_seqlens_q.size(0) - 1) : static_cast<int>(q.size(0));
@@ -265,6 +312,7 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
                                          std::to_string(p.B) + ", Hq=" + std::to_string(Hq) +
                                          ", got " + t.describe());
     c.require(t.data() != nullptr, "alibi_slopes has a null data pointer");
+    c.nonnegative_strides(t, "alibi_slopes");
     p.alibi = t.data_as<const float>();
     p.alibi_h = t.stride(t.rank() - 1);
     p.alibi_b = per_batch ? t.stride(0) : 0;
@@ -279,6 +327,7 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
     c.require(m.rank() <= 4, "mask must have rank <= 4 (broadcast over [B, Hq, Lq, Lk]), got " +
                                  m.describe());
     c.require(m.data() != nullptr || m.numel() == 0, "mask has a null data pointer");
+    c.nonnegative_strides(m, "mask");
     const int64_t full[4] = {p.B, Hq, max_lq, max_lk};
     const char* names[4] = {"B", "Hq", varlen ? "max seqlen_q" : "Lq",
                             varlen ? "max seqlen_k" : "Lk"};
@@ -352,6 +401,23 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
           varlen ? int64_t{cu_q[b]} * p.probs_i : b * probs.stride(0);
     }
   }
+  // --- outputs must not overlap what is read or written elsewhere ---
+  c.writable(out, "out");
+  c.writable(lse, "lse");
+  c.writable(probs, "probs");
+  const std::pair<const TensorView*, const char*> inputs[] = {
+      {&q, "q"}, {&k, "k"}, {&v, "v"}, {&opt.mask, "mask"}, {&opt.alibi_slopes, "alibi_slopes"},
+      {&opt.key_lengths, "key_lengths"}, {&opt.cu_seqlens_q, "cu_seqlens_q"},
+      {&opt.cu_seqlens_k, "cu_seqlens_k"}};
+  for (const auto& [t, name] : inputs) {
+    const bool qkv = t == &q || t == &k || t == &v;
+    c.disjoint(out, "out", *t, name, /*exact_alias_ok=*/qkv);
+    c.disjoint(lse, "lse", *t, name);
+    c.disjoint(probs, "probs", *t, name);
+  }
+  c.disjoint(lse, "lse", out, "out");
+  c.disjoint(probs, "probs", out, "out");
+  c.disjoint(probs, "probs", lse, "lse");
   p.mods = mods;
   return p;
 }
@@ -427,6 +493,21 @@ BackwardProblem make_backward_problem(const char* fn, const TensorView& q, const
     bp.dbias_shared = (bp.dbias_b == 0 && p.B > 1) || (bp.dbias_h == 0 && p.Hq > 1);
   }
   if (varlen) bp.varlen_q_tokens = q.size(0), bp.varlen_k_tokens = k.size(0);
+
+  // Gradients must not overlap the inputs (not even exactly: dq = q would change
+  // q while other tiles still read it), each other, or themselves.
+  const std::pair<const TensorView*, const char*> grads[] = {
+      {&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}, {&dbias, "dbias"}};
+  const std::pair<const TensorView*, const char*> reads[] = {
+      {&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&lse, "lse"}, {&dout, "dout"},
+      {&opt.mask, "mask"}, {&opt.alibi_slopes, "alibi_slopes"}, {&opt.key_lengths, "key_lengths"},
+      {&opt.cu_seqlens_q, "cu_seqlens_q"}, {&opt.cu_seqlens_k, "cu_seqlens_k"}};
+  for (size_t i = 0; i < 4; ++i) {
+    const auto& [g, gname] = grads[i];
+    if (g != &dbias) c.writable(*g, gname);
+    for (const auto& [t, name] : reads) c.disjoint(*g, gname, *t, name);
+    for (size_t j = i + 1; j < 4; ++j) c.disjoint(*g, gname, *grads[j].first, grads[j].second);
+  }
   return bp;
 }
 

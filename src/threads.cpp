@@ -15,7 +15,7 @@ int default_threads() {
   if (const char* env = std::getenv("ATTN_NUM_THREADS")) {
     char* end = nullptr;
     const long n = std::strtol(env, &end, 10);
-    if (end != env && *end == '\0' && n >= 1 && n <= 4096) return static_cast<int>(n);
+    if (end != env && *end == '\0' && n >= 1 && n <= kMaxThreads) return static_cast<int>(n);
   }
   return omp_get_num_procs();
 }
@@ -25,7 +25,10 @@ std::atomic<int> g_threads{0};  // 0 = not decided yet
 }  // namespace
 
 void set_num_threads(int n) {
-  if (n < 1) throw Error("set_num_threads: n must be >= 1, got " + std::to_string(n));
+  if (n < 1 || n > kMaxThreads) {
+    throw Error("set_num_threads: n must be in [1, " + std::to_string(kMaxThreads) + "], got " +
+                std::to_string(n));
+  }
   g_threads.store(n);
 }
 

@@ -57,8 +57,12 @@ void check_gradients(Config& s, std::mt19937_64& rng, const detail::UserMods* mo
                                    : TensorView();
 
   // Analytic gradients from the reference backward (float64).
+  // (The gradient views only describe the layout; the float64 results go to the
+  // vectors below. They must not overlap the inputs.)
+  std::vector<float> gq(q.size()), gk(k.size()), gvv(v.size());
   const detail::BackwardProblem bp = detail::make_backward_problem(
-      "test", qv, kv, vv, ov, lv, gv, qv, kv, vv, s.opt, dbv, mods);
+      "test", qv, kv, vv, ov, lv, gv, view(gq, nq, s.Hq, s.d), view(gk, nk, s.Hkv, s.d),
+      view(gvv, nk, s.Hkv, s.dv), s.opt, dbv, mods);
   std::vector<double> dq(q.size()), dk(k.size()), dv(v.size()), db(dbias_view_storage.size());
   detail::reference_backward<double>(bp, dq.data(), dk.data(), dv.data(), with_bias ? db.data() : nullptr,
                                      dq.size(), dk.size(), dv.size(), db.size());

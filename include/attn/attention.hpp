@@ -125,7 +125,11 @@ size_t attention_workspace_bytes(const TensorView& q, const TensorView& k, const
                                  const TensorView& out, const AttentionOptions& options,
                                  int threads);
 
-/// Number of threads the kernels use (default: all cores, or ATTN_NUM_THREADS).
+/// The most threads set_num_threads() and ATTN_NUM_THREADS accept.
+inline constexpr int kMaxThreads = 4096;
+
+/// Number of threads the kernels use (default: all cores, or ATTN_NUM_THREADS in
+/// [1, kMaxThreads]). n outside [1, kMaxThreads] throws attn::Error.
 void set_num_threads(int n);
 int num_threads();
 

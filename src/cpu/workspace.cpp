@@ -1,7 +1,9 @@
 // Per-thread scratch buffers (see workspace.hpp).
 #include "workspace.hpp"
 
+#include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
 #include <new>
 
 namespace attn::detail {
@@ -20,10 +22,16 @@ thread_local Buffer g_buffers[kNumSlots];
 float* thread_scratch(int slot, size_t floats) {
   Buffer& b = g_buffers[slot];
   if (floats > b.capacity) {
-    // Grow by at least 1.5× so a slowly growing sequence of calls re-allocates rarely.
-    size_t want = floats + floats / 2;
-    want = (want + 15) / 16 * 16;
-    void* p = std::aligned_alloc(64, want * sizeof(float));
+    // Grow by 1.5× so a slowly growing sequence of calls re-allocates rarely; when
+    // that much is not to be had, ask for exactly what this call needs.
+    void* p = nullptr;
+    size_t want = 0;
+    for (size_t ask : {floats + floats / 2, floats}) {
+      if (ask > SIZE_MAX / sizeof(float) - 16) continue;
+      want = (ask + 15) / 16 * 16;
+      p = std::aligned_alloc(64, want * sizeof(float));
+      if (p != nullptr) break;
+    }
     if (p == nullptr) throw std::bad_alloc();
     std::free(b.data);
     b.data = static_cast<float*>(p);

@@ -12,7 +12,8 @@ namespace attn::detail {
 bool reference_visible(const Problem& p, int b, int h, int i, int j) {
   const Sequence& s = p.seqs[static_cast<size_t>(b)];
   if (j < 0 || j >= s.Lk) return false;
-  const int shifted_i = i + s.Lk - s.Lq;  // i aligned to the bottom-right corner
+  // i aligned to the bottom-right corner; in 64 bits, as windows reach INT_MAX.
+  const int64_t shifted_i = int64_t{i} + s.Lk - s.Lq;
   if (p.causal == Causal::TopLeft && j > i) return false;
   if (p.causal == Causal::BottomRight && j > shifted_i) return false;
   if (p.window_left >= 0 && j < shifted_i - p.window_left) return false;

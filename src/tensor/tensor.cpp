@@ -1,6 +1,9 @@
 // TensorView and Tensor: shapes, strides and aligned storage.
+#include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <sstream>
+#include <string>
 
 #include "attn/error.hpp"
 #include "attn/tensor.hpp"
@@ -30,15 +33,45 @@ const char* dtype_name(DType t) {
 }
 
 namespace {
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// The number of elements, or an attn::Error when it (or its size in bytes of
+// `elem` each) does not fit in int64: a wrapped product would allocate or
+// address far less than the shape says.
+int64_t checked_numel(const char* who, const std::vector<int64_t>& shape, size_t elem) {
+  int64_t n = 1;
+  for (int64_t s : shape) {
+    if (s == 0) return 0;
+  }
+  for (int64_t s : shape) {
+    if (s < 0 || __builtin_mul_overflow(n, s, &n)) {
+      throw Error(std::string(who) + ": shape " + shape_string(shape) +
+                  " is too large (its element count overflows int64)");
+    }
+  }
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(n, static_cast<int64_t>(elem), &bytes)) {
+    throw Error(std::string(who) + ": shape " + shape_string(shape) +
+                " is too large (its size in bytes overflows int64)");
+  }
+  return n;
+}
+
 std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& shape) {
   std::vector<int64_t> s(shape.size());
   int64_t acc = 1;
   for (size_t i = shape.size(); i-- > 0;) {
     s[i] = acc;
-    acc *= shape[i];
+    if (__builtin_mul_overflow(acc, std::max<int64_t>(shape[i], 1), &acc)) acc = INT64_MAX;
   }
   return s;
 }
+
 }  // namespace
 
 TensorView::TensorView(const void* data, DType dtype, std::initializer_list<int64_t> shape)
@@ -65,6 +98,19 @@ TensorView::TensorView(const void* data, DType dtype, std::vector<int64_t> shape
     }
     shape_[i] = shape[i];
     strides_[i] = strides[i];
+  }
+  checked_numel("TensorView", shape, dtype_size(dtype));
+  // The last element's offset, |Σ (size − 1)·stride| in bytes, must fit as well.
+  int64_t reach = 0, term = 0;
+  for (int i = 0; i < rank_; ++i) {
+    if (shape_[i] == 0) return;
+    const int64_t stride = strides_[i] < 0 ? -strides_[i] : strides_[i];
+    if (__builtin_mul_overflow(shape_[i] - 1, stride, &term) ||
+        __builtin_mul_overflow(term, static_cast<int64_t>(dtype_size(dtype)), &term) ||
+        __builtin_add_overflow(reach, term, &reach)) {
+      throw Error("TensorView: shape " + shape_string(shape) +
+                  " with these strides reaches beyond int64 bytes");
+    }
   }
 }
 
@@ -110,7 +156,12 @@ Tensor::Tensor(DType dtype, std::vector<int64_t> shape) : dtype_(dtype), shape_(
     }
   }
   // aligned_alloc needs a size that is a multiple of the alignment.
-  const size_t bytes = static_cast<size_t>(numel()) * dtype_size(dtype_);
+  const size_t bytes = static_cast<size_t>(checked_numel("Tensor", shape_, dtype_size(dtype_))) *
+                       dtype_size(dtype_);
+  if (bytes > (size_t{1} << 62)) {
+    throw Error("Tensor: shape " + shape_string(shape_) + " is too large (" +
+                std::to_string(bytes) + " bytes)");
+  }
   const size_t rounded = (bytes + 63) / 64 * 64;
   void* p = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
   if (p == nullptr) throw std::bad_alloc();
