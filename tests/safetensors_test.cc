@@ -112,6 +112,8 @@ TEST(Safetensors, MalformedFilesGiveClearErrors) {
       {raw_file(ok, std::vector<uint8_t>(8, 0)), "no tensor uses"},
       {raw_file(R"({"a":{"dtype":"F32","shape":[1]}})", four), "data_offsets"},
       {raw_file(R"({"__metadata__":{"k":3}})", {}), "must be a string"},
+      // Issue 10 item 17: the same name twice over the same range was accepted.
+      {raw_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", four), "names \"a\" more than once"},
   };
   for (const Case& c : cases) {
     const std::string msg = parse_error(c.bytes);

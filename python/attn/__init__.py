@@ -18,13 +18,14 @@ as a ``torch.autograd.Function``.
 """
 
 import secrets as _secrets
+import threading as _threading
 
 import numpy as _np
 
 from . import _attn
 from ._attn import Error, num_threads, set_num_threads
 
-__all__ = ["scaled_dot_product_attention", "varlen_attention", "attention_backward", "set_num_threads",
+__all__ = ["scaled_dot_product_attention", "varlen_attention", "attention_backward", "last_dropout_seed", "set_num_threads",
            "num_threads", "Error", "copies_made"]
 __version__ = "0.1.0"
 
@@ -115,6 +116,8 @@ def _check_common(q, k, v, enable_gqa):
     if k.shape[-2] != v.shape[-2] or k.shape[-3] != v.shape[-3]:
         raise ValueError("key and value must have the same heads and length, got %s and %s" % (k.shape, v.shape))
     hq, hkv = q.shape[-3], k.shape[-3]
+    if hq == 0 or hkv == 0:
+        raise ValueError("query and key/value need at least one head each, got %d and %d heads" % (hq, hkv))
     if hq != hkv and not enable_gqa:
         raise ValueError("query has %d heads and key/value %d: pass enable_gqa=True for grouped-query attention"
                          % (hq, hkv))
@@ -149,10 +152,31 @@ def _alibi(alibi_slopes, batch, hq):
     return s
 
 
+_last_seed = _threading.local()
+
+
 def _seed(seed, dropout_p):
-    if seed is not None:
-        return int(seed)
-    return _secrets.randbits(63) if dropout_p > 0 else 0
+    """The dropout seed to use: the caller's, or a fresh random one (dropout only),
+    remembered per thread for ``last_dropout_seed()``."""
+    if seed is None:
+        seed = _secrets.randbits(63) if dropout_p > 0 else 0
+    _last_seed.value = int(seed)
+    return int(seed)
+
+
+def last_dropout_seed():
+    """The dropout seed of this thread's latest forward call (drawn at random when the
+    call passed ``seed=None``), to hand to ``attention_backward(..., seed=...)``; None
+    before any call. ``return_seed=True`` returns it with the result instead."""
+    return getattr(_last_seed, "value", None)
+
+
+def _backward_seed(seed, dropout_p, fn):
+    if dropout_p > 0 and seed is None:
+        raise ValueError("%s: dropout_p > 0 needs seed=, the seed the forward used (its return_seed=True "
+                         "result or attn.last_dropout_seed()); without it the dropout mask cannot be reproduced"
+                         % fn)
+    return int(seed or 0)
 
 
 def _like(x, template):
@@ -164,7 +188,7 @@ def _like(x, template):
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, causal_alignment="top_left", window=None, softcap=None,
-                                 alibi_slopes=None, seed=None, return_lse=False):
+                                 alibi_slopes=None, seed=None, return_lse=False, return_seed=False):
     """softmax(query·keyᵀ·scale + mask)·value, fused (never forms the L×S matrix).
 
     Shapes follow PyTorch: query [..., Hq, L, d], key [..., Hkv, S, d], value [..., Hkv, S, dv];
@@ -187,8 +211,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     softcap: Gemma-2 soft-capping, score <- softcap·tanh(score/softcap).
     alibi_slopes: float32 [Hq] or [..., Hq]: adds -slope·|i' - j| to each score.
     return_lse: also return the natural-log log-sum-exp of the scores, [..., Hq, L].
+    return_seed: also return the dropout seed used (an int; drawn at random when
+        ``seed`` is None), last in the returned tuple. ``attn.last_dropout_seed()``
+        gives the same after the call.
 
-    A query that sees no key gets output 0 and lse -inf (PyTorch gives NaN).
+    A query that sees no key gets output 0 and lse -inf (PyTorch gives NaN). NaN and
+    +inf scores make their row NaN, as in PyTorch; only -inf (or False) removes a key.
     Raises TypeError for a wrong dtype and ValueError (attn.Error) for wrong shapes or
     options, naming the argument.
     """
@@ -208,23 +236,26 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                   mask=_mask(attn_mask, batch, hq, lq, lk), alibi_slopes=_alibi(alibi_slopes, batch, hq),
                   softcap=float(softcap or 0.0), dropout_p=float(dropout_p), seed=_seed(seed, dropout_p),
                   lse=None if lse is None else lse.reshape((q4.shape[0], hq, lq)))
-    if return_lse:
-        return _like(out, query), _like(lse, query)
-    return _like(out, query)
+    result = (_like(out, query),) + ((_like(lse, query),) if return_lse else ())
+    if return_seed:
+        result += (last_dropout_seed(),)
+    return result if len(result) > 1 else result[0]
 
 
 def attention_backward(grad_out, query, key, value, out, lse, attn_mask=None, dropout_p=0.0, is_causal=False,
                        scale=None, enable_gqa=False, *, causal_alignment="top_left", window=None, softcap=None,
-                       alibi_slopes=None, seed=0, return_mask_grad=False):
+                       alibi_slopes=None, seed=None, return_mask_grad=False):
     """Gradients of ``scaled_dot_product_attention`` (FlashAttention-2's backward).
 
     Takes grad_out (d loss / d out, shaped like out), the forward's inputs, its ``out`` and
-    ``lse`` (``return_lse=True``), and the same options (the same ``seed`` when dropout_p > 0).
+    ``lse`` (``return_lse=True``), and the same options: with dropout_p > 0 the ``seed``
+    the forward used is required (ValueError without it).
     Returns (dq, dk, dv) shaped like query, key, value; with grouped-query heads dk and dv
     sum over each group. With ``return_mask_grad=True`` and a float32 ``attn_mask``, also
     d loss / d attn_mask, summed over the mask's broadcast dimensions. Deterministic:
     identical for any number of threads.
     """
+    seed = _backward_seed(seed, dropout_p, "attention_backward")
     q = _array(query, "query")
     k = _array(key, "key")
     v = _array(value, "value")
@@ -255,7 +286,7 @@ def attention_backward(grad_out, query, key, value, out, lse, attn_mask=None, dr
                    _bshd(dk.reshape(k4.shape)), _bshd(dvv.reshape(v4.shape)),
                    scale=None if scale is None else float(scale), causal=_causal_code(is_causal, causal_alignment),
                    window_left=left, window_right=right, mask=mask, alibi_slopes=_alibi(alibi_slopes, batch, hq),
-                   softcap=float(softcap or 0.0), dropout_p=float(dropout_p), seed=int(seed or 0), dbias=dmask)
+                   softcap=float(softcap or 0.0), dropout_p=float(dropout_p), seed=seed, dbias=dmask)
     grads = (_like(dq, query), _like(dk, query), _like(dvv, query))
     if return_mask_grad:
         m = _array(attn_mask, "attn_mask")
@@ -271,15 +302,18 @@ def attention_backward(grad_out, query, key, value, out, lse, attn_mask=None, dr
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
                      softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                     seed=None, return_lse=False):
+                     seed=None, return_lse=False, return_seed=False):
     """Attention over a packed batch of variable-length sequences, as FlashAttention's
     ``flash_attn_varlen_func``.
 
     q [total_q, Hq, d], k [total_k, Hkv, d], v [total_k, Hkv, dv]; cu_seqlens_q and
     cu_seqlens_k are int32 [B+1] prefix sums of the sequence lengths. ``causal`` is
     bottom-right aligned (FlashAttention >= 2.1); window_size = (left, right), -1 unbounded.
-    max_seqlen_q/k are accepted for compatibility and checked when given. Returns
-    out [total_q, Hq, dv] (and lse [Hq, total_q] with return_lse=True).
+    max_seqlen_q/k are accepted for compatibility and checked when given. As in
+    FlashAttention, the sequences must cover the packed tokens exactly:
+    cu_seqlens[0] == 0 and cu_seqlens[-1] == total (ValueError otherwise). Returns
+    out [total_q, Hq, dv] (and lse [Hq, total_q] with return_lse=True, then the
+    dropout seed with return_seed=True).
     """
     qa = _array(q, "q")
     ka = _array(k, "k")
@@ -289,6 +323,13 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     for name, t in (("q", qa), ("k", ka), ("v", va)):
         if t.ndim != 3:
             raise ValueError("%s: expected shape [total, H, d], got %s" % (name, t.shape))
+    for name, cu, total in (("cu_seqlens_q", cq, qa.shape[0]), ("cu_seqlens_k", ck, ka.shape[0])):
+        if cu.ndim != 1 or cu.size < 2:
+            raise ValueError("%s: expected int32 [B+1] with B >= 1, got shape %s" % (name, cu.shape))
+        # Tokens outside every sequence would be left unwritten in the output.
+        if int(cu[0]) != 0 or int(cu[-1]) != total:
+            raise ValueError("%s must start at 0 and end at the number of packed tokens (%d), got %s[0]=%d, "
+                             "%s[-1]=%d" % (name, total, name, int(cu[0]), name, int(cu[-1])))
     for name, cu, given in (("max_seqlen_q", cq, max_seqlen_q), ("max_seqlen_k", ck, max_seqlen_k)):
         if given is not None and cu.size >= 2 and int(_np.max(_np.diff(cu))) > int(given):
             raise ValueError("%s=%d is smaller than the longest sequence (%d)" % (name, given, int(_np.max(_np.diff(cu)))))
@@ -300,6 +341,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                   alibi_slopes=_array(alibi_slopes, "alibi_slopes", allow_none=True), softcap=float(softcap or 0.0),
                   cu_seqlens_q=cq, cu_seqlens_k=ck, dropout_p=float(dropout_p), seed=_seed(seed, dropout_p),
                   lse=lse)
-    if return_lse:
-        return _like(out, q), _like(lse, q)
-    return _like(out, q)
+    result = (_like(out, q),) + ((_like(lse, q),) if return_lse else ())
+    if return_seed:
+        result += (last_dropout_seed(),)
+    return result if len(result) > 1 else result[0]

@@ -7,11 +7,14 @@
 Same arguments as ``attn.scaled_dot_product_attention``; a float32 ``attn_mask`` that
 requires grad receives its gradient too (summed over its broadcast dimensions). With
 ``dropout_p > 0`` the forward draws a seed (or takes ``seed``) and the backward reuses it.
+The backward is once-differentiable, as PyTorch's own fused attention kernels: asking
+for a second derivative raises instead of silently returning zero.
 """
 
 import secrets
 
 import torch as _torch
+from torch.autograd.function import once_differentiable as _once_differentiable
 
 import attn as _attn
 
@@ -28,6 +31,7 @@ class _Attention(_torch.autograd.Function):
         return out
 
     @staticmethod
+    @_once_differentiable
     def backward(ctx, grad_out):
         query, key, value, out, lse, attn_mask = ctx.saved_tensors
         want_mask = ctx.mask_is_float and ctx.needs_input_grad[3]

@@ -249,13 +249,15 @@ HWY_INLINE VF Exp2NonPositive(DF df, VF x) {
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
   return VF{_mm512_scalef_ps(e.raw, n.raw)};
 #else
-  // NaN: e is NaN, and a product with NaN is NaN whatever the integer tricks
-  // below make of n.
+  // NaN: e is NaN, and a product with NaN is NaN; both Max calls return their
+  // second operand for a NaN first one (x86 and Highway's scalar target alike),
+  // so no NaN reaches the integer conversions. n1 ∈ [−125, 0], n − n1 ∈ [−35, 0].
   const hn::RebindToSigned<DF> di;
   const VF n1 = hn::Max(n, hn::Set(df, -125.0f));
+  const VF n2 = hn::Max(hn::Sub(n, n1), hn::Set(df, -35.0f));
   const auto bias = hn::Set(di, 127);
   const VF p1 = hn::BitCast(df, hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n1), bias)));
-  const VF p2 = hn::BitCast(df, hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, hn::Sub(n, n1)), bias)));
+  const VF p2 = hn::BitCast(df, hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n2), bias)));
   return hn::Mul(hn::Mul(e, p1), p2);
 #endif
 }

@@ -7,6 +7,8 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <set>
+#include <string>
 #include <nlohmann/json.hpp>
 
 #include "attn/error.hpp"
@@ -131,8 +133,21 @@ SafeTensors parse_safetensors(const uint8_t* data, size_t size) {
          " bytes): truncated?");
   const char* header = reinterpret_cast<const char*>(data + 8);
   if (n == 0 || header[0] != '{') fail("the header must be a JSON object starting with '{'");
-  const nlohmann::json j = nlohmann::json::parse(header, header + n, nullptr, /*allow_exceptions=*/false);
+  // JSON objects keep one value per key, so a repeated tensor name would vanish
+  // silently in parsing: catch it as the keys go by.
+  std::set<std::string> top_keys;
+  std::string duplicate;
+  const nlohmann::json::parser_callback_t on_key = [&](int depth, nlohmann::json::parse_event_t event,
+                                                       nlohmann::json& parsed) {
+    if (event == nlohmann::json::parse_event_t::key && depth == 1 && duplicate.empty() &&
+        !top_keys.insert(parsed.get<std::string>()).second) {
+      duplicate = parsed.get<std::string>();
+    }
+    return true;
+  };
+  const nlohmann::json j = nlohmann::json::parse(header, header + n, on_key, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) fail("the header is not valid JSON object text");
+  if (!duplicate.empty()) fail("the header names \"" + duplicate + "\" more than once");
 
   const uint8_t* payload = data + 8 + n;
   const uint64_t payload_size = size - 8 - n;
