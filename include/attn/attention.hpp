@@ -13,6 +13,22 @@
 //   keys that are not visible (causal, window, key length, boolean mask, mask_mod)
 //   are removed; softmax over the visible keys; weighted sum of the values.
 // A query row with no visible key gives out = 0 and lse = −∞ (PyTorch gives NaN).
+//
+// Non-finite and extreme numbers (the float64 reference and PyTorch agree):
+//   - a NaN among a row's visible scores (from q, k, the mask, ALiBi, softcap or a
+//     score_mod) makes that row's out and lse NaN; a +∞ score does too (e^(∞−∞));
+//   - only −∞ (or false, or the band) removes a key. A removed key takes no part:
+//     its value row and its gradients are never touched, so a NaN or ∞ in the v
+//     (or k, q, dO) of keys that are masked away cannot reach any output;
+//   - a NaN or ∞ in the value of a visible key makes the output elements it
+//     feeds non-finite; gradients are non-finite exactly where the reference's are;
+//   - huge finite scores and masks are values: −FLT_MAX on every key of a row (Hugging
+//     Face's padding mask) gives the softmax over those keys, not a masked row;
+//     scores are computed in f32, so a score that overflows f32 becomes ±∞.
+// Memory: an output must not overlap an input or another output (attn::Error),
+// except that out may be exactly q, k or v (the same view); interleaved views
+// that share no element (q, k, v or dq, dk, dv sliced from one packed
+// [B, L, 3, H, d] buffer) are fine. Negative strides are rejected.
 #pragma once
 
 #include <cmath>
