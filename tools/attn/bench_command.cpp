@@ -42,10 +42,11 @@ Command add_bench_command(CLI::App& app) {
       "bench", "Time the fused forward (B=1, H=8) against this machine's FMA peak and the cblas "
                "baseline; medians of repeated runs");
   sub->add_flag("--quick", args->quick, "N in {512, 2048} only, fewer repetitions (~30 s)");
-  sub->add_option("--sizes", args->sizes, "sequence lengths N (default 512 2048 8192)");
+  sub->add_option("--sizes", args->sizes, "sequence lengths N (default 512 2048 8192)")
+      ->check(CLI::Range(1, 1 << 20));
   sub->add_option("--dims", args->dims, "head dims d (default 64 128)")->check(CLI::PositiveNumber);
   sub->add_option("--threads", args->threads, "thread counts (default: 1 and all cores)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(1, attn::kMaxThreads));
   sub->add_flag("--no-baseline", args->no_baseline, "skip the cblas baseline");
   sub->add_flag("--backward", args->backward,
                 "time attention_backward (GFLOP/s count 2.5× the forward's flops); the baseline "
@@ -54,6 +55,19 @@ Command add_bench_command(CLI::App& app) {
   sub->add_option("--json", args->json, "also write all figures to this JSON file");
 
   auto run = [args]() -> int {
+    // Fail before minutes of timing, not after, when an output cannot be written.
+    for (const std::string* path : {&args->markdown, &args->json}) {
+      if (!path->empty() && !std::ofstream(*path, std::ios::app)) {
+        throw attn::Error("bench: cannot write " + *path);
+      }
+    }
+    auto write = [](const std::string& path, const std::string& text) {
+      std::ofstream f(path);
+      f << text;
+      f.flush();
+      if (!f) throw attn::Error("bench: writing " + path + " failed");
+      std::printf("wrote %s\n", path.c_str());
+    };
     const int all = omp_get_num_procs();
     bench::TableOptions o;
     o.threads = {1};
@@ -78,8 +92,7 @@ Command add_bench_command(CLI::App& app) {
     const std::string table = bench::format_forward_table(rows, p1, pall);
     std::printf("\n%s", table.c_str());
     if (!args->markdown.empty()) {
-      std::ofstream(args->markdown) << table;
-      std::printf("wrote %s\n", args->markdown.c_str());
+      write(args->markdown, table);
     }
     if (!args->json.empty()) {
       nlohmann::json j;
@@ -97,8 +110,7 @@ Command add_bench_command(CLI::App& app) {
                                 {"extra_mb", r.extra_mb}, {"baseline_extra_mb", r.baseline_extra_mb},
                                 {"baseline_relative_difference", r.baseline_difference}});
       }
-      std::ofstream(args->json) << j.dump(2) << "\n";
-      std::printf("wrote %s\n", args->json.c_str());
+      write(args->json, j.dump(2) + "\n");
     }
     return 0;
   };

@@ -6,6 +6,8 @@
 //   attn train    train a model on a built-in task; attn translate / attn plot use it
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <exception>
+#include <new>
 #include <vector>
 
 #include "attn/attention.hpp"
@@ -37,6 +39,15 @@ int main(int argc, char** argv) {
     }
   } catch (const attn::Error& e) {
     std::fprintf(stderr, "attn: error: %s\n", e.what());
+    return 2;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "attn: error: out of memory (a size in the arguments or the checkpoint is too large)\n");
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "attn: error: %s\n", e.what());
+    return 2;
+  } catch (...) {
+    std::fprintf(stderr, "attn: error: unexpected failure\n");
     return 2;
   }
   return 1;
