@@ -9,12 +9,12 @@ out="${2:-$root/build/fuzz}"
 mkdir -p "$out/corpus"
 cxx="$(command -v clang++-14 || command -v clang++)"
 srcs=("$root/tests/fuzz/safetensors_fuzz.cc" "$root/src/io/safetensors.cpp" "$root/src/nn/module.cpp"
-      "$root/src/tensor/tensor.cpp")
+      "$root/src/tensor/tensor.cpp" "$root/src/io/files.cpp")
 bin="$out/safetensors_fuzz"
 newest_src=$(ls -t "${srcs[@]}" "$0" | head -1)
 if [ ! -x "$bin" ] || [ "$newest_src" -nt "$bin" ]; then
   "$cxx" -std=c++17 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-    -I"$root/include" -I"$root/src" "${srcs[@]}" -o "$bin"
+    -I"$root/include" -I"$root/src" "${srcs[@]}" -lz -o "$bin"
 fi
 cp -n "$root"/tests/fuzz/safetensors_corpus/* "$out/corpus/" 2>/dev/null || true
 # -rss_limit_mb: a header that made us allocate without bound fails the run.

@@ -342,19 +342,19 @@ TEST(Training, CorruptCheckpointsGiveClearErrors) {
   fs::resize_file(dir + "/model.safetensors", fs::file_size(dir + "/model.safetensors") / 2);
   expect_error("truncated weights", "safetensors");
   train::save_checkpoint(s, dir);
-  // Weights of another shape.
+  // Weights from another save (of another shape): the manifest catches them first.
   train::ModelConfig bigger = small_rnn();
   bigger.hidden = 40;
   train::Session other = train::new_session(data, bigger, o);
   io::save_safetensors(dir + "/model.safetensors", io::module_state(other.model->module()));
-  expect_error("wrong shapes", "shape");
+  expect_error("weights of another save", "different saves");
   train::save_checkpoint(s, dir);
   // Broken JSON, unknown format, bad model kind.
   std::ofstream(dir + "/config.json") << "{\"format\": ";
   expect_error("bad JSON", "not valid JSON");
   std::ofstream(dir + "/config.json") << R"({"format": "something-else"})";
   expect_error("unknown format", "not an attn checkpoint");
-  std::ofstream(dir + "/config.json") << R"({"format": "attn-checkpoint-1", "task": "sort", "step": 1, "model": {"kind": "lstm"}, "source_vocabulary": {}, "target_vocabulary": {}})";
+  std::ofstream(dir + "/config.json") << R"({"format": "attn-checkpoint-2", "task": "sort", "step": 1, "training": {}, "model": {"kind": "lstm"}, "source_vocabulary": {}, "target_vocabulary": {}})";
   expect_error("bad model", "config.json");
   fs::remove_all(dir);
 }

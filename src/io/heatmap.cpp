@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "attn/error.hpp"
+#include "io/files.hpp"
 #include "io/font5x7.hpp"
 
 namespace attn::io {
@@ -147,23 +148,33 @@ void write_heatmap_png(const std::string& path, const std::vector<Heatmap>& pane
         canvas.fill(gx + int(c) * kCell, gy + int(r) * kCell, kCell - 1, kCell - 1, color_of(m.values[r][c]));
     }
   }
-  FILE* f = std::fopen(path.c_str(), "wb");
-  if (!f) throw Error("heatmap: cannot write \"" + path + "\"");
+  // Encoded in memory and then written whole, so a failed write never truncates an
+  // existing picture.
+  std::vector<uint8_t> encoded;
   png_structp png = png_create_write_struct(PNG_LIBPNG_VER_STRING, nullptr, nullptr, nullptr);
   png_infop info = png ? png_create_info_struct(png) : nullptr;
   if (!png || !info || setjmp(png_jmpbuf(png))) {
     png_destroy_write_struct(&png, &info);
-    std::fclose(f);
-    throw Error("heatmap: libpng failed writing \"" + path + "\"");
+    throw Error("heatmap: libpng failed encoding \"" + path + "\"");
   }
-  png_init_io(png, f);
+  png_set_write_fn(
+      png, &encoded,
+      [](png_structp p, png_bytep data, png_size_t n) {
+        auto* out = static_cast<std::vector<uint8_t>*>(png_get_io_ptr(p));
+        out->insert(out->end(), data, data + n);
+      },
+      nullptr);
   png_set_IHDR(png, info, canvas.width(), canvas.height(), 8, PNG_COLOR_TYPE_RGB, PNG_INTERLACE_NONE,
                PNG_COMPRESSION_TYPE_DEFAULT, PNG_FILTER_TYPE_DEFAULT);
   png_write_info(png, info);
   for (int y = 0; y < canvas.height(); ++y) png_write_row(png, const_cast<png_bytep>(canvas.row(y)));
   png_write_end(png, nullptr);
   png_destroy_write_struct(&png, &info);
-  if (std::fclose(f) != 0) throw Error("heatmap: error closing \"" + path + "\"");
+  try {
+    write_file_atomically(path, encoded.data(), encoded.size());
+  } catch (const Error& e) {
+    throw Error(std::string("heatmap: ") + e.what());
+  }
 }
 
 void write_heatmap_svg(const std::string& path, const std::vector<Heatmap>& panels, int columns,
@@ -205,9 +216,12 @@ void write_heatmap_svg(const std::string& path, const std::vector<Heatmap>& pane
     o << "</g>\n";
   }
   o << "</svg>\n";
-  std::ofstream f(path);
-  f << o.str();
-  if (!f) throw Error("heatmap: cannot write \"" + path + "\"");
+  const std::string text = o.str();
+  try {
+    write_file_atomically(path, text.data(), text.size());
+  } catch (const Error& e) {
+    throw Error(std::string("heatmap: ") + e.what());
+  }
 }
 
 std::string render_heatmap_text(const Heatmap& m, bool color, bool unicode) {

@@ -11,6 +11,8 @@
 #include <string>
 #include <nlohmann/json.hpp>
 
+#include "io/files.hpp"
+
 #include "attn/error.hpp"
 
 namespace attn::io {
@@ -209,10 +211,7 @@ SafeTensors parse_safetensors(const uint8_t* data, size_t size) {
 }
 
 SafeTensors load_safetensors(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("cannot open \"" + path + "\"");
-  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) fail("error reading \"" + path + "\"");
+  const std::vector<uint8_t> bytes = read_regular_file(path, SIZE_MAX / 2, "safetensors");
   try {
     return parse_safetensors(bytes.data(), bytes.size());
   } catch (const Error& e) {
@@ -244,14 +243,11 @@ std::vector<uint8_t> serialize_safetensors(const SafeTensors& file) {
 
 void save_safetensors(const std::string& path, const SafeTensors& file) {
   const std::vector<uint8_t> bytes = serialize_safetensors(file);
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) fail("cannot write \"" + tmp + "\"");
-    out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
-    if (!out) fail("error writing \"" + tmp + "\"");
+  try {
+    write_file_atomically(path, bytes.data(), bytes.size());
+  } catch (const Error& e) {
+    fail(e.what());
   }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) fail("cannot rename \"" + tmp + "\" to \"" + path + "\"");
 }
 
 SafeTensors module_state(nn::Module& module) {

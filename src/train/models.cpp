@@ -9,33 +9,6 @@
 
 namespace attn::train {
 
-nlohmann::json ModelConfig::to_json() const {
-  return {{"kind", kind},         {"src_vocab", src_vocab}, {"tgt_vocab", tgt_vocab}, {"embed_dim", embed_dim},
-          {"hidden", hidden},     {"attn_dim", attn_dim},   {"layers", layers},       {"heads", heads},
-          {"dropout", dropout},   {"seed", seed}};
-}
-
-ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
-  if (!j.is_object()) throw Error("model config: expected a JSON object");
-  ModelConfig c;
-  auto get_int = [&](const char* k, int64_t& dst) {
-    if (!j.contains(k) || !j[k].is_number_integer() || j[k].get<int64_t>() < 1)
-      throw Error(std::string("model config: \"") + k + "\" must be a positive integer");
-    dst = j[k].get<int64_t>();
-  };
-  if (!j.contains("kind") || !j["kind"].is_string()) throw Error("model config: \"kind\" must be a string");
-  c.kind = j["kind"];
-  if (c.kind != "rnn" && c.kind != "transformer")
-    throw Error("model config: unknown kind \"" + c.kind + "\" (expected rnn or transformer)");
-  for (auto [k, dst] : {std::pair<const char*, int64_t*>{"src_vocab", &c.src_vocab}, {"tgt_vocab", &c.tgt_vocab},
-                        {"embed_dim", &c.embed_dim}, {"hidden", &c.hidden}, {"attn_dim", &c.attn_dim},
-                        {"layers", &c.layers}, {"heads", &c.heads}})
-    get_int(k, *dst);
-  c.dropout = j.value("dropout", 0.0f);
-  c.seed = j.value("seed", uint64_t{1});
-  return c;
-}
-
 namespace {
 
 // ---- the RNN ------------------------------------------------------------------------
@@ -233,6 +206,7 @@ class TransformerModel : public TranslationModel {
 }  // namespace
 
 std::unique_ptr<TranslationModel> make_model(const ModelConfig& config) {
+  config.validate();
   if (config.src_vocab < 5 || config.tgt_vocab < 5)
     throw Error("model config: vocabularies must hold the 4 special tokens and at least one more");
   if (config.kind == "rnn") return std::make_unique<RnnModel>(config);

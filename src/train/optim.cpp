@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "attn/error.hpp"
+#include "train/json_fields.hpp"
 
 namespace attn::train {
 
@@ -100,7 +101,7 @@ void Optimizer::load_state(const io::SafeTensors& s) {
   load(v_, "v.");
   auto it = s.metadata.find("steps");
   if (it == s.metadata.end()) throw Error("optimizer state: no step count");
-  steps_ = std::stoll(it->second);
+  steps_ = parse_count(it->second, int64_t{1} << 50, "optimizer state: the step count (metadata \"steps\")");
 }
 
 SGD::SGD(std::vector<nn::Parameter*> params, double lr, double momentum, double weight_decay, bool nesterov)

@@ -110,6 +110,8 @@ TaskData make_task(const std::string& task, uint64_t seed, int64_t train_size, i
     throw Error("unknown task \"" + task + "\" (expected one of: " + names + ")");
   }
   if (train_size < 0 || validation_size < 0 || test_size < 0) throw Error("make_task: split sizes must be ≥ 0");
+  if (train_size > kMaxSplitSize || validation_size > kMaxSplitSize || test_size > kMaxSplitSize)
+    throw Error("make_task: a split size is too large (at most " + std::to_string(kMaxSplitSize) + " examples)");
   TaskData data;
   data.task = task;
   uint64_t state = seed * 0x2545F4914F6CDD1Dull + 17;

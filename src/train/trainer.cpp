@@ -1,4 +1,4 @@
-// Training loop, evaluation, translation, checkpoints.
+// Training loop, evaluation, translation (checkpoints: checkpoint.cpp).
 #include "attn/train/trainer.hpp"
 
 #include <chrono>
@@ -40,6 +40,10 @@ uint64_t mix(uint64_t a, uint64_t b) {
 Progress train(Session& s, const TaskData& data, const TrainOptions& o) {
   if (data.train.empty()) throw Error("train: the training split is empty");
   if (o.batch_size < 1 || o.steps < 1) throw Error("train: batch_size and steps must be ≥ 1");
+  if (o.batch_size > kMaxBatchSize || o.steps > kMaxSteps)
+    throw Error("train: batch_size (at most " + std::to_string(kMaxBatchSize) + ") or steps (at most " +
+                std::to_string(kMaxSteps) + ") is too large");
+  if (!std::isfinite(o.lr) || o.lr <= 0) throw Error("train: lr must be a finite number > 0");
   using clock = std::chrono::steady_clock;
   const auto t0 = clock::now();
   const int64_t first = s.step;
@@ -118,64 +122,6 @@ double evaluate(Session& s, const std::vector<Example>& examples, int64_t limit,
       correct += s.tgt_tok.decode(out[i].tokens) == examples[start + i].target;
   }
   return double(correct) / double(n);
-}
-
-// ---- checkpoints -----------------------------------------------------------------------
-
-void save_checkpoint(const Session& s, const std::string& dir) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) throw Error("checkpoint: cannot create directory \"" + dir + "\": " + ec.message());
-  io::save_safetensors(dir + "/model.safetensors", io::module_state(s.model->module()));
-  io::save_safetensors(dir + "/optimizer.safetensors", s.optimizer->state());
-  nlohmann::json j = {{"format", "attn-checkpoint-1"},
-                      {"task", s.task},
-                      {"step", s.step},
-                      {"training", s.training},
-                      {"model", s.model->config().to_json()},
-                      {"source_vocabulary", s.src_tok.to_json()},
-                      {"target_vocabulary", s.tgt_tok.to_json()}};
-  const std::string tmp = dir + "/config.json.tmp";
-  {
-    std::ofstream f(tmp);
-    f << j.dump(2) << "\n";
-    if (!f) throw Error("checkpoint: cannot write \"" + tmp + "\"");
-  }
-  std::filesystem::rename(tmp, dir + "/config.json", ec);
-  if (ec) throw Error("checkpoint: cannot write \"" + dir + "/config.json\": " + ec.message());
-}
-
-Session load_checkpoint(const std::string& dir, const TrainOptions& options) {
-  const std::string cfg_path = dir + "/config.json";
-  std::ifstream f(cfg_path);
-  if (!f) throw Error("checkpoint: cannot open \"" + cfg_path + "\" (is \"" + dir + "\" a checkpoint directory?)");
-  const nlohmann::json j = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) throw Error("checkpoint: \"" + cfg_path + "\" is not valid JSON");
-  if (j.value("format", std::string()) != "attn-checkpoint-1")
-    throw Error("checkpoint: \"" + cfg_path + "\" is not an attn checkpoint (format attn-checkpoint-1)");
-  Session s;
-  try {
-    s.task = j.at("task").get<std::string>();
-    s.step = j.at("step").get<int64_t>();
-    s.training = j.value("training", nlohmann::json::object());
-    s.src_tok = Tokenizer::from_json(j.at("source_vocabulary"));
-    s.tgt_tok = Tokenizer::from_json(j.at("target_vocabulary"));
-    ModelConfig mc = ModelConfig::from_json(j.at("model"));
-    if (mc.src_vocab != s.src_tok.size() || mc.tgt_vocab != s.tgt_tok.size())
-      throw Error("the model's vocabulary sizes do not match the vocabularies");
-    s.model = make_model(mc);
-  } catch (const nlohmann::json::exception& e) {
-    throw Error("checkpoint: \"" + cfg_path + "\": " + e.what());
-  } catch (const Error& e) {
-    throw Error("checkpoint: \"" + cfg_path + "\": " + e.what());
-  }
-  io::load_module_state(s.model->module(), io::load_safetensors(dir + "/model.safetensors"));
-  s.model->module().eval();
-  s.optimizer = std::make_unique<Adam>(parameters_of(s.model->module()), options.lr, 0.9, 0.999, 1e-8,
-                                       options.weight_decay, true);
-  if (std::filesystem::exists(dir + "/optimizer.safetensors"))
-    s.optimizer->load_state(io::load_safetensors(dir + "/optimizer.safetensors"));
-  return s;
 }
 
 }  // namespace attn::train

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <exception>
 #include <new>
+#include <string>
 #include <vector>
 
 #include "attn/attention.hpp"
@@ -28,10 +29,22 @@ int main(int argc, char** argv) {
                                               attn::cli::add_train_command(app),
                                               attn::cli::add_translate_command(app),
                                               attn::cli::add_plot_command(app)};
+  // CLI11 would say "argument not expected"; name the commands instead.
+  std::string known;
+  bool is_known = false;
+  for (const auto& c : commands) {
+    known += (known.empty() ? "" : ", ") + c.sub->get_name();
+    is_known = is_known || (argc > 1 && c.sub->get_name() == argv[1]);
+  }
+  if (argc > 1 && argv[1][0] != '-' && !is_known) {
+    std::fprintf(stderr, "attn: error: unknown command \"%s\" (known: %s; see attn --help)\n", argv[1], known.c_str());
+    return 2;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // --help and --version exit 0; every usage error exits 2, as the other errors do.
+    return app.exit(e) == 0 ? 0 : 2;
   }
   try {
     for (auto& c : commands) {

@@ -8,6 +8,7 @@
 #include "attn/error.hpp"
 #include "attn/io/heatmap.hpp"
 #include "attn/nn/module.hpp"
+#include "attn/train/data.hpp"
 #include "commands.hpp"
 #include "train_support.hpp"
 
@@ -64,9 +65,11 @@ Command add_demo_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--out", a->out, "directory for the checkpoint and the maps")->capture_default_str();
   sub->add_option("--seed", a->seed, "data and weights seed")->capture_default_str();
-  sub->add_option("--steps", a->steps, "training steps (default: the model's preset)");
+  sub->add_option("--steps", a->steps, "training steps (default: the model's preset)")
+      ->check(CLI::Range(int64_t{1}, train::kMaxSteps));
   return {sub, [a]() -> int {
             nn::set_blas_threads(1);
+            ensure_writable_directory(a->out, "--out");  // before minutes of training, not after
             const auto t0 = std::chrono::steady_clock::now();
             train::ModelConfig mc;
             train::TrainOptions o;
@@ -96,7 +99,6 @@ Command add_demo_command(CLI::App& app) {
                         100.0 * acc, data.test.size(), static_cast<long long>(s.step), train_s);
             show_examples(s, {"22 November 2026", "nov 22, 2026", "Sunday, November 22, 2026", "11/22/26", "22.11.2026"},
                           {"2026-11-22", "2026-11-22", "2026-11-22", "2026-11-22", "2026-11-22"});
-            std::filesystem::create_directories(a->out);
             train::save_checkpoint(s, a->out);
             const std::string example = "november 22, 2026";
             std::printf("\n  what the model looks at while writing \"%s\" (rows: output, columns: input):\n\n",
@@ -126,10 +128,11 @@ Command add_train_command(CLI::App& app) {
   sub->add_option("--task", a->data.task, "dates, reverse or sort")->capture_default_str();
   sub->add_option("--model", a->model, "rnn or transformer")->check(CLI::IsMember({"rnn", "transformer"}))
       ->capture_default_str();
-  sub->add_option("--steps", a->steps, "total training steps (default: the model's preset)");
-  sub->add_option("--time", a->seconds, "stop after this many seconds");
-  sub->add_option("--batch", a->batch, "batch size");
-  sub->add_option("--lr", a->lr, "peak learning rate");
+  sub->add_option("--steps", a->steps, "total training steps (default: the model's preset)")
+      ->check(CLI::Range(int64_t{1}, train::kMaxSteps));
+  sub->add_option("--time", a->seconds, "stop after this many seconds")->check(finite_non_negative());
+  sub->add_option("--batch", a->batch, "batch size")->check(CLI::Range(int64_t{1}, train::kMaxBatchSize));
+  sub->add_option("--lr", a->lr, "peak learning rate")->check(finite_positive(1000.0));
   sub->add_option("--seed", a->data.seed, "data, weights and batch-order seed")->capture_default_str();
   sub->add_option("--out", a->out, "checkpoint directory")->required();
   sub->add_flag("--resume", a->resume, "continue the run saved in --out");
@@ -141,11 +144,15 @@ Command add_train_command(CLI::App& app) {
             mc.seed = o.seed = a->data.seed;
             train::Session s;
             DataArgs d = a->data;
+            ensure_writable_directory(a->out, "--out");  // before training, not after
             if (a->resume) {
               s = train::load_checkpoint(a->out, o);
               const nlohmann::json& dj = s.training.value("data", nlohmann::json::object());
               d.task = dj.value("task", s.task);
               d.seed = dj.value("seed", d.seed);
+              d.train_size = dj.value("train_size", d.train_size);
+              d.validation_size = dj.value("validation_size", d.validation_size);
+              d.test_size = dj.value("test_size", d.test_size);
               o.steps = s.training.value("steps", o.steps);
               o.lr = s.training.value("lr", o.lr);
               o.batch_size = s.training.value("batch_size", o.batch_size);
@@ -194,7 +201,8 @@ Command add_translate_command(CLI::App& app) {
   sub->add_flag("--map", a->map, "also print the attention map in the terminal");
   return {sub, [a]() -> int {
             nn::set_blas_threads(1);
-            train::Session s = train::load_checkpoint(a->ckpt);
+            if (a->ckpt.empty()) throw Error("--ckpt is empty: give a checkpoint directory");
+            train::Session s = train::load_checkpoint(a->ckpt, {}, train::CheckpointUse::inference);
             int64_t unknown = 0;
             std::vector<train::Translation> out = train::translate(s, a->texts, &unknown);
             warn_unknown(unknown);
@@ -221,7 +229,11 @@ Command add_plot_command(CLI::App& app) {
   sub->add_option("--out", a->out, "output path prefix (writes PREFIX.png and PREFIX.svg)")->capture_default_str();
   return {sub, [a]() -> int {
             nn::set_blas_threads(1);
-            train::Session s = train::load_checkpoint(a->ckpt);
+            if (a->ckpt.empty()) throw Error("--ckpt is empty: give a checkpoint directory");
+            if (a->out.empty()) throw Error("--out is empty: give a path prefix such as maps/attention");
+            const std::filesystem::path parent = std::filesystem::path(a->out).parent_path();
+            ensure_writable_directory(parent.empty() ? "." : parent.string(), "--out");
+            train::Session s = train::load_checkpoint(a->ckpt, {}, train::CheckpointUse::inference);
             int64_t unknown = 0;
             train::Translation t = train::translate(s, {a->text}, &unknown)[0];
             warn_unknown(unknown);

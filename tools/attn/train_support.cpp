@@ -1,7 +1,12 @@
 // Presets, progress bar and attention-map drawing for demo/train/translate/plot.
 #include "train_support.hpp"
 
+#include <fcntl.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
 
 #include <chrono>
 #include <cmath>
@@ -29,6 +34,37 @@ void preset(const std::string& kind, train::ModelConfig& m, train::TrainOptions&
   o.eval_every = 100;
   o.eval_examples = 300;
 }
+
+void ensure_writable_directory(const std::string& dir, const std::string& option) {
+  if (dir.empty()) throw Error(option + " is empty: give a directory");
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec || !std::filesystem::is_directory(dir))
+    throw Error(option + ": cannot create directory \"" + dir + "\"" + (ec ? ": " + ec.message() : ": a file is there"));
+  const std::string probe = dir + "/.attn-write-test-" + std::to_string(::getpid());
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) throw Error(option + ": cannot write in \"" + dir + "\": " + std::strerror(errno));
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+
+namespace {
+CLI::Validator finite_in(bool allow_zero, double max) {
+  const std::string range = allow_zero ? "≥ 0" : "in (0, " + CLI::detail::to_string(max) + "]";
+  return CLI::Validator(
+      [allow_zero, max, range](std::string& text) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(text.c_str(), &end);
+        const bool ok = !text.empty() && end && *end == '\0' && std::isfinite(v) && (allow_zero ? v >= 0 : v > 0) &&
+                        v <= max;
+        return ok ? std::string() : "must be a finite number " + range + ", got \"" + text + "\"";
+      },
+      allow_zero ? "FINITE ≥ 0" : "FINITE > 0");
+}
+}  // namespace
+
+CLI::Validator finite_positive(double max) { return finite_in(false, max); }
+CLI::Validator finite_non_negative() { return finite_in(true, HUGE_VAL); }
 
 bool stdout_is_tty() {
   const char* term = std::getenv("TERM");

@@ -2,6 +2,7 @@
 // attention maps of translations (PNG, SVG, terminal).
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,14 @@ io::Heatmap heatmap_of(const train::Session& s, const std::string& text, const t
 /// with a column per head) and, when asked, prints the first in the terminal.
 std::vector<std::string> draw_maps(train::Session& s, const std::string& text, const train::Translation& t,
                                    const std::string& path_prefix, bool print_terminal);
+
+/// Creates directory `dir` if needed and checks that a file can be written in it, so a
+/// command fails before it trains rather than after; throws attn::Error naming `option`.
+void ensure_writable_directory(const std::string& dir, const std::string& option);
+
+/// CLI11 validators for numeric options: a finite number in (0, max], a finite number ≥ 0.
+CLI::Validator finite_positive(double max);
+CLI::Validator finite_non_negative();
 
 /// True when stdout is a terminal (and TERM is not "dumb").
 bool stdout_is_tty();

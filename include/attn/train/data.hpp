@@ -58,7 +58,9 @@ struct TaskData {
 };
 
 /// The built-in tasks: "dates" (human-written dates → ISO 8601), "reverse" (a word →
-/// the word reversed), "sort" (letters → sorted letters). Throws attn::Error for others.
+/// the word reversed), "sort" (letters → sorted letters). Throws attn::Error for others,
+/// and for split sizes below 0 or above kMaxSplitSize.
+inline constexpr int64_t kMaxSplitSize = 10'000'000;
 TaskData make_task(const std::string& task, uint64_t seed, int64_t train_size, int64_t validation_size,
                    int64_t test_size);
 /// The names accepted by make_task.

@@ -28,8 +28,16 @@ struct ModelConfig {
   uint64_t seed = 1;
 
   nlohmann::json to_json() const;
-  /// Throws attn::Error naming the bad field.
+  /// Throws attn::Error naming the bad field: a wrong JSON type, a size outside
+  /// [1, its limit], a dropout outside [0, 1), or a model too large to build.
   static ModelConfig from_json(const nlohmann::json& j);
+  /// Throws attn::Error when a size is below 1 or above its limit (vocabularies 2^24,
+  /// widths 65536, 256 layers, 1024 heads) or the model would hold more than
+  /// kMaxParameters weights: a clear "too large" instead of an allocation failure.
+  void validate() const;
+  /// An upper bound on the number of weights of the model this config builds.
+  double parameter_bound() const;
+  static constexpr double kMaxParameters = 1u << 30;
 };
 
 /// A decoded sequence with its attention maps: one [steps, source length] map for the

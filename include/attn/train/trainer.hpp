@@ -22,6 +22,10 @@ struct Progress {
   bool final = false;
 };
 
+/// Limits that turn absurd settings into a clear error instead of an allocation failure.
+inline constexpr int64_t kMaxSteps = 1'000'000'000;
+inline constexpr int64_t kMaxBatchSize = 65536;
+
 struct TrainOptions {
   int64_t steps = 3000;          ///< total optimizer steps (the schedule's length)
   double max_seconds = 0;        ///< stop early after this long (0 = no limit)
@@ -65,10 +69,24 @@ double evaluate(Session& s, const std::vector<Example>& examples, int64_t limit 
 /// their count is added to *unknown.
 std::vector<Translation> translate(Session& s, const std::vector<std::string>& texts, int64_t* unknown = nullptr);
 
-/// A checkpoint directory: model.safetensors (PyTorch parameter names), optimizer.safetensors
-/// and config.json (task, step, model config, both vocabularies). Written atomically per file.
+/// What a checkpoint is loaded for: `resume` needs every part, the optimizer's state
+/// included; `inference` (translate, plot) needs the model only.
+enum class CheckpointUse { resume, inference };
+
+/// Saves a checkpoint directory `dir` (created if needed): model.safetensors (PyTorch
+/// parameter names), optimizer.safetensors and config.json (task, step, training setup,
+/// model config, both vocabularies, and every other file's size and CRC-32).
+/// All or nothing: the parts are written to temporary files and renamed into place only
+/// when every one is on the disk, so a failed save (a full disk, an I/O error) leaves
+/// the previous checkpoint whole, removes its temporary files and throws attn::Error
+/// saying so. Other files in `dir` are left alone.
 void save_checkpoint(const Session& s, const std::string& dir);
-/// Reads a checkpoint; throws attn::Error naming the file and what is wrong with it.
-Session load_checkpoint(const std::string& dir, const TrainOptions& options = {});
+
+/// Reads a checkpoint and checks that its parts belong together (sizes, checksums,
+/// steps, shapes); throws attn::Error naming the file and what is wrong with it. With
+/// CheckpointUse::resume a missing optimizer.safetensors is an error; with `inference`
+/// it is not read and the optimizer starts fresh.
+Session load_checkpoint(const std::string& dir, const TrainOptions& options = {},
+                        CheckpointUse use = CheckpointUse::resume);
 
 }  // namespace attn::train
