@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "attn/attention.hpp"
+#include "attention_lowp.hpp"
 #include "cpu/attention_backward.hpp"
 #include "cpu/attention_forward.hpp"
 #include "problem.hpp"
@@ -17,6 +18,12 @@ void attention_with_mods(const TensorView& q, const TensorView& k, const TensorV
                          const TensorView& out, const AttentionOptions& options,
                          const TensorView& lse, const TensorView& probs, const UserMods* mods) {
   const Problem p = make_problem("attention", q, k, v, out, options, lse, probs, mods);
+  if (needs_widening(p, options)) {
+    forward_widened(q, k, v, out, options, [&](auto& q32, auto& k32, auto& v32, auto& out32, auto& o) {
+      attention_with_mods(q32, k32, v32, out32, o, lse, probs, mods);
+    });
+    return;
+  }
   attention_forward_cpu(p, num_threads());
 }
 
@@ -60,6 +67,12 @@ void attention_reference_with_mods(const TensorView& q, const TensorView& k,
                                    const AttentionOptions& options, const TensorView& lse,
                                    const TensorView& probs, const UserMods* mods) {
   const Problem p = make_problem("attention_reference", q, k, v, out, options, lse, probs, mods);
+  if (needs_widening(p, options)) {
+    forward_widened(q, k, v, out, options, [&](auto& q32, auto& k32, auto& v32, auto& out32, auto& o) {
+      attention_reference_with_mods(q32, k32, v32, out32, o, lse, probs, mods);
+    });
+    return;
+  }
   std::vector<double> o(static_cast<size_t>(span(out))), l(static_cast<size_t>(span(lse))),
       pr(static_cast<size_t>(span(probs)));
   reference_forward<double>(p, o.data(), lse.empty() ? nullptr : l.data(),
@@ -77,6 +90,15 @@ void attention_backward_with_mods(const TensorView& q, const TensorView& k, cons
                                   const UserMods* mods) {
   const BackwardProblem bp = make_backward_problem("attention_backward", q, k, v, out, lse, dout,
                                                    dq, dk, dv, options, dbias, mods);
+  if (needs_widening(bp.fwd, options)) {
+    backward_widened(q, k, v, out, dout, dq, dk, dv, options,
+                     [&](auto& q32, auto& k32, auto& v32, auto& out32, auto& dout32, auto& dq32, auto& dk32,
+                         auto& dv32, auto& o) {
+                       attention_backward_with_mods(q32, k32, v32, out32, lse, dout32, dq32, dk32, dv32, o, dbias,
+                                                    mods);
+                     });
+    return;
+  }
   if (!dbias.empty()) zero_view(dbias);  // accumulated by the kernel
   attention_backward_cpu(bp, num_threads());
 }
@@ -89,6 +111,15 @@ void attention_backward_reference_with_mods(const TensorView& q, const TensorVie
                                             const TensorView& dbias, const UserMods* mods) {
   const BackwardProblem bp = make_backward_problem("attention_backward_reference", q, k, v, out,
                                                    lse, dout, dq, dk, dv, options, dbias, mods);
+  if (needs_widening(bp.fwd, options)) {
+    backward_widened(q, k, v, out, dout, dq, dk, dv, options,
+                     [&](auto& q32, auto& k32, auto& v32, auto& out32, auto& dout32, auto& dq32, auto& dk32,
+                         auto& dv32, auto& o) {
+                       attention_backward_reference_with_mods(q32, k32, v32, out32, lse, dout32, dq32, dk32, dv32,
+                                                              o, dbias, mods);
+                     });
+    return;
+  }
   std::vector<double> gq(static_cast<size_t>(span(dq))), gk(static_cast<size_t>(span(dk))),
       gv(static_cast<size_t>(span(dv))), gb(static_cast<size_t>(span(dbias)));
   reference_backward<double>(bp, gq.data(), gk.data(), gv.data(), dbias.empty() ? nullptr : gb.data(),
@@ -128,7 +159,8 @@ size_t attention_workspace_bytes(const TensorView& q, const TensorView& k, const
                                  int threads) {
   const detail::Problem p =
       detail::make_problem("attention_workspace_bytes", q, k, v, out, options, {}, {}, nullptr);
-  return detail::attention_forward_workspace_bytes(p, threads);
+  return detail::attention_forward_workspace_bytes(p, threads) +
+         detail::widening_bytes(p, q, k, v, out, options);
 }
 
 void attention_reference(const TensorView& q, const TensorView& k, const TensorView& v,

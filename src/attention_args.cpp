@@ -31,11 +31,10 @@ class Checker {
               const char* layout) const {
     if (t.empty()) fail(std::string(name) + " is required, got none");
     if (t.dtype() != dt) {
-      fail(std::string(name) + " must have dtype " + dtype_name(dt) + ", got " +
-           dtype_name(t.dtype()) +
-           (dt == DType::f32 && (t.dtype() == DType::bf16 || t.dtype() == DType::f16)
-                ? " (this build computes f32 inputs only)"
-                : ""));
+      const bool lowp = dt == DType::bf16 || dt == DType::f16;
+      fail(std::string(name) + " must have dtype " + dtype_name(dt) +
+           (lowp || std::string(name) != "q" ? std::string(" (the dtype of q; mixed dtypes are an error)") : "") +
+           ", got " + dtype_name(t.dtype()));
     }
     if (t.rank() != rank) {
       fail(std::string(name) + " must have rank " + std::to_string(rank) + " " + layout +
@@ -153,10 +152,14 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
   const char* klay = varlen ? "[total_k, Hkv, d]" : "[B, Lk, Hkv, d]";
   const char* vlay = varlen ? "[total_k, Hkv, dv]" : "[B, Lk, Hkv, dv]";
   const char* olay = varlen ? "[total_q, Hq, dv]" : "[B, Lq, Hq, dv]";
-  c.tensor(q, "q", DType::f32, rank, qlay);
-  c.tensor(k, "k", DType::f32, rank, klay);
-  c.tensor(v, "v", DType::f32, rank, vlay);
-  c.tensor(out, "out", DType::f32, rank, olay);
+  // q decides the dtype (f32, bf16 or f16); k, v and out must share it.
+  const DType dt = q.empty() ? DType::f32 : q.dtype();
+  if (dt != DType::f32 && dt != DType::bf16 && dt != DType::f16)
+    c.fail(std::string("q must have dtype f32, bf16 or f16, got ") + dtype_name(dt));
+  c.tensor(q, "q", dt, rank, qlay);
+  c.tensor(k, "k", dt, rank, klay);
+  c.tensor(v, "v", dt, rank, vlay);
+  c.tensor(out, "out", dt, rank, olay);
   c.last_contiguous(q, "q");
   c.last_contiguous(k, "k");
   c.last_contiguous(v, "v");
@@ -207,6 +210,7 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
   p.Hkv = static_cast<int>(Hkv);
   p.d = static_cast<int>(d);
   p.dv = static_cast<int>(dv);
+  p.dtype = dt;
   p.q = q.data_as<const float>();
   p.k = k.data_as<const float>();
   p.v = v.data_as<const float>();
@@ -321,8 +325,9 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
   // --- mask, broadcast over [B, Hq, Lq, Lk] ---
   if (!opt.mask.empty()) {
     const TensorView& m = opt.mask;
-    c.require(m.dtype() == DType::boolean || m.dtype() == DType::f32,
-              std::string("mask must be boolean (true = attend) or f32 (additive), got ") +
+    c.require(m.dtype() == DType::boolean || m.dtype() == DType::f32 || m.dtype() == dt,
+              std::string("mask must be boolean (true = attend) or additive in f32") +
+                  (dt != DType::f32 ? std::string(" or ") + dtype_name(dt) : std::string()) + ", got " +
                   dtype_name(m.dtype()));
     c.require(m.rank() <= 4, "mask must have rank <= 4 (broadcast over [B, Hq, Lq, Lk]), got " +
                                  m.describe());
@@ -350,10 +355,11 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
               "mask must have a contiguous last dimension (stride 1) or broadcast it, got " +
                   m.describe());
     p.mask_b = strides[0], p.mask_h = strides[1], p.mask_i = strides[2], p.mask_j = strides[3];
+    p.mask_dtype = m.dtype();
     if (m.dtype() == DType::boolean) {
       p.bool_mask = m.data_as<const uint8_t>();
     } else {
-      p.add_mask = m.data_as<const float>();
+      p.add_mask = m.data_as<const float>();  // bf16/f16: widened before any kernel reads it
     }
   }
 
@@ -437,7 +443,7 @@ BackwardProblem make_backward_problem(const char* fn, const TensorView& q, const
 
   // Each gradient has exactly the shape of its tensor; any strides, last one 1.
   auto like = [&](const TensorView& g, const char* name, const TensorView& t, const char* tname) {
-    c.tensor(g, name, DType::f32, t.rank(), "(the shape of its tensor)");
+    c.tensor(g, name, p.dtype, t.rank(), "(the shape of its tensor)");
     c.last_contiguous(g, name);
     for (int i = 0; i < t.rank(); ++i) {
       if (g.size(i) != t.size(i)) {

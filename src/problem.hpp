@@ -33,6 +33,10 @@ struct Sequence {
 
 struct Problem {
   int B = 0, Hq = 0, Hkv = 0, d = 0, dv = 0;
+  // The dtype of q, k, v, out (and dout, dq, dk, dv). The kernels and the reference
+  // read f32 only: bf16/f16 problems are widened first (attention_lowp.cpp), and the
+  // pointers below are then those of the f32 copies.
+  DType dtype = DType::f32;
   const float* q = nullptr;
   const float* k = nullptr;
   const float* v = nullptr;
@@ -55,6 +59,7 @@ struct Problem {
   // (stride 0 on broadcast dimensions; mask_j is 0 or 1). At most one of the two.
   const uint8_t* bool_mask = nullptr;
   const float* add_mask = nullptr;
+  DType mask_dtype = DType::f32;
   int64_t mask_b = 0, mask_h = 0, mask_i = 0, mask_j = 0;
 
   // Optional outputs (nullptr = not wanted). lse(b,h,i) at seq.lse_offset +

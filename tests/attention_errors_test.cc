@@ -71,7 +71,9 @@ TEST(AttentionErrors, MissingTensorsRanksAndDtypes) {
   expect_error([](Call& c) { c.kv = TensorView(c.k.data(), DType::f32, {c.B * c.Lk, c.Hkv, c.d}); },
                {"k must have rank 4", "[B, Lk, Hkv, d]"});
   expect_error([](Call& c) { c.vv = TensorView(c.v.data(), DType::bf16, {c.B, c.Lk, c.Hkv, c.dv}); },
-               {"v must have dtype f32", "bf16"});
+               {"v must have dtype f32 (the dtype of q; mixed dtypes are an error)", "got bf16"});
+  expect_error([](Call& c) { c.qv = TensorView(c.q.data(), DType::i32, {c.B, c.Lq, c.Hq, c.d}); },
+               {"q must have dtype f32, bf16 or f16, got i32"});
   expect_error([](Call& c) { c.ov = TensorView(c.out.data(), DType::f16, {c.B, c.Lq, c.Hq, c.dv}); },
                {"out must have dtype f32"});
 }
@@ -261,7 +263,7 @@ TEST(AttentionBackwardErrors, GradientShapesAndDtypes) {
   expect_backward_error([](BackwardCall& c) { c.doutv = TensorView(c.g_dout.data(), DType::f32, {c.B, c.Lq, c.Hq, c.dv - 1}); },
                         {"dout must have the shape of out"});
   expect_backward_error([](BackwardCall& c) { c.dqv = TensorView(c.g_dq.data(), DType::bf16, c.qv.shape()); },
-                        {"dq must have dtype f32"});
+                        {"dq must have dtype f32 (the dtype of q; mixed dtypes are an error)"});
   expect_backward_error([](BackwardCall& c) { c.dkv = TensorView(c.g_dk.data(), DType::f32, {c.B, c.Lk - 1, c.Hkv, c.d}); },
                         {"dk must have the shape of k"});
   expect_backward_error([](BackwardCall& c) { c.dvv = TensorView(c.g_dv.data(), DType::f32, {c.B, c.Lk, c.Hkv}); },

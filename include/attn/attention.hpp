@@ -25,6 +25,10 @@
 //   - huge finite scores and masks are values: −FLT_MAX on every key of a row (Hugging
 //     Face's padding mask) gives the softmax over those keys, not a masked row;
 //     scores are computed in f32, so a score that overflows f32 becomes ±∞.
+// Dtypes: q, k, v and out (and dout, dq, dk, dv) share one dtype, f32, bf16 or f16;
+// mixing them is an error. lse and probs are f32 in every case; an additive mask is f32
+// or the inputs' dtype. bf16/f16 inputs are computed with f32 scores, softmax and
+// accumulation, and the outputs rounded once to the input dtype.
 // Memory: an output must not overlap an input or another output (attn::Error),
 // except that out may be exactly q, k or v (the same view); interleaved views
 // that share no element (q, k, v or dq, dk, dv sliced from one packed
@@ -47,6 +51,13 @@ namespace attn {
 ///   BottomRight: key j visible to query i iff j ≤ i + Lk − Lq   (FlashAttention ≥ 2.1;
 ///                the last query sees every key, as decoding with a KV cache needs)
 enum class Causal : uint8_t { None, TopLeft, BottomRight };
+
+/// Arithmetic for f32 inputs (like torch.backends.cuda.matmul.allow_bf16_reduced_precision
+/// and torch.set_float32_matmul_precision): `f32` computes on the inputs as given; `bf16`
+/// rounds q, k and v to bf16 inside the call (then as for bf16 inputs: f32 scores,
+/// softmax and accumulation), for the fast bf16 kernels. Outputs stay f32. Ignored for
+/// bf16/f16 inputs.
+enum class Precision : uint8_t { f32, bf16 };
 
 /// Sliding window around the bottom-right-aligned diagonal i' = i + Lk − Lq:
 /// key j visible iff i' − left ≤ j ≤ i' + right. −1 means unbounded on that side.
@@ -87,9 +98,11 @@ struct AttentionOptions {
   float dropout_p = 0.0f;
   uint64_t seed = 0;
   uint64_t offset = 0;
+  /// See Precision: f32 inputs may be rounded to bf16 for speed.
+  Precision precision = Precision::f32;
 };
 
-/// Fused attention forward, f32. Computes `out`; optionally writes `lse` (natural
+/// Fused attention forward (f32, bf16 or f16 inputs; see "Dtypes"). Computes `out`; optionally writes `lse` (natural
 /// log-sum-exp of the final scores, −∞ for rows with no visible key) and `probs`
 /// (the explicit softmax probabilities, 0 where masked) when those views are given.
 /// Throws attn::Error (naming the argument) before writing anything if an argument
@@ -100,12 +113,13 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
 
 /// The same operator computed by the plain float64 reference (src/reference/):
 /// explicit Lq×Lk scores, no tiling, no SIMD, no threads. Slow; for checking.
-/// Outputs are rounded to f32.
+/// Outputs are rounded to f32 (out: to the inputs' dtype).
 void attention_reference(const TensorView& q, const TensorView& k, const TensorView& v,
                          const TensorView& out, const AttentionOptions& options = {},
                          const TensorView& lse = {}, const TensorView& probs = {});
 
-/// Gradients of attention() (FlashAttention-2's backward, f32). Given the forward's
+/// Gradients of attention() (FlashAttention-2's backward; dout, dq, dk, dv in the
+/// inputs' dtype, f32 arithmetic inside). Given the forward's
 /// inputs, its `out` and `lse` (computed with the same options) and dout = ∂L/∂out
 /// (shaped like out), writes dq, dk, dv (shaped like q, k, v; with GQA, dk and dv
 /// sum over each group of query heads). dbias (optional, f32, the shape of

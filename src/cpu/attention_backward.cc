@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <stdexcept>
 #include <vector>
 
 #include "cpu/workspace.hpp"
@@ -567,6 +568,7 @@ namespace attn::detail {
 HWY_EXPORT(BackwardF32);
 
 void attention_backward_cpu(const BackwardProblem& bp, int threads) {
+  if (bp.fwd.dtype != DType::f32) throw std::logic_error("attention_backward_cpu: widen bf16/f16 problems first");
   HWY_DYNAMIC_DISPATCH(BackwardF32)(bp, threads);
 }
 

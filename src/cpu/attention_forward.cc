@@ -23,6 +23,7 @@
 #include <climits>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
 #include <vector>
 
 #include "cpu/workspace.hpp"
@@ -332,6 +333,7 @@ size_t attention_forward_workspace_bytes(const Problem& p, int threads) {
 }
 
 void attention_forward_cpu(const Problem& p, int threads) {
+  if (p.dtype != DType::f32) throw std::logic_error("attention_forward_cpu: widen bf16/f16 problems first");
   HWY_DYNAMIC_DISPATCH(ForwardF32)(p, threads);
 }
 

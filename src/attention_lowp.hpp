@@ -1,0 +1,40 @@
+// bf16 and f16 inputs (and f32 inputs with Precision::bf16) through the f32 kernels:
+// the portable path. The tensors are widened to f32 copies (exactly: every bf16/f16
+// value is an f32 value), the f32 kernel or reference runs on the copies, and the
+// results are rounded once into the caller's outputs in their dtype. Costs the copies'
+// memory (4 bytes per element of q, k, v, out) and two passes over them.
+#pragma once
+
+#include <functional>
+
+#include "attn/attention.hpp"
+#include "problem.hpp"
+
+namespace attn::detail {
+
+/// True when a call must go through the widening path: bf16/f16 tensors, or f32 inputs
+/// with Precision::bf16.
+bool needs_widening(const Problem& p, const AttentionOptions& options);
+
+/// Bytes of the f32 copies that the widening path allocates for this call (0 if none).
+size_t widening_bytes(const Problem& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                      const TensorView& out, const AttentionOptions& options);
+
+/// Runs `compute` on f32 copies of q, k, v (rounded to bf16 first for Precision::bf16),
+/// an f32 out and an f32 additive mask, then rounds out into the caller's `out`.
+using ForwardF32 = std::function<void(const TensorView& q, const TensorView& k, const TensorView& v,
+                                      const TensorView& out, const AttentionOptions& options)>;
+void forward_widened(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                     const AttentionOptions& options, const ForwardF32& compute);
+
+/// The same for the backward: q, k, v, out, dout widened; dq, dk, dv computed in f32 and
+/// rounded into the caller's tensors.
+using BackwardF32 = std::function<void(const TensorView& q, const TensorView& k, const TensorView& v,
+                                       const TensorView& out, const TensorView& dout, const TensorView& dq,
+                                       const TensorView& dk, const TensorView& dv,
+                                       const AttentionOptions& options)>;
+void backward_widened(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                      const TensorView& dout, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                      const AttentionOptions& options, const BackwardF32& compute);
+
+}  // namespace attn::detail

@@ -1,0 +1,36 @@
+// Conversions between the storage dtypes (bf16, f16) and f32, for the portable path of
+// low-precision attention: rounding is IEEE round-to-nearest-even, NaN stays NaN (a
+// quiet NaN of the same sign), ±inf and signed zeros are kept, and values beyond the
+// target's range become ±inf — the same as PyTorch's .to(dtype).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "attn/tensor.hpp"
+
+namespace attn::detail {
+
+float bf16_to_f32(uint16_t h);
+uint16_t f32_to_bf16(float f);
+float f16_to_f32(uint16_t h);
+uint16_t f32_to_f16(float f);
+
+/// f rounded to the nearest bf16 (or f16) value, as an f32.
+inline float round_to_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+inline float round_to_f16(float f) { return f16_to_f32(f32_to_f16(f)); }
+
+/// The elements of `src` (dtype f32, bf16 or f16; any non-negative strides) as a
+/// contiguous row-major f32 array of the same shape. With `round_bf16`, each value is
+/// also rounded to bf16 (the reduced-precision option for f32 inputs).
+std::vector<float> to_f32_contiguous(const TensorView& src, bool round_bf16 = false);
+
+/// Writes a contiguous row-major f32 array of `dst`'s shape into `dst` (dtype f32, bf16
+/// or f16; any non-negative strides), rounding to its dtype.
+void from_f32_contiguous(const float* src, const TensorView& dst);
+
+/// A contiguous f32 view of `data` with `like`'s shape.
+TensorView contiguous_f32_view(const float* data, const TensorView& like);
+
+}  // namespace attn::detail

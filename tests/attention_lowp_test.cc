@@ -1,0 +1,417 @@
+// bf16 and f16 attention (issue 11, the portable path): conversions against
+// independent oracles, every option in both dtypes bitwise equal to the f32 kernel on
+// the same (rounded) inputs followed by one rounding, FlashAttention's ≤ 2× rule
+// against a plain bf16 implementation, the backward, Precision::bf16, NaN semantics,
+// thread independence and the dtype errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "attention_harness.hpp"
+#include "attn/attention.hpp"
+#include "tensor/convert.hpp"
+
+namespace attn::testing {
+namespace {
+
+using detail::bf16_to_f32;
+using detail::f16_to_f32;
+using detail::f32_to_bf16;
+using detail::f32_to_f16;
+
+uint32_t bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// The oracle for f32 → bf16: the two bf16 neighbours of f, the nearer in double
+// arithmetic, ties to the even one.
+uint16_t bf16_oracle(float f) {
+  const uint32_t u = bits(f);
+  const uint16_t lo = static_cast<uint16_t>(u >> 16), hi = static_cast<uint16_t>(lo + 1);
+  if ((u & 0xffffu) == 0) return lo;
+  const double dlo = std::fabs(double(f) - double(bf16_to_f32(lo)));
+  // hi may be the bit pattern of ±inf when lo is the largest finite: its distance is
+  // that of the rounding boundary (2^128 − 2^119·… ), which double holds exactly.
+  const double hi_value = (hi & 0x7fffu) == 0x7f80u ? std::ldexp(1.0, 128) * (f < 0 ? -1 : 1) : bf16_to_f32(hi);
+  const double dhi = std::fabs(hi_value - double(f));
+  if (dlo < dhi) return lo;
+  if (dhi < dlo) return hi;
+  return (lo & 1) ? hi : lo;
+}
+
+TEST(LowPrecisionConvert, Bf16MatchesTheNearestEvenOracle) {
+  std::mt19937_64 rng = make_rng(1);
+  for (int n = 0; n < 2'000'000; ++n) {
+    uint32_t u = static_cast<uint32_t>(rng());
+    if (n % 4 == 0) u = (u & 0xffff0000u) | 0x8000u;  // exact ties
+    const float f = from_bits(u);
+    if (std::isnan(f)) {
+      EXPECT_TRUE(std::isnan(bf16_to_f32(f32_to_bf16(f))));
+      continue;
+    }
+    ASSERT_EQ(f32_to_bf16(f), bf16_oracle(f)) << std::hexfloat << f;
+  }
+  // Every bf16 value survives the round trip.
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float f = bf16_to_f32(static_cast<uint16_t>(h));
+    if (!std::isnan(f)) ASSERT_EQ(f32_to_bf16(f), h);
+  }
+  EXPECT_EQ(bf16_to_f32(f32_to_bf16(3.4e38f)), std::numeric_limits<float>::infinity());
+  EXPECT_EQ(f32_to_bf16(-0.0f), 0x8000u);
+}
+
+TEST(LowPrecisionConvert, F16MatchesTheCompilersFloat16) {
+  std::mt19937_64 rng = make_rng(2);
+  for (int n = 0; n < 2'000'000; ++n) {
+    uint32_t u = static_cast<uint32_t>(rng());
+    // Most random f32 are far outside f16's range: draw exponents near it too.
+    if (n % 2 == 0) u = (u & 0x807fffffu) | ((100 + static_cast<uint32_t>(rng() % 50)) << 23);
+    if (n % 8 == 0) u = (u & 0xffffe000u) | 0x1000u;  // ties
+    const float f = from_bits(u);
+    if (std::isnan(f)) continue;
+    const _Float16 h = static_cast<_Float16>(f);
+    uint16_t want;
+    std::memcpy(&want, &h, 2);
+    ASSERT_EQ(f32_to_f16(f), want) << std::hexfloat << f;
+  }
+  for (uint32_t h = 0; h < 65536; ++h) {
+    _Float16 x;
+    const uint16_t hh = static_cast<uint16_t>(h);
+    std::memcpy(&x, &hh, 2);
+    const float f = f16_to_f32(hh);
+    if (std::isnan(static_cast<float>(x))) {
+      ASSERT_TRUE(std::isnan(f));
+      continue;
+    }
+    ASSERT_EQ(bits(f), bits(static_cast<float>(x))) << h;
+    ASSERT_EQ(f32_to_f16(f), hh);
+  }
+}
+
+// One call's tensors in a storage dtype, with their exact f32 twins.
+struct LowpCall {
+  DType dt;
+  int B, Lq, Lk, Hq, Hkv, d, dv;
+  std::vector<uint16_t> q, k, v, out, dout, dq, dk, dv_;
+  std::vector<float> q32, k32, v32, out32, dout32;
+  std::vector<float> lse;
+
+  uint16_t to(float f) const { return dt == DType::bf16 ? f32_to_bf16(f) : f32_to_f16(f); }
+  float from(uint16_t h) const { return dt == DType::bf16 ? bf16_to_f32(h) : f16_to_f32(h); }
+  void fill(std::vector<uint16_t>& h, std::vector<float>& f, size_t n, std::mt19937_64& rng, float scale) {
+    std::uniform_real_distribution<float> u(-scale, scale);
+    h.resize(n);
+    f.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      h[i] = to(u(rng));
+      f[i] = from(h[i]);
+    }
+  }
+  LowpCall(DType t, int b, int lq, int lk, int hq, int hkv, int dd, int ddv, std::mt19937_64& rng)
+      : dt(t), B(b), Lq(lq), Lk(lk), Hq(hq), Hkv(hkv), d(dd), dv(ddv) {
+    fill(q, q32, size_t(B) * Lq * Hq * d, rng, 2.0f);
+    fill(k, k32, size_t(B) * Lk * Hkv * d, rng, 2.0f);
+    fill(v, v32, size_t(B) * Lk * Hkv * dv, rng, 1.0f);
+    fill(dout, dout32, size_t(B) * Lq * Hq * dv, rng, 1.0f);
+    out.assign(size_t(B) * Lq * Hq * dv, 0);
+    lse.assign(size_t(B) * Hq * Lq, 0.0f);
+  }
+  TensorView view(const std::vector<uint16_t>& x, int L, int H, int D) const { return TensorView(x.data(), dt, {B, L, H, D}); }
+  TensorView view32(const std::vector<float>& x, int L, int H, int D) const {
+    return TensorView(x.data(), DType::f32, {B, L, H, D});
+  }
+  TensorView lse_view() const { return TensorView(lse.data(), DType::f32, {B, Hq, Lq}); }
+};
+
+// Options that touch every part of the score path, for a call's shapes.
+struct OptionCase {
+  const char* name;
+  std::function<void(AttentionOptions&, std::vector<float>&, std::vector<uint8_t>&, std::vector<uint16_t>&,
+                     const LowpCall&, std::mt19937_64&)>
+      set;
+};
+
+std::vector<OptionCase> option_cases() {
+  return {
+      {"plain", [](auto&, auto&, auto&, auto&, auto&, auto&) {}},
+      {"causal", [](AttentionOptions& o, auto&, auto&, auto&, auto&, auto&) { o.causal = Causal::TopLeft; }},
+      {"bottom-right window", [](AttentionOptions& o, auto&, auto&, auto&, auto&, auto&) {
+         o.causal = Causal::BottomRight;
+         o.window = {5, 0};
+       }},
+      {"softcap+scale", [](AttentionOptions& o, auto&, auto&, auto&, auto&, auto&) {
+         o.softcap = 5.0f;
+         o.scale = 0.3f;
+       }},
+      {"f32 additive mask", [](AttentionOptions& o, std::vector<float>& m, auto&, auto&, const LowpCall& c,
+                               std::mt19937_64& rng) {
+         m.resize(size_t(c.Lq) * c.Lk);
+         std::uniform_real_distribution<float> u(-3, 3);
+         for (float& x : m) x = rng() % 10 == 0 ? -INFINITY : u(rng);
+         o.mask = TensorView(m.data(), DType::f32, {c.Lq, c.Lk});
+       }},
+      {"mask in the input dtype", [](AttentionOptions& o, std::vector<float>&, auto&, std::vector<uint16_t>& m,
+                                     const LowpCall& c, std::mt19937_64& rng) {
+         m.resize(size_t(c.Hq) * c.Lq * c.Lk);
+         std::uniform_real_distribution<float> u(-3, 3);
+         for (uint16_t& x : m) x = c.to(rng() % 10 == 0 ? -INFINITY : u(rng));
+         o.mask = TensorView(m.data(), c.dt, {c.Hq, c.Lq, c.Lk});
+       }},
+      {"boolean mask", [](AttentionOptions& o, auto&, std::vector<uint8_t>& m, auto&, const LowpCall& c,
+                          std::mt19937_64& rng) {
+         m.resize(size_t(c.B) * c.Lq * c.Lk);
+         for (uint8_t& x : m) x = rng() % 4 != 0;
+         o.mask = TensorView(m.data(), DType::boolean, {c.B, 1, c.Lq, c.Lk});
+       }},
+      {"alibi", [](AttentionOptions& o, std::vector<float>& m, auto&, auto&, const LowpCall& c, auto&) {
+         m.resize(size_t(c.Hq));
+         for (int h = 0; h < c.Hq; ++h) m[h] = std::pow(2.0f, -1.0f - h);
+         o.alibi_slopes = TensorView(m.data(), DType::f32, {c.Hq});
+       }},
+      {"dropout", [](AttentionOptions& o, auto&, auto&, auto&, auto&, auto&) {
+         o.dropout_p = 0.2f;
+         o.seed = 42;
+       }},
+  };
+}
+
+// The f32 twin of `o`: a mask in the input dtype becomes its exact f32 copy.
+AttentionOptions f32_twin(const AttentionOptions& o, const LowpCall& c, std::vector<float>& storage) {
+  AttentionOptions t = o;
+  if (!o.mask.empty() && o.mask.dtype() == c.dt) {
+    const uint16_t* m = o.mask.data_as<const uint16_t>();
+    storage.resize(static_cast<size_t>(o.mask.numel()));
+    for (size_t i = 0; i < storage.size(); ++i) storage[i] = c.from(m[i]);
+    t.mask = TensorView(storage.data(), DType::f32, o.mask.shape());
+  }
+  return t;
+}
+
+struct Shape {
+  int B, Lq, Lk, Hq, Hkv, d, dv;
+};
+const Shape kShapes[] = {{1, 1, 1, 1, 1, 16, 16},   {2, 3, 17, 4, 2, 64, 64}, {1, 17, 3, 2, 1, 80, 48},
+                         {1, 100, 100, 2, 2, 128, 128}, {2, 33, 65, 3, 1, 32, 40}};
+
+TEST(LowPrecisionAttention, EveryOptionEqualsTheF32KernelRoundedOnce) {
+  std::mt19937_64 rng = make_rng(3);
+  for (DType dt : {DType::bf16, DType::f16}) {
+    for (const Shape& s : kShapes) {
+      for (const OptionCase& oc : option_cases()) {
+        SCOPED_TRACE(std::string(dtype_name(dt)) + " " + oc.name + " Lq=" + std::to_string(s.Lq) +
+                     " Lk=" + std::to_string(s.Lk) + " d=" + std::to_string(s.d));
+        LowpCall c(dt, s.B, s.Lq, s.Lk, s.Hq, s.Hkv, s.d, s.dv, rng);
+        AttentionOptions o;
+        std::vector<float> fstore, twin_store;
+        std::vector<uint8_t> bstore;
+        std::vector<uint16_t> hstore;
+        oc.set(o, fstore, bstore, hstore, c, rng);
+        attention(c.view(c.q, s.Lq, s.Hq, s.d), c.view(c.k, s.Lk, s.Hkv, s.d), c.view(c.v, s.Lk, s.Hkv, s.dv),
+                  c.view(c.out, s.Lq, s.Hq, s.dv), o, c.lse_view());
+        std::vector<float> out32(c.out.size()), lse32(c.lse.size());
+        attention(c.view32(c.q32, s.Lq, s.Hq, s.d), c.view32(c.k32, s.Lk, s.Hkv, s.d),
+                  c.view32(c.v32, s.Lk, s.Hkv, s.dv), c.view32(out32, s.Lq, s.Hq, s.dv), f32_twin(o, c, twin_store),
+                  TensorView(lse32.data(), DType::f32, {s.B, s.Hq, s.Lq}));
+        for (size_t i = 0; i < out32.size(); ++i) ASSERT_EQ(c.out[i], c.to(out32[i])) << "out " << i;
+        for (size_t i = 0; i < lse32.size(); ++i) ASSERT_EQ(bits(c.lse[i]), bits(lse32[i])) << "lse " << i;
+        // The reference takes the same dtypes and agrees within the output's rounding.
+        std::vector<uint16_t> ref(c.out.size());
+        attention_reference(c.view(c.q, s.Lq, s.Hq, s.d), c.view(c.k, s.Lk, s.Hkv, s.d),
+                            c.view(c.v, s.Lk, s.Hkv, s.dv), c.view(ref, s.Lq, s.Hq, s.dv), o);
+        const float ulp = dt == DType::bf16 ? 1.0f / 128 : 1.0f / 1024;
+        for (size_t i = 0; i < ref.size(); ++i)
+          ASSERT_LE(std::fabs(c.from(ref[i]) - c.from(c.out[i])), ulp * std::max(1.0f, std::fabs(c.from(ref[i]))))
+              << i;
+      }
+    }
+  }
+}
+
+// FlashAttention's yardstick: bf16 inputs, f32 scores and softmax, P rounded to bf16
+// before P·V, f32 accumulation, output rounded to bf16.
+std::vector<float> plain_lowp(const LowpCall& c, bool causal) {
+  std::vector<float> out(c.out.size());
+  const float scale = 1.0f / std::sqrt(float(c.d));
+  for (int b = 0; b < c.B; ++b)
+    for (int h = 0; h < c.Hq; ++h) {
+      const int hk = h / (c.Hq / c.Hkv);
+      for (int i = 0; i < c.Lq; ++i) {
+        std::vector<float> s(c.Lk, -INFINITY);
+        float m = -INFINITY;
+        for (int j = 0; j < c.Lk && (!causal || j <= i); ++j) {
+          float acc = 0;
+          for (int x = 0; x < c.d; ++x)
+            acc += c.q32[((size_t(b) * c.Lq + i) * c.Hq + h) * c.d + x] * c.k32[((size_t(b) * c.Lk + j) * c.Hkv + hk) * c.d + x];
+          s[j] = acc * scale;
+          m = std::max(m, s[j]);
+        }
+        float l = 0;
+        for (float& x : s) {
+          x = std::isinf(x) ? 0.0f : std::exp(x - m);
+          l += x;
+        }
+        for (int y = 0; y < c.dv; ++y) {
+          float acc = 0;
+          for (int j = 0; j < c.Lk; ++j)
+            acc += c.from(c.to(s[j])) * c.v32[((size_t(b) * c.Lk + j) * c.Hkv + hk) * c.dv + y];
+          out[((size_t(b) * c.Lq + i) * c.Hq + h) * c.dv + y] = c.from(c.to(acc / l));
+        }
+      }
+    }
+  return out;
+}
+
+TEST(LowPrecisionAttention, WithinTwiceThePlainLowPrecisionError) {
+  std::mt19937_64 rng = make_rng(4);
+  for (DType dt : {DType::bf16, DType::f16}) {
+    double fused = 0, plain = 0;
+    for (const Shape& s : kShapes)
+      for (bool causal : {false, true}) {
+        LowpCall c(dt, s.B, s.Lq, s.Lk, s.Hq, s.Hkv, s.d, s.dv, rng);
+        AttentionOptions o;
+        o.causal = causal ? Causal::TopLeft : Causal::None;
+        attention(c.view(c.q, s.Lq, s.Hq, s.d), c.view(c.k, s.Lk, s.Hkv, s.d), c.view(c.v, s.Lk, s.Hkv, s.dv),
+                  c.view(c.out, s.Lq, s.Hq, s.dv), o);
+        std::vector<float> ref(c.out.size());
+        attention_reference(c.view32(c.q32, s.Lq, s.Hq, s.d), c.view32(c.k32, s.Lk, s.Hkv, s.d),
+                            c.view32(c.v32, s.Lk, s.Hkv, s.dv), c.view32(ref, s.Lq, s.Hq, s.dv), o);
+        const std::vector<float> p = plain_lowp(c, causal);
+        double f2 = 0, p2 = 0, r2 = 0;
+        for (size_t i = 0; i < ref.size(); ++i) {
+          f2 += std::pow(double(c.from(c.out[i])) - ref[i], 2);
+          p2 += std::pow(double(p[i]) - ref[i], 2);
+          r2 += double(ref[i]) * ref[i];
+        }
+        EXPECT_LE(f2, 4.0 * p2 + 1e-30) << dtype_name(dt) << " case Lq=" << s.Lq << " causal=" << causal;
+        fused += f2, plain += p2;
+        (void)r2;
+      }
+    EXPECT_LE(std::sqrt(fused), 2.0 * std::sqrt(plain)) << dtype_name(dt);
+    EXPECT_GT(plain, 0.0);
+  }
+}
+
+TEST(LowPrecisionAttention, BackwardEqualsTheF32KernelRoundedOnce) {
+  std::mt19937_64 rng = make_rng(5);
+  for (DType dt : {DType::bf16, DType::f16})
+    for (const Shape& s : kShapes)
+      for (const OptionCase& oc : option_cases()) {
+        SCOPED_TRACE(std::string(dtype_name(dt)) + " " + oc.name + " Lq=" + std::to_string(s.Lq));
+        LowpCall c(dt, s.B, s.Lq, s.Lk, s.Hq, s.Hkv, s.d, s.dv, rng);
+        AttentionOptions o;
+        std::vector<float> fstore, twin_store;
+        std::vector<uint8_t> bstore;
+        std::vector<uint16_t> hstore;
+        oc.set(o, fstore, bstore, hstore, c, rng);
+        const TensorView q = c.view(c.q, s.Lq, s.Hq, s.d), k = c.view(c.k, s.Lk, s.Hkv, s.d),
+                         v = c.view(c.v, s.Lk, s.Hkv, s.dv), out = c.view(c.out, s.Lq, s.Hq, s.dv);
+        attention(q, k, v, out, o, c.lse_view());
+        c.dq.assign(c.q.size(), 0);
+        c.dk.assign(c.k.size(), 0);
+        c.dv_.assign(c.v.size(), 0);
+        attention_backward(q, k, v, out, c.lse_view(), c.view(c.dout, s.Lq, s.Hq, s.dv), c.view(c.dq, s.Lq, s.Hq, s.d),
+                           c.view(c.dk, s.Lk, s.Hkv, s.d), c.view(c.dv_, s.Lk, s.Hkv, s.dv), o);
+        std::vector<float> out32(c.out.size()), dq32(c.q.size()), dk32(c.k.size()), dv32(c.v.size());
+        for (size_t i = 0; i < out32.size(); ++i) out32[i] = c.from(c.out[i]);
+        const AttentionOptions t = f32_twin(o, c, twin_store);
+        attention_backward(c.view32(c.q32, s.Lq, s.Hq, s.d), c.view32(c.k32, s.Lk, s.Hkv, s.d),
+                           c.view32(c.v32, s.Lk, s.Hkv, s.dv), c.view32(out32, s.Lq, s.Hq, s.dv), c.lse_view(),
+                           c.view32(c.dout32, s.Lq, s.Hq, s.dv), c.view32(dq32, s.Lq, s.Hq, s.d),
+                           c.view32(dk32, s.Lk, s.Hkv, s.d), c.view32(dv32, s.Lk, s.Hkv, s.dv), t);
+        for (size_t i = 0; i < dq32.size(); ++i) ASSERT_EQ(c.dq[i], c.to(dq32[i])) << "dq " << i;
+        for (size_t i = 0; i < dk32.size(); ++i) ASSERT_EQ(c.dk[i], c.to(dk32[i])) << "dk " << i;
+        for (size_t i = 0; i < dv32.size(); ++i) ASSERT_EQ(c.dv_[i], c.to(dv32[i])) << "dv " << i;
+      }
+}
+
+TEST(LowPrecisionAttention, Bf16PrecisionRoundsF32InputsInside) {
+  std::mt19937_64 rng = make_rng(6);
+  const int B = 2, L = 37, H = 2, d = 64;
+  std::vector<float> q(size_t(B) * L * H * d), k(q.size()), v(q.size()), out(q.size()), want(q.size());
+  std::uniform_real_distribution<float> u(-2, 2);
+  for (auto* x : {&q, &k, &v})
+    for (float& f : *x) f = u(rng);
+  AttentionOptions o;
+  o.precision = Precision::bf16;
+  auto view = [&](const std::vector<float>& x) { return TensorView(x.data(), DType::f32, {B, L, H, d}); };
+  attention(view(q), view(k), view(v), view(out), o);
+  std::vector<float> qr = q, kr = k, vr = v;
+  for (auto* x : {&qr, &kr, &vr})
+    for (float& f : *x) f = detail::round_to_bf16(f);
+  attention(view(qr), view(kr), view(vr), view(want));
+  for (size_t i = 0; i < out.size(); ++i) ASSERT_EQ(bits(out[i]), bits(want[i])) << i;
+  // Not a no-op: the inputs were not bf16 values.
+  std::vector<float> exact(q.size());
+  attention(view(q), view(k), view(v), view(exact));
+  EXPECT_NE(exact, out);
+}
+
+TEST(LowPrecisionAttention, NanInAKeyMakesTheRowNanAndThreadsDoNotMatter) {
+  std::mt19937_64 rng = make_rng(7);
+  for (DType dt : {DType::bf16, DType::f16}) {
+    LowpCall c(dt, 1, 70, 90, 2, 1, 64, 64, rng);
+    c.k[5 * 64 + 3] = c.to(NAN);  // key 5
+    AttentionOptions o;
+    o.causal = Causal::TopLeft;  // rows 0–4 cannot see key 5
+    const TensorView q = c.view(c.q, 70, 2, 64), k = c.view(c.k, 90, 1, 64), v = c.view(c.v, 90, 1, 64),
+                     out = c.view(c.out, 70, 2, 64);
+    const int before = num_threads();
+    set_num_threads(1);
+    attention(q, k, v, out, o, c.lse_view());
+    const std::vector<uint16_t> one = c.out;
+    set_num_threads(2);
+    attention(q, k, v, out, o, c.lse_view());
+    set_num_threads(before);
+    EXPECT_EQ(one, c.out);
+    for (int i = 0; i < 70; ++i)
+      for (int h = 0; h < 2; ++h) {
+        const float x = c.from(c.out[(size_t(i) * 2 + h) * 64]);
+        EXPECT_EQ(std::isnan(x), i >= 5) << "row " << i << " head " << h;
+      }
+  }
+}
+
+TEST(LowPrecisionAttention, MixedDtypesAreErrors) {
+  std::mt19937_64 rng = make_rng(8);
+  LowpCall c(DType::bf16, 1, 4, 4, 1, 1, 8, 8, rng);
+  std::vector<float> f(64);
+  std::vector<uint16_t> h(64);
+  const TensorView q = c.view(c.q, 4, 1, 8), k = c.view(c.k, 4, 1, 8), v = c.view(c.v, 4, 1, 8),
+                   out = c.view(c.out, 4, 1, 8);
+  auto expect = [](const std::function<void()>& call, const std::string& needle) {
+    try {
+      call();
+      ADD_FAILURE() << "no error; expected " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect([&] { attention(q, TensorView(f.data(), DType::f32, {1, 4, 1, 8}), v, out); },
+         "k must have dtype bf16 (the dtype of q; mixed dtypes are an error), got f32");
+  expect([&] { attention(q, k, v, TensorView(h.data(), DType::f16, {1, 4, 1, 8})); },
+         "out must have dtype bf16");
+  AttentionOptions o;
+  o.mask = TensorView(h.data(), DType::f16, {4, 4});
+  expect([&] { attention(q, k, v, out, o); }, "mask must be boolean (true = attend) or additive in f32 or bf16, got f16");
+  expect([&] { attention(q, k, v, out, {}, TensorView(h.data(), DType::bf16, {1, 1, 4})); }, "lse must have dtype f32");
+  std::vector<float> lse(4);
+  attention(q, k, v, out, {}, TensorView(lse.data(), DType::f32, {1, 1, 4}));
+  expect([&] {
+    attention_backward(q, k, v, out, TensorView(lse.data(), DType::f32, {1, 1, 4}), out,
+                       TensorView(f.data(), DType::f32, {1, 4, 1, 8}), k, v);
+  }, "dq must have dtype bf16");
+}
+
+}  // namespace
+}  // namespace attn::testing
