@@ -55,14 +55,17 @@ def _array(x, name, kinds=("f",), allow_none=False):
         if x.device.type != "cpu":
             raise ValueError("%s: expected a CPU tensor, got one on %s" % (name, x.device))
         if str(x.dtype) == "torch.bfloat16":
-            raise TypeError("%s: bfloat16 is not supported by attn's CPU kernels yet; use float32" % name)
+            if "f" not in kinds:
+                raise TypeError("%s: expected dtype %s, got torch.bfloat16" % (name, " or ".join(kinds)))
+            import torch
+            return x.detach().view(torch.int16).numpy()  # NumPy has no bfloat16: the bits, as int16
         x = x.detach().numpy()  # a view, never a copy
     elif not isinstance(x, _np.ndarray):
         x = _np.asarray(x)
-    ok = (x.dtype == _np.float32 and "f" in kinds) or (x.dtype == _np.bool_ and "b" in kinds) or (
+    ok = (x.dtype in (_np.float32, _np.float16) and "f" in kinds) or (x.dtype == _np.bool_ and "b" in kinds) or (
         x.dtype == _np.int32 and "i" in kinds)
     if not ok:
-        want = {"f": "float32", "b": "bool", "i": "int32"}
+        want = {"f": "float32, float16 or bfloat16", "b": "bool", "i": "int32"}
         raise TypeError("%s: expected dtype %s, got %s" % (name, " or ".join(want[k] for k in kinds), x.dtype))
     return x
 
@@ -182,8 +185,14 @@ def _backward_seed(seed, dropout_p, fn):
 def _like(x, template):
     if _is_torch(template):
         import torch
-        return torch.from_numpy(x)
+        t = torch.from_numpy(x)
+        return t.view(torch.bfloat16) if x.dtype == _np.int16 else t
     return x
+
+
+def _is_bf16(x):
+    """True for a torch.bfloat16 tensor (passed to the kernels as its int16 bits)."""
+    return _is_torch(x) and str(x.dtype) == "torch.bfloat16"
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -193,8 +202,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Shapes follow PyTorch: query [..., Hq, L, d], key [..., Hkv, S, d], value [..., Hkv, S, dv];
     the result is [..., Hq, L, dv], a NumPy array or a torch tensor like ``query``.
-    Inputs are float32 NumPy arrays or CPU torch tensors with any strides (the last
-    dimension contiguous); they are not copied.
+    Inputs are float32, float16 or bfloat16 (torch only: NumPy has no bfloat16) NumPy
+    arrays or CPU torch tensors with any strides (the last dimension contiguous); they are
+    not copied. query, key and value share one dtype; the result has it too (scores,
+    softmax and sums are float32 inside; lse is float32).
 
     attn_mask: boolean (True = take part in attention, PyTorch's rule) or float32 (added
         to the scores), broadcastable to [..., Hq, L, S].
@@ -227,7 +238,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     batch = q.shape[:-3]
     hq, lq, lk, dv = q.shape[-3], q.shape[-2], k.shape[-2], v.shape[-1]
     q4, k4, v4 = (_merge_batch(t, n, batch) for t, n in ((q, "query"), (k, "key"), (v, "value")))
-    out = _np.empty(tuple(batch) + (hq, lq, dv), dtype=_np.float32)
+    out = _np.empty(tuple(batch) + (hq, lq, dv), dtype=q.dtype)
     out4 = out.reshape((q4.shape[0], hq, lq, dv))
     lse = _np.empty(tuple(batch) + (hq, lq), dtype=_np.float32) if return_lse else None
     left, right = _window(window)
@@ -235,7 +246,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                   causal=_causal_code(is_causal, causal_alignment), window_left=left, window_right=right,
                   mask=_mask(attn_mask, batch, hq, lq, lk), alibi_slopes=_alibi(alibi_slopes, batch, hq),
                   softcap=float(softcap or 0.0), dropout_p=float(dropout_p), seed=_seed(seed, dropout_p),
-                  lse=None if lse is None else lse.reshape((q4.shape[0], hq, lq)))
+                  lse=None if lse is None else lse.reshape((q4.shape[0], hq, lq)), bf16=_is_bf16(query))
     result = (_like(out, query),) + ((_like(lse, query),) if return_lse else ())
     if return_seed:
         result += (last_dropout_seed(),)
@@ -272,9 +283,9 @@ def attention_backward(grad_out, query, key, value, out, lse, attn_mask=None, dr
     q4, k4, v4, o4, g4 = (_merge_batch(t, n, batch) for t, n in
                           ((q, "query"), (k, "key"), (v, "value"), (o, "out"), (g, "grad_out")))
     l3 = _merge_batch(l, "lse", batch)
-    dq = _np.empty(q.shape, _np.float32)
-    dk = _np.empty(k.shape, _np.float32)
-    dvv = _np.empty(v.shape, _np.float32)
+    dq = _np.empty(q.shape, q.dtype)
+    dk = _np.empty(k.shape, q.dtype)
+    dvv = _np.empty(v.shape, q.dtype)
     mask = _mask(attn_mask, batch, hq, lq, lk)
     dmask = None
     if return_mask_grad:
@@ -286,7 +297,8 @@ def attention_backward(grad_out, query, key, value, out, lse, attn_mask=None, dr
                    _bshd(dk.reshape(k4.shape)), _bshd(dvv.reshape(v4.shape)),
                    scale=None if scale is None else float(scale), causal=_causal_code(is_causal, causal_alignment),
                    window_left=left, window_right=right, mask=mask, alibi_slopes=_alibi(alibi_slopes, batch, hq),
-                   softcap=float(softcap or 0.0), dropout_p=float(dropout_p), seed=seed, dbias=dmask)
+                   softcap=float(softcap or 0.0), dropout_p=float(dropout_p), seed=seed, dbias=dmask,
+                   bf16=_is_bf16(query))
     grads = (_like(dq, query), _like(dk, query), _like(dvv, query))
     if return_mask_grad:
         m = _array(attn_mask, "attn_mask")
@@ -333,14 +345,14 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     for name, cu, given in (("max_seqlen_q", cq, max_seqlen_q), ("max_seqlen_k", ck, max_seqlen_k)):
         if given is not None and cu.size >= 2 and int(_np.max(_np.diff(cu))) > int(given):
             raise ValueError("%s=%d is smaller than the longest sequence (%d)" % (name, given, int(_np.max(_np.diff(cu)))))
-    out = _np.empty((qa.shape[0], qa.shape[1], va.shape[2]), _np.float32)
+    out = _np.empty((qa.shape[0], qa.shape[1], va.shape[2]), qa.dtype)
     lse = _np.empty((qa.shape[1], qa.shape[0]), _np.float32) if return_lse else None
     left, right = _window(window_size)
     _attn.forward(qa, ka, va, out, scale=None if softmax_scale is None else float(softmax_scale),
                   causal=2 if causal else 0, window_left=left, window_right=right,
                   alibi_slopes=_array(alibi_slopes, "alibi_slopes", allow_none=True), softcap=float(softcap or 0.0),
                   cu_seqlens_q=cq, cu_seqlens_k=ck, dropout_p=float(dropout_p), seed=_seed(seed, dropout_p),
-                  lse=lse)
+                  lse=lse, bf16=_is_bf16(q))
     result = (_like(out, q),) + ((_like(lse, q),) if return_lse else ())
     if return_seed:
         result += (last_dropout_seed(),)

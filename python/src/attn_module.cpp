@@ -18,7 +18,7 @@ namespace {
 
 // A view of a buffer-protocol object: element type from its format, strides in
 // elements. Never copies; rejects what the kernels cannot read in place.
-attn::TensorView view_of(const py::object& obj, const char* name, bool writable) {
+attn::TensorView view_of(const py::object& obj, const char* name, bool writable, bool int16_is_bf16 = false) {
   if (obj.is_none()) return {};
   py::buffer buffer = py::reinterpret_borrow<py::buffer>(obj);
   py::buffer_info info;
@@ -30,12 +30,15 @@ attn::TensorView view_of(const py::object& obj, const char* name, bool writable)
   }
   attn::DType dtype;
   const std::string& f = info.format;
+  const bool int16 = (f == "h" || f == "H" || f == "<h" || f == "<H" || f == "=h" || f == "=H") && info.itemsize == 2;
   if (f == "f" && info.itemsize == 4) dtype = attn::DType::f32;
+  else if ((f == "e" || f == "<e" || f == "=e") && info.itemsize == 2) dtype = attn::DType::f16;
+  else if (int16 && int16_is_bf16) dtype = attn::DType::bf16;  // torch.bfloat16 seen as int16 (NumPy has no bf16)
   else if (f == "?" && info.itemsize == 1) dtype = attn::DType::boolean;
   else if ((f == "i" || f == "l" || f == "<i" || f == "=i") && info.itemsize == 4) dtype = attn::DType::i32;
   else
     throw py::type_error(std::string(name) + ": unsupported element type (buffer format \"" + f + "\", " +
-                         std::to_string(info.itemsize) + " bytes); expected float32" +
+                         std::to_string(info.itemsize) + " bytes); expected float32, float16 or bfloat16" +
                          " (int32 for sequence lengths, bool or float32 for masks)");
   std::vector<int64_t> shape(info.shape.begin(), info.shape.end()), strides;
   for (py::ssize_t s : info.strides) {
@@ -52,12 +55,12 @@ attn::TensorView view_of(const py::object& obj, const char* name, bool writable)
 attn::AttentionOptions make_options(std::optional<float> scale, int causal, int window_left, int window_right,
                                     const py::object& mask, const py::object& alibi_slopes, float softcap,
                                     const py::object& cu_seqlens_q, const py::object& cu_seqlens_k,
-                                    const py::object& key_lengths, float dropout_p, uint64_t seed, uint64_t offset) {
+                                    const py::object& key_lengths, float dropout_p, uint64_t seed, uint64_t offset, bool bf16) {
   attn::AttentionOptions o;
   o.scale = scale;
   o.causal = causal == 0 ? attn::Causal::None : causal == 1 ? attn::Causal::TopLeft : attn::Causal::BottomRight;
   o.window = {window_left, window_right};
-  o.mask = view_of(mask, "attn_mask", false);
+  o.mask = view_of(mask, "attn_mask", false, bf16);
   o.alibi_slopes = view_of(alibi_slopes, "alibi_slopes", false);
   o.softcap = softcap;
   o.cu_seqlens_q = view_of(cu_seqlens_q, "cu_seqlens_q", false);
@@ -81,12 +84,12 @@ PYBIND11_MODULE(_attn, m) {
          std::optional<float> scale, int causal, int window_left, int window_right, const py::object& mask,
          const py::object& alibi_slopes, float softcap, const py::object& cu_seqlens_q,
          const py::object& cu_seqlens_k, const py::object& key_lengths, float dropout_p, uint64_t seed,
-         uint64_t offset, const py::object& lse, const py::object& probs) {
+         uint64_t offset, const py::object& lse, const py::object& probs, bool bf16) {
         const attn::AttentionOptions o = make_options(scale, causal, window_left, window_right, mask, alibi_slopes,
-                                                      softcap, cu_seqlens_q, cu_seqlens_k, key_lengths, dropout_p,
-                                                      seed, offset);
-        const attn::TensorView qv = view_of(q, "query", false), kv = view_of(k, "key", false),
-                               vv = view_of(v, "value", false), ov = view_of(out, "out", true),
+                                                softcap, cu_seqlens_q, cu_seqlens_k, key_lengths, dropout_p,
+                                                seed, offset, bf16);
+        const attn::TensorView qv = view_of(q, "query", false, bf16), kv = view_of(k, "key", false, bf16),
+                               vv = view_of(v, "value", false, bf16), ov = view_of(out, "out", true, bf16),
                                lv = view_of(lse, "lse", true), pv = view_of(probs, "probs", true);
         py::gil_scoped_release release;  // the buffers stay alive: their owners are held by the caller
         attn::attention(qv, kv, vv, ov, o, lv, pv);
@@ -96,7 +99,7 @@ PYBIND11_MODULE(_attn, m) {
       py::arg("mask") = py::none(), py::arg("alibi_slopes") = py::none(), py::arg("softcap") = 0.0f,
       py::arg("cu_seqlens_q") = py::none(), py::arg("cu_seqlens_k") = py::none(),
       py::arg("key_lengths") = py::none(), py::arg("dropout_p") = 0.0f, py::arg("seed") = 0,
-      py::arg("offset") = 0, py::arg("lse") = py::none(), py::arg("probs") = py::none(),
+      py::arg("offset") = 0, py::arg("lse") = py::none(), py::arg("probs") = py::none(), py::arg("bf16") = false,
       "Fused attention forward on BSHD views (or packed [total, H, d] with cu_seqlens); writes out, lse, probs.");
 
   m.def(
@@ -106,15 +109,15 @@ PYBIND11_MODULE(_attn, m) {
          const py::object& dv, std::optional<float> scale, int causal, int window_left, int window_right,
          const py::object& mask, const py::object& alibi_slopes, float softcap, const py::object& cu_seqlens_q,
          const py::object& cu_seqlens_k, const py::object& key_lengths, float dropout_p, uint64_t seed,
-         uint64_t offset, const py::object& dbias) {
+         uint64_t offset, const py::object& dbias, bool bf16) {
         const attn::AttentionOptions o = make_options(scale, causal, window_left, window_right, mask, alibi_slopes,
-                                                      softcap, cu_seqlens_q, cu_seqlens_k, key_lengths, dropout_p,
-                                                      seed, offset);
-        const attn::TensorView qv = view_of(q, "query", false), kv = view_of(k, "key", false),
-                               vv = view_of(v, "value", false), ov = view_of(out, "out", false),
-                               lv = view_of(lse, "lse", false), gv = view_of(dout, "grad_out", false),
-                               dqv = view_of(dq, "dq", true), dkv = view_of(dk, "dk", true),
-                               dvv = view_of(dv, "dv", true), dbv = view_of(dbias, "dbias", true);
+                                                softcap, cu_seqlens_q, cu_seqlens_k, key_lengths, dropout_p,
+                                                seed, offset, bf16);
+        const attn::TensorView qv = view_of(q, "query", false, bf16), kv = view_of(k, "key", false, bf16),
+                               vv = view_of(v, "value", false, bf16), ov = view_of(out, "out", false, bf16),
+                               lv = view_of(lse, "lse", false), gv = view_of(dout, "grad_out", false, bf16),
+                               dqv = view_of(dq, "dq", true, bf16), dkv = view_of(dk, "dk", true, bf16),
+                               dvv = view_of(dv, "dv", true, bf16), dbv = view_of(dbias, "dbias", true);
         py::gil_scoped_release release;
         attn::attention_backward(qv, kv, vv, ov, lv, gv, dqv, dkv, dvv, o, dbv);
       },
@@ -123,7 +126,7 @@ PYBIND11_MODULE(_attn, m) {
       py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("mask") = py::none(),
       py::arg("alibi_slopes") = py::none(), py::arg("softcap") = 0.0f, py::arg("cu_seqlens_q") = py::none(),
       py::arg("cu_seqlens_k") = py::none(), py::arg("key_lengths") = py::none(), py::arg("dropout_p") = 0.0f,
-      py::arg("seed") = 0, py::arg("offset") = 0, py::arg("dbias") = py::none(),
+      py::arg("seed") = 0, py::arg("offset") = 0, py::arg("dbias") = py::none(), py::arg("bf16") = false,
       "Gradients of forward (FlashAttention-2's backward); writes dq, dk, dv and optionally dbias.");
 
   m.def("set_num_threads", &attn::set_num_threads, py::arg("n"),

@@ -19,9 +19,9 @@ def rand(rng, *shape):
 
 def test_errors_name_the_argument(rng):
     q, k, v = rand(rng, 1, 2, 4, 8), rand(rng, 1, 2, 5, 8), rand(rng, 1, 2, 5, 8)
-    with pytest.raises(TypeError, match="query: expected dtype float32, got float64"):
+    with pytest.raises(TypeError, match="query: expected dtype float32, float16 or bfloat16, got float64"):
         attn.scaled_dot_product_attention(q.astype(np.float64), k, v)
-    with pytest.raises(TypeError, match="bfloat16"):
+    with pytest.raises(ValueError, match="mixed dtypes are an error"):
         attn.scaled_dot_product_attention(torch.from_numpy(q).bfloat16(), torch.from_numpy(k), torch.from_numpy(v))
     with pytest.raises(ValueError, match="same head dimension"):
         attn.scaled_dot_product_attention(q, rand(rng, 1, 2, 5, 4), v)
@@ -35,7 +35,7 @@ def test_errors_name_the_argument(rng):
         attn.scaled_dot_product_attention(q[:, :, ::-1], k, v)
     with pytest.raises(ValueError, match="does not broadcast"):
         attn.scaled_dot_product_attention(q, k, v, attn_mask=np.ones((3, 5), bool))
-    with pytest.raises(TypeError, match="attn_mask: expected dtype float32 or bool"):
+    with pytest.raises(TypeError, match="attn_mask: expected dtype float32, float16 or bfloat16 or bool"):
         attn.scaled_dot_product_attention(q, k, v, attn_mask=np.ones((4, 5), np.int64))
     with pytest.raises(ValueError, match="causal_alignment"):
         attn.scaled_dot_product_attention(q, k, v, is_causal=True, causal_alignment="middle")

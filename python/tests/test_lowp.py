@@ -1,0 +1,60 @@
+"""float16 and bfloat16 inputs (issue 11): NumPy float16 and torch float16/bfloat16 in,
+the same dtype out, equal bit for bit to the float32 computation on the same values
+rounded once (NumPy's and torch's own rounding are the oracles), gradients in the input
+dtype, and mixed dtypes refused."""
+import numpy as np
+import pytest
+import torch
+
+import attn
+
+
+def _qkv(rng, lq=17, lk=33, hq=4, hkv=2, d=40):
+    q = rng.uniform(-2, 2, (2, hq, lq, d)).astype(np.float32)
+    k = rng.uniform(-2, 2, (2, hkv, lk, d)).astype(np.float32)
+    v = rng.uniform(-1, 1, (2, hkv, lk, d)).astype(np.float32)
+    return q, k, v
+
+
+def test_numpy_float16_in_float16_out(rng):
+    q, k, v = (x.astype(np.float16) for x in _qkv(rng))
+    out = attn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert out.dtype == np.float16
+    want = attn.scaled_dot_product_attention(*(x.astype(np.float32) for x in (q, k, v)), is_causal=True,
+                                             enable_gqa=True).astype(np.float16)
+    np.testing.assert_array_equal(out.view(np.uint16), want.view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_torch_low_precision_forward_and_backward(rng, dtype):
+    q, k, v = (torch.from_numpy(x).to(dtype) for x in _qkv(rng))
+    mask = torch.from_numpy(rng.uniform(-1, 1, (17, 33)).astype(np.float32)).to(dtype)
+    out, lse = attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, return_lse=True)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    q32, k32, v32, m32 = (x.float() for x in (q, k, v, mask))
+    out32, lse32 = attn.scaled_dot_product_attention(q32, k32, v32, attn_mask=m32, enable_gqa=True, return_lse=True)
+    assert torch.equal(out, out32.to(dtype))  # torch's rounding is round-to-nearest-even too
+    assert torch.equal(lse, lse32)
+    g = torch.from_numpy(rng.uniform(-1, 1, tuple(out.shape)).astype(np.float32)).to(dtype)
+    dq, dk, dv = attn.attention_backward(g, q, k, v, out, lse, attn_mask=mask, enable_gqa=True)
+    assert dq.dtype == dk.dtype == dv.dtype == dtype
+    dq32, dk32, dv32 = attn.attention_backward(g.float(), q32, k32, v32, out.float(), lse, attn_mask=m32,
+                                               enable_gqa=True)
+    for got, want in ((dq, dq32), (dk, dk32), (dv, dv32)):
+        assert torch.equal(got, want.to(dtype))
+    # And close to PyTorch's explicit float32 pipeline on the same values.
+    s = (q32 @ k32.repeat_interleave(2, 1).transpose(-1, -2)) / np.sqrt(40) + m32
+    ref = torch.softmax(s, -1) @ v32.repeat_interleave(2, 1)
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    assert torch.allclose(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_mixed_dtypes_are_refused(rng):
+    q, k, v = _qkv(rng, hq=2, hkv=2)
+    with pytest.raises(ValueError, match="key must have dtype f16|k must have dtype f16"):
+        attn.scaled_dot_product_attention(q.astype(np.float16), k, v)
+    qt, kt, vt = (torch.from_numpy(x) for x in (q, k, v))
+    with pytest.raises(ValueError, match="dtype"):
+        attn.scaled_dot_product_attention(qt.to(torch.bfloat16), kt.to(torch.float16), vt.to(torch.bfloat16))
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        attn.scaled_dot_product_attention(q.astype(np.float64), k, v)
