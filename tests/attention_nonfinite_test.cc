@@ -109,7 +109,12 @@ Outputs run(Case& c, bool reference, bool backward) {
   for (size_t n = 0; n < got.size(); ++n) {
     const bool gf = std::isfinite(got[n]), wf = std::isfinite(want[n]);
     bool ok = gf == wf;
-    if (ok && gf) ok = std::fabs(double{got[n]} - want[n]) <= 1e-4 * std::max(scale, 1e-30) + 1e-5 * std::fabs(want[n]);
+    // When every finite reference value is 0 (a gradient that cancels exactly, e.g. dq
+    // with one visible key, where P·(dP − D) is 0 in exact arithmetic), the kernel's
+    // f32 rounding of dP and D leaves ~1e-9: allow 1e-6 absolute, a bound on that
+    // rounding for the O(1) inputs of these cases.
+    const double abs_tol = 1e-4 * (scale > 0 ? scale : 1e-2);
+    if (ok && gf) ok = std::fabs(double{got[n]} - want[n]) <= abs_tol + 1e-5 * std::fabs(want[n]);
     if (ok && !gf && std::isinf(want[n]) && std::isinf(got[n])) ok = got[n] == want[n];
     if (!ok) {
       return ::testing::AssertionFailure() << what << "[" << n << "] = " << got[n] << ", reference "
