@@ -9,7 +9,7 @@ PACKAGES=(
   libopenblas-dev       # CBLAS: the nn modules' dense products, and the baseline
   libgtest-dev libgmock-dev
   libbenchmark-dev
-  libcli11-dev nlohmann-json3-dev libpng-dev
+  libcli11-dev nlohmann-json3-dev libpng-dev zlib1g-dev
   clang-14 libclang-rt-14-dev   # libFuzzer for the safetensors loader
   python3-torch python3-numpy   # the PyTorch parity oracle (tests/parity), for /usr/bin/python3
   pybind11-dev python3-dev python3-pytest   # the Python package and its tests

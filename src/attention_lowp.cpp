@@ -19,7 +19,7 @@ struct Widened {
   Widened(const TensorView& t, bool round_bf16) : data(to_f32_contiguous(t, round_bf16)) {
     view = contiguous_f32_view(data.data(), t);
   }
-  // An uninitialised f32 buffer shaped like t (for outputs).
+  // A zeroed f32 buffer shaped like t (for outputs).
   static Widened output_like(const TensorView& t) {
     Widened w;
     w.data.assign(static_cast<size_t>(t.numel()), 0.0f);

@@ -134,12 +134,25 @@ struct LowpCall {
   TensorView lse_view() const { return TensorView(lse.data(), DType::f32, {B, Hq, Lq}); }
 };
 
+// What an option case's tensors live in: f32 (masks, slopes), boolean masks, masks in
+// the input dtype, and the f32 twin of the latter.
+struct OptionStore {
+  std::vector<float> f32, twin;
+  std::vector<uint8_t> boolean;
+  std::vector<uint16_t> lowp;
+};
+
 // Options that touch every part of the score path, for a call's shapes.
 struct OptionCase {
   const char* name;
   std::function<void(AttentionOptions&, std::vector<float>&, std::vector<uint8_t>&, std::vector<uint16_t>&,
                      const LowpCall&, std::mt19937_64&)>
       set;
+  AttentionOptions make(OptionStore& st, const LowpCall& c, std::mt19937_64& rng) const {
+    AttentionOptions o;
+    set(o, st.f32, st.boolean, st.lowp, c, rng);
+    return o;
+  }
 };
 
 std::vector<OptionCase> option_cases() {
@@ -212,16 +225,13 @@ TEST(LowPrecisionAttention, EveryOptionEqualsTheF32KernelRoundedOnce) {
         SCOPED_TRACE(std::string(dtype_name(dt)) + " " + oc.name + " Lq=" + std::to_string(s.Lq) +
                      " Lk=" + std::to_string(s.Lk) + " d=" + std::to_string(s.d));
         LowpCall c(dt, s.B, s.Lq, s.Lk, s.Hq, s.Hkv, s.d, s.dv, rng);
-        AttentionOptions o;
-        std::vector<float> fstore, twin_store;
-        std::vector<uint8_t> bstore;
-        std::vector<uint16_t> hstore;
-        oc.set(o, fstore, bstore, hstore, c, rng);
+        OptionStore store;
+        const AttentionOptions o = oc.make(store, c, rng);
         attention(c.view(c.q, s.Lq, s.Hq, s.d), c.view(c.k, s.Lk, s.Hkv, s.d), c.view(c.v, s.Lk, s.Hkv, s.dv),
                   c.view(c.out, s.Lq, s.Hq, s.dv), o, c.lse_view());
         std::vector<float> out32(c.out.size()), lse32(c.lse.size());
         attention(c.view32(c.q32, s.Lq, s.Hq, s.d), c.view32(c.k32, s.Lk, s.Hkv, s.d),
-                  c.view32(c.v32, s.Lk, s.Hkv, s.dv), c.view32(out32, s.Lq, s.Hq, s.dv), f32_twin(o, c, twin_store),
+                  c.view32(c.v32, s.Lk, s.Hkv, s.dv), c.view32(out32, s.Lq, s.Hq, s.dv), f32_twin(o, c, store.twin),
                   TensorView(lse32.data(), DType::f32, {s.B, s.Hq, s.Lq}));
         for (size_t i = 0; i < out32.size(); ++i) ASSERT_EQ(c.out[i], c.to(out32[i])) << "out " << i;
         for (size_t i = 0; i < lse32.size(); ++i) ASSERT_EQ(bits(c.lse[i]), bits(lse32[i])) << "lse " << i;
@@ -309,11 +319,8 @@ TEST(LowPrecisionAttention, BackwardEqualsTheF32KernelRoundedOnce) {
       for (const OptionCase& oc : option_cases()) {
         SCOPED_TRACE(std::string(dtype_name(dt)) + " " + oc.name + " Lq=" + std::to_string(s.Lq));
         LowpCall c(dt, s.B, s.Lq, s.Lk, s.Hq, s.Hkv, s.d, s.dv, rng);
-        AttentionOptions o;
-        std::vector<float> fstore, twin_store;
-        std::vector<uint8_t> bstore;
-        std::vector<uint16_t> hstore;
-        oc.set(o, fstore, bstore, hstore, c, rng);
+        OptionStore store;
+        const AttentionOptions o = oc.make(store, c, rng);
         const TensorView q = c.view(c.q, s.Lq, s.Hq, s.d), k = c.view(c.k, s.Lk, s.Hkv, s.d),
                          v = c.view(c.v, s.Lk, s.Hkv, s.dv), out = c.view(c.out, s.Lq, s.Hq, s.dv);
         attention(q, k, v, out, o, c.lse_view());
@@ -324,7 +331,7 @@ TEST(LowPrecisionAttention, BackwardEqualsTheF32KernelRoundedOnce) {
                            c.view(c.dk, s.Lk, s.Hkv, s.d), c.view(c.dv_, s.Lk, s.Hkv, s.dv), o);
         std::vector<float> out32(c.out.size()), dq32(c.q.size()), dk32(c.k.size()), dv32(c.v.size());
         for (size_t i = 0; i < out32.size(); ++i) out32[i] = c.from(c.out[i]);
-        const AttentionOptions t = f32_twin(o, c, twin_store);
+        const AttentionOptions t = f32_twin(o, c, store.twin);
         attention_backward(c.view32(c.q32, s.Lq, s.Hq, s.d), c.view32(c.k32, s.Lk, s.Hkv, s.d),
                            c.view32(c.v32, s.Lk, s.Hkv, s.dv), c.view32(out32, s.Lq, s.Hq, s.dv), c.lse_view(),
                            c.view32(c.dout32, s.Lq, s.Hq, s.dv), c.view32(dq32, s.Lq, s.Hq, s.d),
