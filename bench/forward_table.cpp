@@ -13,6 +13,7 @@
 
 #include "attn/attention.hpp"
 #include "baseline.hpp"
+#include "tensor/convert.hpp"
 
 namespace attn::bench {
 namespace {
@@ -39,14 +40,27 @@ ForwardRow time_forward(const ForwardConfig& c, const TableOptions& o) {
   for (auto* t : {&q, &k, &v}) {
     for (float& x : *t) x = u(rng);
   }
-  const TensorView qv(q.data(), DType::f32, {c.B, c.N, c.H, c.d}),
-      kv(k.data(), DType::f32, {c.B, c.N, c.H, c.d}), vv(v.data(), DType::f32, {c.B, c.N, c.H, c.d}),
-      ov(out.data(), DType::f32, {c.B, c.N, c.H, c.d});
+  // bf16 / f16: the inputs rounded to the dtype, and the baseline (f32) given the
+  // same rounded values, so that both compute the same attention.
+  const bool lowp = c.dtype != DType::f32;
+  std::vector<uint16_t> q16, k16, v16, out16, dout16, dq16, dk16, dv16;
+  auto to16 = [&](float x) { return c.dtype == DType::bf16 ? detail::f32_to_bf16(x) : detail::f32_to_f16(x); };
+  auto from16 = [&](uint16_t x) { return c.dtype == DType::bf16 ? detail::bf16_to_f32(x) : detail::f16_to_f32(x); };
+  auto narrow = [&](std::vector<float>& f, std::vector<uint16_t>& h) {
+    h.resize(f.size());
+    for (size_t i = 0; i < f.size(); ++i) h[i] = to16(f[i]), f[i] = from16(h[i]);
+  };
+  if (lowp) narrow(q, q16), narrow(k, k16), narrow(v, v16), out16.resize(n);
+  auto view = [&](std::vector<float>& f, std::vector<uint16_t>& h) {
+    return lowp ? TensorView(h.data(), c.dtype, {c.B, c.N, c.H, c.d}) : TensorView(f.data(), DType::f32, {c.B, c.N, c.H, c.d});
+  };
+  const TensorView qv = view(q, q16), kv = view(k, k16), vv = view(v, v16), ov = view(out, out16);
   AttentionOptions opt;
   opt.causal = c.causal ? Causal::TopLeft : Causal::None;
 
   ForwardRow row;
   row.config = c;
+  row.path = lowp ? (c.dtype == DType::bf16 ? cpu_info().bf16_path : "f32") : "f32";
   row.flops = 4.0 * c.N * c.N * c.d * c.H * c.B * (c.causal ? 0.5 : 1.0) * (c.backward ? 2.5 : 1.0);
   row.extra_mb = attention_workspace_bytes(qv, kv, vv, ov, opt, c.threads) / 1e6;
   row.baseline_extra_mb = baseline_extra_bytes(c.N, c.threads) / 1e6;
@@ -64,13 +78,17 @@ ForwardRow time_forward(const ForwardConfig& c, const TableOptions& o) {
     lse.resize(static_cast<size_t>(c.B) * c.H * c.N);
     dout.resize(n), dq.resize(n), dk.resize(n), dv.resize(n), bq.resize(n), bk.resize(n), bv.resize(n);
     for (float& x : dout) x = u(rng);
+    if (lowp) narrow(dout, dout16), dq16.resize(n), dk16.resize(n), dv16.resize(n);
     const TensorView lv(lse.data(), DType::f32, {c.B, c.H, c.N});
     attention(qv, kv, vv, ov, opt, lv);
-    auto view = [&](std::vector<float>& t) { return TensorView(t.data(), DType::f32, {c.B, c.N, c.H, c.d}); };
-    run_attn = [&, lv] { attention_backward(qv, kv, vv, ov, lv, view(dout), view(dq), view(dk), view(dv), opt); };
+    run_attn = [&, lv] {
+      attention_backward(qv, kv, vv, ov, lv, view(dout, dout16), view(dq, dq16), view(dk, dk16), view(dv, dv16), opt);
+    };
     if (o.baseline) {
       probs.resize(static_cast<size_t>(c.B) * c.H * c.N * c.N);
-      attention(qv, kv, vv, ov, opt, {}, TensorView(probs.data(), DType::f32, {c.B, c.H, c.N, c.N}));
+      const TensorView q32(q.data(), DType::f32, {c.B, c.N, c.H, c.d}), k32(k.data(), DType::f32, {c.B, c.N, c.H, c.d}),
+          v32(v.data(), DType::f32, {c.B, c.N, c.H, c.d}), o32(out_base.data(), DType::f32, {c.B, c.N, c.H, c.d});
+      attention(q32, k32, v32, o32, opt, {}, TensorView(probs.data(), DType::f32, {c.B, c.H, c.N, c.N}));
     }
     run_base = [&] {
       baseline_attention_backward(q.data(), k.data(), v.data(), probs.data(), dout.data(), bq.data(),
@@ -93,6 +111,12 @@ ForwardRow time_forward(const ForwardConfig& c, const TableOptions& o) {
     return median(t);
   };
   row.ms = phase(run_attn);
+  if (lowp) {
+    for (size_t i = 0; i < n; ++i) out[i] = from16(out16[i]);
+    if (c.backward) {
+      for (size_t i = 0; i < n; ++i) dq[i] = from16(dq16[i]), dk[i] = from16(dk16[i]), dv[i] = from16(dv16[i]);
+    }
+  }
   if (o.baseline) {
     row.baseline_ms = phase(run_base);
     double num = 0, den = 0;
@@ -111,21 +135,23 @@ ForwardRow time_forward(const ForwardConfig& c, const TableOptions& o) {
 
 std::vector<ForwardRow> run_forward_table(const TableOptions& o, std::ostream& log) {
   std::vector<ForwardRow> rows;
+  for (DType dtype : o.dtypes) {
   for (int threads : o.threads) {
     for (int N : o.sizes) {
       for (int d : o.head_dims) {
         for (bool causal : o.causal) {
           ForwardConfig c;
-          c.N = N, c.d = d, c.causal = causal, c.threads = threads, c.backward = o.backward;
+          c.N = N, c.d = d, c.causal = causal, c.threads = threads, c.backward = o.backward, c.dtype = dtype;
           rows.push_back(time_forward(c, o));
           const ForwardRow& r = rows.back();
           char line[200];
           std::snprintf(line, sizeof line,
-                        "  N=%-5d d=%-3d %-6s threads=%d  attn %9.2f ms %6.1f GFLOP/s   baseline %9.2f ms %6.1f GFLOP/s\n",
-                        N, d, causal ? "causal" : "full", threads, r.ms, r.gflops(), r.baseline_ms,
+                        "  %-4s (%s) N=%-5d d=%-3d %-6s threads=%d  attn %9.2f ms %7.1f GFLOP/s   baseline %9.2f ms %6.1f GFLOP/s\n",
+                        dtype_name(dtype), r.path.c_str(), N, d, causal ? "causal" : "full", threads, r.ms, r.gflops(), r.baseline_ms,
                         r.baseline_gflops());
           log << line << std::flush;
-          if (r.baseline_difference > 1e-4) {
+          // bf16 rounds P (and out) to 8 bits: the two differ by ~1e-3 there.
+          if (r.baseline_difference > (dtype == DType::f32 ? 1e-4 : 2e-2)) {
             log << "  WARNING: attn and the baseline disagree (relative difference "
                 << r.baseline_difference << ")\n";
           }
@@ -133,21 +159,24 @@ std::vector<ForwardRow> run_forward_table(const TableOptions& o, std::ostream& l
       }
     }
   }
+  }
   return rows;
 }
 
 std::string format_forward_table(const std::vector<ForwardRow>& rows, const Peak& peak1,
                                  const Peak& peak_all) {
   std::ostringstream os;
-  os << "| N | d | mask | threads | attn ms | attn GFLOP/s | % of peak | baseline ms | baseline "
+  os << "| dtype (path) | N | d | mask | threads | attn ms | attn GFLOP/s | % of peak | baseline ms | baseline "
         "GFLOP/s | attn / baseline speed | attn extra MB | baseline extra MB |\n"
-     << "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+     << "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const ForwardRow& r : rows) {
-    const double peak = r.config.threads == 1 ? peak1.f32_gflops : peak_all.f32_gflops;
+    const Peak& pk = r.config.threads == 1 ? peak1 : peak_all;
+    const double peak = r.path == "amx" ? pk.amx_bf16_gflops : pk.f32_gflops;
     char line[400];
     std::snprintf(line, sizeof line,
-                  "| %d | %d | %s | %d | %.2f | %.1f | %.0f%% | %.2f | %.1f | %.2f× | %.1f | %.1f |\n",
-                  r.config.N, r.config.d, r.config.causal ? "causal" : "none", r.config.threads,
+                  "| %s (%s) | %d | %d | %s | %d | %.2f | %.1f | %.0f%% | %.2f | %.1f | %.2f× | %.1f | %.1f |\n",
+                  dtype_name(r.config.dtype), r.path.c_str(), r.config.N, r.config.d,
+                  r.config.causal ? "causal" : "none", r.config.threads,
                   r.ms, r.gflops(), peak > 0 ? 100.0 * r.gflops() / peak : 0.0, r.baseline_ms,
                   r.baseline_gflops(), r.baseline_ms > 0 ? r.baseline_ms / r.ms : 0.0, r.extra_mb,
                   r.baseline_extra_mb);

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "attn/tensor.hpp"
 #include "peak.hpp"
 
 namespace attn::bench {
@@ -16,6 +17,7 @@ struct ForwardConfig {
   bool causal = false;
   int threads = 1;
   bool backward = false;  // time attention_backward (flops: 2.5× the forward's)
+  DType dtype = DType::f32;  // of q, k, v, out (the baseline computes f32 on the same values)
 };
 
 struct ForwardRow {
@@ -26,6 +28,7 @@ struct ForwardRow {
   double extra_mb = 0;     // attn's workspace
   double baseline_extra_mb = 0;
   double baseline_difference = 0;  // |out_attn - out_baseline| / |out_attn|: must be tiny
+  std::string path = "f32";        // the kernel that ran: "f32" or "amx" (cpu_info().bf16_path)
   double gflops() const { return flops / (ms * 1e6); }
   double baseline_gflops() const { return baseline_ms > 0 ? flops / (baseline_ms * 1e6) : 0; }
 };
@@ -39,6 +42,7 @@ struct TableOptions {
   double min_seconds = 1.0;  // per configuration and implementation
   bool baseline = true;
   bool backward = false;  // the backward table instead of the forward's
+  std::vector<DType> dtypes = {DType::f32};
 };
 
 /// Times one configuration: attn and (optionally) the baseline interleaved, so
@@ -48,8 +52,8 @@ ForwardRow time_forward(const ForwardConfig& c, const TableOptions& o);
 /// Runs the whole table, printing progress to `log`.
 std::vector<ForwardRow> run_forward_table(const TableOptions& o, std::ostream& log);
 
-/// Markdown table with GFLOP/s, fraction of the matching peak (1 thread or all)
-/// and the ratio to the baseline.
+/// Markdown table with GFLOP/s, fraction of the matching peak (1 thread or all; the
+/// AMX peak for rows that ran on tiles) and the ratio to the baseline.
 std::string format_forward_table(const std::vector<ForwardRow>& rows, const Peak& peak1,
                                  const Peak& peak_all);
 

@@ -1,4 +1,4 @@
-// Peak FMA / bf16-dot microbenchmark (see peak.hpp). Hand-written intrinsics on
+// Peak FMA / bf16-dot / AMX microbenchmark (see peak.hpp). Hand-written intrinsics on
 // purpose: this must emit exactly one instruction per accumulator per step,
 // whatever a SIMD library would choose. Behind CPU-feature checks, as the bf16
 // instruction is not in Debian's Highway 1.0.3.
@@ -8,8 +8,11 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <chrono>
 #include <vector>
+
+#include "attn/attention.hpp"
 
 namespace attn::bench {
 namespace {
@@ -43,6 +46,41 @@ __attribute__((target("avx512f,avx512bf16"))) float bf16_loop_avx512(long iters)
   __m512 s = acc[0];
   for (int i = 1; i < kChains; ++i) s = _mm512_add_ps(s, acc[i]);
   return _mm512_reduce_add_ps(s);
+}
+
+// AMX: four independent accumulator tiles (tdpbf16ps has ~4× its issue interval of
+// latency) fed by two A and two B tiles that stay in registers; each instruction is
+// 16×16 outputs × 32 products × 2 flops.
+__attribute__((target("amx-tile,amx-bf16"))) float amx_loop(long iters) {
+  alignas(64) uint8_t cfg[64] = {};
+  cfg[0] = 1;
+  for (int t = 0; t < 8; ++t) cfg[16 + 2 * t] = 64, cfg[48 + t] = 16;
+  __asm__ volatile("" : : "r"(cfg) : "memory");  // GCC 12: see attention_forward_amx.cc
+  _tile_loadconfig(cfg);
+  alignas(64) uint16_t a[16 * 32];
+  alignas(64) float c[16 * 16];
+  for (int i = 0; i < 16 * 32; ++i) a[i] = i % 3 == 0 ? 0x3f80 : 0x3380;  // bf16 1.0, ~6e-8
+  _tile_loadd(4, a, 64);
+  _tile_loadd(5, a, 64);
+  _tile_loadd(6, a, 64);
+  _tile_loadd(7, a, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (long it = 0; it < iters; ++it) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  float sum = 0;
+  _tile_stored(0, c, 64);
+  sum += c[0];
+  _tile_stored(3, c, 64);
+  sum += c[255];
+  _tile_release();
+  return sum;
 }
 
 __attribute__((target("avx2,fma"))) float fma_loop_avx2(long iters) {
@@ -98,6 +136,8 @@ Peak measure_peak(int threads, double seconds) {
     if (__builtin_cpu_supports("avx512bf16")) {
       p.bf16_gflops = rate(bf16_loop_avx512, kChains * 16 * 4.0, threads, seconds);
     }
+    // cpu_info() also asks Linux for the tile state; without it tdpbf16ps faults.
+    if (attn::cpu_info().amx_bf16) p.amx_bf16_gflops = rate(amx_loop, 4 * 16 * 16 * 32 * 2.0, threads, seconds);
   } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
     p.isa = "avx2";
     p.f32_gflops = rate(fma_loop_avx2, kChains * 8 * 2.0, threads, seconds);

@@ -1,5 +1,5 @@
-// This machine's arithmetic roof: the f32 FMA rate and the bf16 dot-product rate
-// (vdpbf16ps), measured with independent accumulator chains so neither latency
+// This machine's arithmetic roof: the f32 FMA rate, the bf16 dot-product rate
+// (vdpbf16ps) and the AMX tile rate (tdpbf16ps), measured with independent accumulator chains so neither latency
 // nor memory limits them. Every kernel figure is quoted as a fraction of these.
 #pragma once
 
@@ -8,6 +8,7 @@ namespace attn::bench {
 struct Peak {
   double f32_gflops = 0;   // FMA: 2 flops per lane
   double bf16_gflops = 0;  // vdpbf16ps: 4 flops per f32 lane; 0 if the CPU lacks it
+  double amx_bf16_gflops = 0;  // tdpbf16ps on tiles; 0 without usable AMX
   const char* isa = "";    // "avx512", "avx2" or "scalar"
 };
 

@@ -7,6 +7,8 @@
 #include "attention_lowp.hpp"
 #include "cpu/attention_backward.hpp"
 #include "cpu/attention_forward.hpp"
+#include "cpu/attention_forward_amx.hpp"
+#include "cpu/isa.hpp"
 #include "problem.hpp"
 #include "reference/attention_backward_reference.hpp"
 #include "reference/attention_reference.hpp"
@@ -19,6 +21,18 @@ void attention_with_mods(const TensorView& q, const TensorView& k, const TensorV
                          const TensorView& lse, const TensorView& probs, const UserMods* mods) {
   const Problem p = make_problem("attention", q, k, v, out, options, lse, probs, mods);
   if (needs_widening(p, options)) {
+    // bf16 (or f32 rounded to bf16) on AMX tiles when the CPU has them; f16 and
+    // explicit probabilities take the portable path (see cpu/isa.hpp).
+    if (p.dtype != DType::f16 && p.probs == nullptr && lowp_path() == LowpPath::amx) {
+      if (p.mask_dtype == DType::bf16 || p.mask_dtype == DType::f16) {
+        std::vector<float> mask32;
+        const AttentionOptions o = with_f32_mask(options, mask32);
+        attention_with_mods(q, k, v, out, o, lse, probs, mods);
+        return;
+      }
+      if (attention_forward_amx(p, num_threads())) return;
+      // Declined (a NaN or ±∞ in q, k or v): the portable path's exact semantics.
+    }
     forward_widened(q, k, v, out, options, [&](auto& q32, auto& k32, auto& v32, auto& out32, auto& o) {
       attention_with_mods(q32, k32, v32, out32, o, lse, probs, mods);
     });
@@ -159,6 +173,12 @@ size_t attention_workspace_bytes(const TensorView& q, const TensorView& k, const
                                  int threads) {
   const detail::Problem p =
       detail::make_problem("attention_workspace_bytes", q, k, v, out, options, {}, {}, nullptr);
+  // The AMX path's packed bf16 operands replace the f32 copies (it declines only
+  // inputs holding NaN or ±∞, which then take the portable path's copies).
+  if (detail::needs_widening(p, options) && p.dtype != DType::f16 &&
+      detail::lowp_path() == detail::LowpPath::amx) {
+    return detail::attention_forward_amx_workspace_bytes(p, threads);
+  }
   return detail::attention_forward_workspace_bytes(p, threads) +
          detail::widening_bytes(p, q, k, v, out, options);
 }

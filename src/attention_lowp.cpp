@@ -53,6 +53,15 @@ size_t widening_bytes(const Problem& p, const TensorView& q, const TensorView& k
   return static_cast<size_t>(n) * sizeof(float);
 }
 
+AttentionOptions with_f32_mask(const AttentionOptions& options, std::vector<float>& storage) {
+  AttentionOptions o = options;
+  if (!options.mask.empty() && is_lowp(options.mask.dtype())) {
+    storage = to_f32_contiguous(options.mask);
+    o.mask = contiguous_f32_view(storage.data(), options.mask);
+  }
+  return o;
+}
+
 void forward_widened(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                      const AttentionOptions& options, const ForwardF32& compute) {
   const bool round = q.dtype() == DType::f32 && options.precision == Precision::bf16;

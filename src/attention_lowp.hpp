@@ -6,6 +6,7 @@
 #pragma once
 
 #include <functional>
+#include <vector>
 
 #include "attn/attention.hpp"
 #include "problem.hpp"
@@ -19,6 +20,10 @@ bool needs_widening(const Problem& p, const AttentionOptions& options);
 /// Bytes of the f32 copies that the widening path allocates for this call (0 if none).
 size_t widening_bytes(const Problem& p, const TensorView& q, const TensorView& k, const TensorView& v,
                       const TensorView& out, const AttentionOptions& options);
+
+/// The options with an f32 copy of a bf16/f16 mask (held in `storage`) in place of the
+/// mask, for kernels that read bf16 inputs but f32 masks; other options unchanged.
+AttentionOptions with_f32_mask(const AttentionOptions& options, std::vector<float>& storage);
 
 /// Runs `compute` on f32 copies of q, k, v (rounded to bf16 first for Precision::bf16),
 /// an f32 out and an f32 additive mask, then rounds out into the caller's `out`.

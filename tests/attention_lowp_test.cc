@@ -1,4 +1,4 @@
-// bf16 and f16 attention (issue 11, the portable path): conversions against
+// bf16 and f16 attention (issue 11, the portable path, forced with ATTN_ISA=f32): conversions against
 // independent oracles, every option in both dtypes bitwise equal to the f32 kernel on
 // the same (rounded) inputs followed by one rounding, FlashAttention's ≤ 2× rule
 // against a plain bf16 implementation, the backward, Precision::bf16, NaN semantics,
@@ -13,26 +13,12 @@
 
 #include "attention_harness.hpp"
 #include "attn/attention.hpp"
+#include "lowp_harness.hpp"
 #include "tensor/convert.hpp"
 
 namespace attn::testing {
 namespace {
 
-using detail::bf16_to_f32;
-using detail::f16_to_f32;
-using detail::f32_to_bf16;
-using detail::f32_to_f16;
-
-uint32_t bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 // The oracle for f32 → bf16: the two bf16 neighbours of f, the nearer in double
 // arithmetic, ties to the even one.
@@ -99,125 +85,8 @@ TEST(LowPrecisionConvert, F16MatchesTheCompilersFloat16) {
   }
 }
 
-// One call's tensors in a storage dtype, with their exact f32 twins.
-struct LowpCall {
-  DType dt;
-  int B, Lq, Lk, Hq, Hkv, d, dv;
-  std::vector<uint16_t> q, k, v, out, dout, dq, dk, dv_;
-  std::vector<float> q32, k32, v32, out32, dout32;
-  std::vector<float> lse;
-
-  uint16_t to(float f) const { return dt == DType::bf16 ? f32_to_bf16(f) : f32_to_f16(f); }
-  float from(uint16_t h) const { return dt == DType::bf16 ? bf16_to_f32(h) : f16_to_f32(h); }
-  void fill(std::vector<uint16_t>& h, std::vector<float>& f, size_t n, std::mt19937_64& rng, float scale) {
-    std::uniform_real_distribution<float> u(-scale, scale);
-    h.resize(n);
-    f.resize(n);
-    for (size_t i = 0; i < n; ++i) {
-      h[i] = to(u(rng));
-      f[i] = from(h[i]);
-    }
-  }
-  LowpCall(DType t, int b, int lq, int lk, int hq, int hkv, int dd, int ddv, std::mt19937_64& rng)
-      : dt(t), B(b), Lq(lq), Lk(lk), Hq(hq), Hkv(hkv), d(dd), dv(ddv) {
-    fill(q, q32, size_t(B) * Lq * Hq * d, rng, 2.0f);
-    fill(k, k32, size_t(B) * Lk * Hkv * d, rng, 2.0f);
-    fill(v, v32, size_t(B) * Lk * Hkv * dv, rng, 1.0f);
-    fill(dout, dout32, size_t(B) * Lq * Hq * dv, rng, 1.0f);
-    out.assign(size_t(B) * Lq * Hq * dv, 0);
-    lse.assign(size_t(B) * Hq * Lq, 0.0f);
-  }
-  TensorView view(const std::vector<uint16_t>& x, int L, int H, int D) const { return TensorView(x.data(), dt, {B, L, H, D}); }
-  TensorView view32(const std::vector<float>& x, int L, int H, int D) const {
-    return TensorView(x.data(), DType::f32, {B, L, H, D});
-  }
-  TensorView lse_view() const { return TensorView(lse.data(), DType::f32, {B, Hq, Lq}); }
-};
-
-// What an option case's tensors live in: f32 (masks, slopes), boolean masks, masks in
-// the input dtype, and the f32 twin of the latter.
-struct OptionStore {
-  std::vector<float> f32, twin;
-  std::vector<uint8_t> boolean;
-  std::vector<uint16_t> lowp;
-};
-
-// Options that touch every part of the score path, for a call's shapes.
-struct OptionCase {
-  const char* name;
-  std::function<void(AttentionOptions&, std::vector<float>&, std::vector<uint8_t>&, std::vector<uint16_t>&,
-                     const LowpCall&, std::mt19937_64&)>
-      set;
-  AttentionOptions make(OptionStore& st, const LowpCall& c, std::mt19937_64& rng) const {
-    AttentionOptions o;
-    set(o, st.f32, st.boolean, st.lowp, c, rng);
-    return o;
-  }
-};
-
-std::vector<OptionCase> option_cases() {
-  return {
-      {"plain", [](auto&, auto&, auto&, auto&, auto&, auto&) {}},
-      {"causal", [](AttentionOptions& o, auto&, auto&, auto&, auto&, auto&) { o.causal = Causal::TopLeft; }},
-      {"bottom-right window", [](AttentionOptions& o, auto&, auto&, auto&, auto&, auto&) {
-         o.causal = Causal::BottomRight;
-         o.window = {5, 0};
-       }},
-      {"softcap+scale", [](AttentionOptions& o, auto&, auto&, auto&, auto&, auto&) {
-         o.softcap = 5.0f;
-         o.scale = 0.3f;
-       }},
-      {"f32 additive mask", [](AttentionOptions& o, std::vector<float>& m, auto&, auto&, const LowpCall& c,
-                               std::mt19937_64& rng) {
-         m.resize(size_t(c.Lq) * c.Lk);
-         std::uniform_real_distribution<float> u(-3, 3);
-         for (float& x : m) x = rng() % 10 == 0 ? -INFINITY : u(rng);
-         o.mask = TensorView(m.data(), DType::f32, {c.Lq, c.Lk});
-       }},
-      {"mask in the input dtype", [](AttentionOptions& o, std::vector<float>&, auto&, std::vector<uint16_t>& m,
-                                     const LowpCall& c, std::mt19937_64& rng) {
-         m.resize(size_t(c.Hq) * c.Lq * c.Lk);
-         std::uniform_real_distribution<float> u(-3, 3);
-         for (uint16_t& x : m) x = c.to(rng() % 10 == 0 ? -INFINITY : u(rng));
-         o.mask = TensorView(m.data(), c.dt, {c.Hq, c.Lq, c.Lk});
-       }},
-      {"boolean mask", [](AttentionOptions& o, auto&, std::vector<uint8_t>& m, auto&, const LowpCall& c,
-                          std::mt19937_64& rng) {
-         m.resize(size_t(c.B) * c.Lq * c.Lk);
-         for (uint8_t& x : m) x = rng() % 4 != 0;
-         o.mask = TensorView(m.data(), DType::boolean, {c.B, 1, c.Lq, c.Lk});
-       }},
-      {"alibi", [](AttentionOptions& o, std::vector<float>& m, auto&, auto&, const LowpCall& c, auto&) {
-         m.resize(size_t(c.Hq));
-         for (int h = 0; h < c.Hq; ++h) m[h] = std::pow(2.0f, -1.0f - h);
-         o.alibi_slopes = TensorView(m.data(), DType::f32, {c.Hq});
-       }},
-      {"dropout", [](AttentionOptions& o, auto&, auto&, auto&, auto&, auto&) {
-         o.dropout_p = 0.2f;
-         o.seed = 42;
-       }},
-  };
-}
-
-// The f32 twin of `o`: a mask in the input dtype becomes its exact f32 copy.
-AttentionOptions f32_twin(const AttentionOptions& o, const LowpCall& c, std::vector<float>& storage) {
-  AttentionOptions t = o;
-  if (!o.mask.empty() && o.mask.dtype() == c.dt) {
-    const uint16_t* m = o.mask.data_as<const uint16_t>();
-    storage.resize(static_cast<size_t>(o.mask.numel()));
-    for (size_t i = 0; i < storage.size(); ++i) storage[i] = c.from(m[i]);
-    t.mask = TensorView(storage.data(), DType::f32, o.mask.shape());
-  }
-  return t;
-}
-
-struct Shape {
-  int B, Lq, Lk, Hq, Hkv, d, dv;
-};
-const Shape kShapes[] = {{1, 1, 1, 1, 1, 16, 16},   {2, 3, 17, 4, 2, 64, 64}, {1, 17, 3, 2, 1, 80, 48},
-                         {1, 100, 100, 2, 2, 128, 128}, {2, 33, 65, 3, 1, 32, 40}};
-
 TEST(LowPrecisionAttention, EveryOptionEqualsTheF32KernelRoundedOnce) {
+  const ScopedIsa portable("f32");  // the portable path (AMX: attention_amx_test.cc)
   std::mt19937_64 rng = make_rng(3);
   for (DType dt : {DType::bf16, DType::f16}) {
     for (const Shape& s : kShapes) {
@@ -283,6 +152,7 @@ std::vector<float> plain_lowp(const LowpCall& c, bool causal) {
 }
 
 TEST(LowPrecisionAttention, WithinTwiceThePlainLowPrecisionError) {
+  const ScopedIsa portable("f32");  // the portable path (AMX: attention_amx_test.cc)
   std::mt19937_64 rng = make_rng(4);
   for (DType dt : {DType::bf16, DType::f16}) {
     double fused = 0, plain = 0;
@@ -313,6 +183,7 @@ TEST(LowPrecisionAttention, WithinTwiceThePlainLowPrecisionError) {
 }
 
 TEST(LowPrecisionAttention, BackwardEqualsTheF32KernelRoundedOnce) {
+  const ScopedIsa portable("f32");  // the portable path (AMX: attention_amx_test.cc)
   std::mt19937_64 rng = make_rng(5);
   for (DType dt : {DType::bf16, DType::f16})
     for (const Shape& s : kShapes)
@@ -343,6 +214,7 @@ TEST(LowPrecisionAttention, BackwardEqualsTheF32KernelRoundedOnce) {
 }
 
 TEST(LowPrecisionAttention, Bf16PrecisionRoundsF32InputsInside) {
+  const ScopedIsa portable("f32");  // the portable path (AMX: attention_amx_test.cc)
   std::mt19937_64 rng = make_rng(6);
   const int B = 2, L = 37, H = 2, d = 64;
   std::vector<float> q(size_t(B) * L * H * d), k(q.size()), v(q.size()), out(q.size()), want(q.size());

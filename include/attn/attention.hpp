@@ -39,6 +39,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <type_traits>
 
 #include "attn/error.hpp"
@@ -154,6 +155,22 @@ void dropout_mask(const TensorView& mask, float dropout_p, uint64_t seed, uint64
 size_t attention_workspace_bytes(const TensorView& q, const TensorView& k, const TensorView& v,
                                  const TensorView& out, const AttentionOptions& options,
                                  int threads);
+
+/// What the CPU kernels use on this machine.
+struct CpuInfo {
+  std::string simd_target;  // the f32 kernels' Highway target: "AVX3", "AVX2", ...
+  bool amx_bf16 = false;    // AMX tiles usable: CPUID has AMX-BF16 and the OS granted tile data
+  bool avx512_bf16 = false; // CPUID has AVX512-BF16 (vdpbf16ps)
+  std::string amx_refused;  // why AMX is unusable although CPUID has it ("" otherwise)
+  /// The path bf16 inputs (and Precision::bf16) take now: "amx" (tiles) or "f32"
+  /// (widened to f32, the f32 kernel). ATTN_ISA=amx|avx512bf16|f32 forces one;
+  /// f16 inputs always take "f32" (bf16 tiles cannot hold f16 values exactly).
+  std::string bf16_path;
+};
+
+/// Detects the CPU's features (once) and reads ATTN_ISA (each call). Throws
+/// attn::Error when ATTN_ISA names an unknown path or one this machine cannot run.
+CpuInfo cpu_info();
 
 /// The most threads set_num_threads() and ATTN_NUM_THREADS accept.
 inline constexpr int kMaxThreads = 4096;

@@ -35,6 +35,7 @@
 
 #include <hwy/highway.h>
 
+#include "cpu/dropout_tile-inl.h"
 #include "cpu/score_mods-inl.h"
 #include "cpu/tile_kernels-inl.h"
 
@@ -157,21 +158,6 @@ void ScoreTile(const Problem& p, const Sequence& seq, const TileScratch& w, cons
            w.count[blk]);
   }
   ApplyScoreMods(p, seq, place, w.s, kBk, TileNeedsBand(place));
-}
-
-/// Dropout on a tile of probabilities (rows × Bk at s, row stride ld): each is
-/// kept with probability 1 − p and then scaled by 1/(1 − p), or zeroed; the
-/// decision is Philox's for (b, h, i, j), whatever the tiling or the thread.
-void ApplyDropout(const Problem& p, int b, int h, int i0, int rows, int j0, float* s, size_t ld) {
-  const DropoutRng rng(p.dropout_p, p.seed, p.offset, p.Hq);
-  const float scale = 1.0f / (1.0f - p.dropout_p);
-  for (int r = 0; r < rows; ++r) {
-    float* row = s + r * ld;
-    for (int j = 0; j < kBk; j += 4) {  // j0 is a multiple of 4: one Philox call per 4 keys
-      const unsigned keep = rng.keep4(b, h, i0 + r, (j0 + j) / 4);
-      for (int n = 0; n < 4; ++n) row[j + n] = (keep >> n) & 1u ? row[j + n] * scale : 0.0f;
-    }
-  }
 }
 
 /// One work item: sequence b, query head h, query tile qt.

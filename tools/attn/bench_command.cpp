@@ -32,6 +32,7 @@ struct BenchArgs {
   bool no_baseline = false;
   bool backward = false;
   std::vector<int> sizes, dims, threads;
+  std::vector<std::string> dtypes;
   std::string markdown, json;
 };
 }  // namespace
@@ -47,6 +48,10 @@ Command add_bench_command(CLI::App& app) {
   sub->add_option("--dims", args->dims, "head dims d (default 64 128)")->check(CLI::PositiveNumber);
   sub->add_option("--threads", args->threads, "thread counts (default: 1 and all cores)")
       ->check(CLI::Range(1, attn::kMaxThreads));
+  sub->add_option("--dtype", args->dtypes,
+                  "dtypes of q, k, v, out: f32, bf16, f16 (default f32); bf16 runs on AMX tiles where "
+                  "the CPU has them (ATTN_ISA forces a path)")
+      ->check(CLI::IsMember({"f32", "bf16", "f16"}));
   sub->add_flag("--no-baseline", args->no_baseline, "skip the cblas baseline");
   sub->add_flag("--backward", args->backward,
                 "time attention_backward (GFLOP/s count 2.5× the forward's flops); the baseline "
@@ -78,13 +83,23 @@ Command add_bench_command(CLI::App& app) {
     if (!args->threads.empty()) o.threads = args->threads;
     o.baseline = !args->no_baseline;
     o.backward = args->backward;
+    if (!args->dtypes.empty()) {
+      o.dtypes.clear();
+      for (const std::string& t : args->dtypes) {
+        o.dtypes.push_back(t == "bf16" ? DType::bf16 : t == "f16" ? DType::f16 : DType::f32);
+      }
+    }
+    const CpuInfo cpu = cpu_info();  // also checks ATTN_ISA before any timing
 
     std::printf("attn bench on %s (%d cores)\n", cpu_model().c_str(), all);
     std::printf("measuring the FMA peak (bench/peak) ...\n");
     const bench::Peak p1 = bench::measure_peak(1);
     const bench::Peak pall = all > 1 ? bench::measure_peak(all) : p1;
-    std::printf("  f32 FMA peak: %.1f GFLOP/s on 1 thread, %.1f on %d (%s); bf16 dot: %.1f, %.1f\n",
-                p1.f32_gflops, pall.f32_gflops, all, p1.isa, p1.bf16_gflops, pall.bf16_gflops);
+    std::printf("  f32 FMA peak: %.1f GFLOP/s on 1 thread, %.1f on %d (%s); bf16 dot: %.1f, %.1f; "
+                "AMX bf16: %.1f, %.1f\n",
+                p1.f32_gflops, pall.f32_gflops, all, p1.isa, p1.bf16_gflops, pall.bf16_gflops,
+                p1.amx_bf16_gflops, pall.amx_bf16_gflops);
+    std::printf("  kernels: f32 on %s; bf16 on %s\n", cpu.simd_target.c_str(), cpu.bf16_path.c_str());
     std::printf("  baseline BLAS: OpenBLAS, core %s\n", bench::baseline_configure(1));
     std::printf("timing %s (flops = 4·N²·d·H, halved for causal%s) ...\n",
                 o.backward ? "the backward" : "the forward", o.backward ? ", times 2.5" : "");
@@ -100,9 +115,10 @@ Command add_bench_command(CLI::App& app) {
       j["pass"] = o.backward ? "backward" : "forward";
       j["peak"] = {{"f32_gflops_1thread", p1.f32_gflops}, {"f32_gflops_all", pall.f32_gflops},
                    {"bf16_gflops_1thread", p1.bf16_gflops}, {"bf16_gflops_all", pall.bf16_gflops},
+                   {"amx_bf16_gflops_1thread", p1.amx_bf16_gflops}, {"amx_bf16_gflops_all", pall.amx_bf16_gflops},
                    {"threads_all", all}};
       for (const auto& r : rows) {
-        j["rows"].push_back({{"N", r.config.N}, {"d", r.config.d}, {"H", r.config.H},
+        j["rows"].push_back({{"dtype", dtype_name(r.config.dtype)}, {"path", r.path}, {"N", r.config.N}, {"d", r.config.d}, {"H", r.config.H},
                                 {"causal", r.config.causal}, {"threads", r.config.threads},
                                 {"ms", r.ms}, {"gflops", r.gflops()},
                                 {"baseline_ms", r.baseline_ms},

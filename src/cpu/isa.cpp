@@ -1,0 +1,99 @@
+// CPU feature detection for the bf16 kernels (see isa.hpp).
+#include "cpu/isa.hpp"
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include <hwy/targets.h>
+
+#include "attn/attention.hpp"
+#include "attn/error.hpp"
+#include "cpu/attention_forward.hpp"
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace attn::detail {
+namespace {
+
+#if defined(__x86_64__)
+bool cpuid_bit(unsigned leaf, unsigned sub, int reg, int bit) {
+  unsigned r[4] = {0, 0, 0, 0};
+  if (__get_cpuid_max(0, nullptr) < leaf) return false;
+  __cpuid_count(leaf, sub, r[0], r[1], r[2], r[3]);
+  return (r[reg] >> bit) & 1u;
+}
+constexpr int kEax = 0, kEdx = 3;
+
+// Linux keeps AMX's 8 KiB of tile state off until a process asks (kernel 5.16+).
+std::string request_tile_permission() {
+  constexpr long kArchReqXcompPerm = 0x1023;
+  constexpr long kXfeatureXtiledata = 18;
+  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) {
+    return std::string("the OS refused tile data (arch_prctl: ") + std::strerror(errno) + ")";
+  }
+  return "";
+}
+#endif
+
+CpuFeatures detect() {
+  CpuFeatures f;
+#if defined(__x86_64__)
+  const bool avx3 = (hwy::SupportedTargets() & (HWY_AVX3 | HWY_AVX3_DL)) != 0;
+  const bool amx = cpuid_bit(7, 0, kEdx, 24) && cpuid_bit(7, 0, kEdx, 22);
+  f.avx512_bf16 = avx3 && cpuid_bit(7, 1, kEax, 5);
+  f.amx_fp16 = amx && cpuid_bit(7, 1, kEax, 21);
+  if (amx) {
+    f.amx_refused = avx3 ? request_tile_permission() : "no AVX-512";
+    f.amx_bf16 = f.amx_refused.empty();
+  }
+#endif
+  return f;
+}
+
+}  // namespace
+
+const CpuFeatures& cpu_features() {
+  static const CpuFeatures features = detect();
+  return features;
+}
+
+LowpPath lowp_path() {
+  const CpuFeatures& f = cpu_features();
+  const char* env = std::getenv("ATTN_ISA");
+  if (env == nullptr || *env == '\0') return f.amx_bf16 ? LowpPath::amx : LowpPath::f32;
+  const std::string want = env;
+  if (want == "f32") return LowpPath::f32;
+  if (want == "avx512bf16") {
+    throw Error("ATTN_ISA=avx512bf16: this build has no AVX512-BF16 kernel yet; use amx or f32");
+  }
+  if (want == "amx") {
+    if (f.amx_bf16) return LowpPath::amx;
+    throw Error("ATTN_ISA=amx, but this machine cannot run AMX: " +
+                (f.amx_refused.empty() ? std::string("the CPU has no AMX-BF16") : f.amx_refused));
+  }
+  throw Error("ATTN_ISA must be amx, avx512bf16 or f32, got \"" + want + "\"");
+}
+
+const char* lowp_path_name(LowpPath path) { return path == LowpPath::amx ? "amx" : "f32"; }
+
+}  // namespace attn::detail
+
+namespace attn {
+
+CpuInfo cpu_info() {
+  const detail::CpuFeatures& f = detail::cpu_features();
+  CpuInfo info;
+  info.simd_target = detail::attention_forward_target();
+  info.amx_bf16 = f.amx_bf16;
+  info.avx512_bf16 = f.avx512_bf16;
+  info.amx_refused = f.amx_refused;
+  info.bf16_path = detail::lowp_path_name(detail::lowp_path());
+  return info;
+}
+
+}  // namespace attn

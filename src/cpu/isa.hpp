@@ -1,0 +1,37 @@
+// Which kernel computes bf16 attention: what the CPU reports, what the OS allows,
+// and what the user forces with ATTN_ISA.
+#pragma once
+
+#include <string>
+
+namespace attn::detail {
+
+/// The paths for bf16 inputs (and f32 inputs with Precision::bf16):
+///   amx         Q·Kᵀ and P·V on AMX tiles (tdpbf16ps), softmax in AVX-512;
+///   f32         the portable path: inputs widened to f32, the f32 kernel.
+/// f16 inputs always take the f32 path on CPUs without AMX-FP16 (bf16 cannot hold
+/// an f16 value exactly, so the tiles would lose precision).
+enum class LowpPath { amx, f32 };
+
+/// What this CPU and OS can run, detected once: AMX needs CPUID's AMX-TILE and
+/// AMX-BF16, AVX-512 (Highway's AVX3 target) and Linux's permission for tile data
+/// (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)), which is requested here;
+/// a refusal makes amx unavailable, never an error.
+struct CpuFeatures {
+  bool amx_bf16 = false;     // CPUID and OS permission, usable
+  bool amx_fp16 = false;     // CPUID only (no kernel uses it yet)
+  bool avx512_bf16 = false;  // CPUID
+  std::string amx_refused;   // why amx is unusable when CPUID has it ("" otherwise)
+};
+const CpuFeatures& cpu_features();
+
+/// The path a bf16 call takes now: ATTN_ISA (read on every call, so tests can switch
+/// it) if set — "amx", "avx512bf16" or "f32"; throws attn::Error when it names an
+/// unknown path or one this machine cannot run — else the fastest available.
+/// ("avx512bf16" names the vdpbf16ps kernel, which is not written yet: an error.)
+LowpPath lowp_path();
+
+/// "amx" or "f32".
+const char* lowp_path_name(LowpPath path);
+
+}  // namespace attn::detail

@@ -1,0 +1,204 @@
+// The AMX bf16 forward (issue 11), forced with ATTN_ISA=amx; skipped with a message
+// on machines without AMX. Every option and odd shapes against the float64 reference
+// under FlashAttention's rule: the error is at most 2× that of a plain implementation
+// with the same rounding (bf16 inputs, exact softmax, P rounded to bf16 before P·V,
+// f32 accumulation, bf16 output), pooled per option, with a 10× screen per case.
+// Also: lse, fully masked rows, thread independence, Precision::bf16, NaN inputs
+// (declined to the portable path) and the ATTN_ISA errors.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attention_harness.hpp"
+#include "attn/attention.hpp"
+#include "cpu/isa.hpp"
+#include "lowp_harness.hpp"
+
+namespace attn::testing {
+namespace {
+
+bool have_amx() { return detail::cpu_features().amx_bf16; }
+
+#define SKIP_WITHOUT_AMX()                                                                 \
+  if (!have_amx()) {                                                                       \
+    GTEST_SKIP() << "this CPU (or OS) cannot run AMX: "                                    \
+                 << (detail::cpu_features().amx_refused.empty() ? "no AMX-BF16 in CPUID"   \
+                                                                : detail::cpu_features().amx_refused); \
+  }
+
+// Shapes beyond the portable tests': several 128-key blocks, a partial last block,
+// GQA, d = 256, and dv ≠ d.
+const Shape kAmxShapes[] = {{1, 1, 1, 1, 1, 16, 16},      {2, 3, 17, 4, 2, 64, 64},   {1, 17, 3, 2, 1, 80, 48},
+                            {1, 100, 100, 2, 2, 128, 128}, {2, 33, 65, 3, 1, 32, 40},  {1, 70, 1000, 2, 1, 64, 64},
+                            {1, 129, 300, 1, 1, 256, 256}, {1, 1000, 37, 1, 1, 8, 24}};
+
+// Squared errors of one case against the float64 reference.
+struct CaseErrors {
+  double fused = 0, plain = 0;
+};
+
+// Runs one AMX call and its yardsticks: the reference (float64 on the bf16 values,
+// rounded to f32 once) and the plain bf16 implementation built from the reference's
+// probabilities (every option included): out = bf16(Σ_j bf16(P_ij)·v_j), in f32.
+CaseErrors run_amx_case(const Shape& s, const OptionCase& oc, std::mt19937_64& rng) {
+  LowpCall c(DType::bf16, s.B, s.Lq, s.Lk, s.Hq, s.Hkv, s.d, s.dv, rng);
+  OptionStore store;
+  const AttentionOptions o = oc.make(store, c, rng);
+  const TensorView q = c.view(c.q, s.Lq, s.Hq, s.d), k = c.view(c.k, s.Lk, s.Hkv, s.d),
+                   v = c.view(c.v, s.Lk, s.Hkv, s.dv), out = c.view(c.out, s.Lq, s.Hq, s.dv);
+  {
+    const ScopedIsa amx("amx");
+    attention(q, k, v, out, o, c.lse_view());
+  }
+  const AttentionOptions t = f32_twin(o, c, store.twin);
+  std::vector<float> ref(c.out.size()), lse(c.lse.size()), probs(size_t(s.B) * s.Hq * s.Lq * s.Lk);
+  attention_reference(c.view32(c.q32, s.Lq, s.Hq, s.d), c.view32(c.k32, s.Lk, s.Hkv, s.d),
+                      c.view32(c.v32, s.Lk, s.Hkv, s.dv), c.view32(ref, s.Lq, s.Hq, s.dv), t,
+                      TensorView(lse.data(), DType::f32, {s.B, s.Hq, s.Lq}),
+                      TensorView(probs.data(), DType::f32, {s.B, s.Hq, s.Lq, s.Lk}));
+  CaseErrors e;
+  const int group = s.Hq / s.Hkv;
+  for (int b = 0; b < s.B; ++b)
+    for (int i = 0; i < s.Lq; ++i)
+      for (int h = 0; h < s.Hq; ++h) {
+        const float* p = probs.data() + ((size_t(b) * s.Hq + h) * s.Lq + i) * s.Lk;
+        const float l = lse[(size_t(b) * s.Hq + h) * s.Lq + i];
+        const float l_amx = c.lse[(size_t(b) * s.Hq + h) * s.Lq + i];
+        // lse: the same −∞ rows, and the scores' f32 rounding at most.
+        EXPECT_EQ(std::isinf(l), std::isinf(l_amx)) << "lse b=" << b << " h=" << h << " i=" << i;
+        if (std::isfinite(l)) EXPECT_NEAR(l_amx, l, 1e-4 * std::max(1.0f, std::fabs(l)));
+        for (int x = 0; x < s.dv; ++x) {
+          float acc = 0;
+          for (int j = 0; j < s.Lk; ++j)
+            acc += detail::round_to_bf16(p[j]) * c.v32[((size_t(b) * s.Lk + j) * s.Hkv + h / group) * s.dv + x];
+          const size_t at = ((size_t(b) * s.Lq + i) * s.Hq + h) * s.dv + x;
+          const double r = ref[at], fused = bf16_to_f32(c.out[at]), plain = detail::round_to_bf16(acc);
+          EXPECT_FALSE(std::isnan(fused)) << at;
+          if (std::isinf(l)) EXPECT_EQ(fused, 0.0) << "fully masked row b=" << b << " h=" << h << " i=" << i;
+          e.fused += (fused - r) * (fused - r);
+          e.plain += (plain - r) * (plain - r);
+        }
+      }
+  return e;
+}
+
+TEST(AmxAttention, EveryOptionWithinTwiceThePlainBf16Error) {
+  SKIP_WITHOUT_AMX();
+  std::mt19937_64 rng = make_rng(21);
+  for (const OptionCase& oc : option_cases()) {
+    double fused = 0, plain = 0;
+    for (const Shape& s : kAmxShapes) {
+      SCOPED_TRACE(std::string(oc.name) + " Lq=" + std::to_string(s.Lq) + " Lk=" + std::to_string(s.Lk) +
+                   " d=" + std::to_string(s.d));
+      const CaseErrors e = run_amx_case(s, oc, rng);
+      // Gross screen per case: 10× the plain error (plus one bf16 rounding of an
+      // output of size 1, for cases whose plain error happens to be ~0).
+      EXPECT_LE(std::sqrt(e.fused), 10.0 * std::sqrt(e.plain) + 1.0 / 256);
+      fused += e.fused, plain += e.plain;
+    }
+    EXPECT_LE(std::sqrt(fused), 2.0 * std::sqrt(plain)) << oc.name;
+    EXPECT_GT(plain, 0.0) << oc.name << ": the yardstick must measure something";
+  }
+}
+
+TEST(AmxAttention, ThreadCountDoesNotChangeABit) {
+  SKIP_WITHOUT_AMX();
+  const ScopedIsa amx("amx");
+  std::mt19937_64 rng = make_rng(22);
+  for (const OptionCase& oc : option_cases()) {
+    LowpCall c(DType::bf16, 2, 150, 333, 4, 2, 64, 64, rng);
+    OptionStore store;
+    const AttentionOptions o = oc.make(store, c, rng);
+    const TensorView q = c.view(c.q, 150, 4, 64), k = c.view(c.k, 333, 2, 64), v = c.view(c.v, 333, 2, 64),
+                     out = c.view(c.out, 150, 4, 64);
+    const int before = num_threads();
+    set_num_threads(1);
+    attention(q, k, v, out, o, c.lse_view());
+    const std::vector<uint16_t> one = c.out;
+    const std::vector<float> lse_one = c.lse;
+    set_num_threads(2);
+    attention(q, k, v, out, o, c.lse_view());
+    set_num_threads(before);
+    EXPECT_EQ(one, c.out) << oc.name;
+    EXPECT_EQ(lse_one, c.lse) << oc.name;
+  }
+}
+
+TEST(AmxAttention, Bf16PrecisionForF32InputsIsTheBf16KernelWithAnF32Output) {
+  SKIP_WITHOUT_AMX();
+  const ScopedIsa amx("amx");
+  std::mt19937_64 rng = make_rng(23);
+  const int B = 1, L = 77, H = 2, d = 64;
+  std::vector<float> q(size_t(B) * L * H * d), k(q.size()), v(q.size()), out(q.size());
+  std::uniform_real_distribution<float> u(-2, 2);
+  for (auto* x : {&q, &k, &v})
+    for (float& f : *x) f = u(rng);
+  AttentionOptions o;
+  o.precision = Precision::bf16;
+  o.causal = Causal::BottomRight;
+  auto view32 = [&](const std::vector<float>& x) { return TensorView(x.data(), DType::f32, {B, L, H, d}); };
+  attention(view32(q), view32(k), view32(v), view32(out), o);
+  std::vector<uint16_t> qh(q.size()), kh(q.size()), vh(q.size()), oh(q.size());
+  for (size_t i = 0; i < q.size(); ++i) qh[i] = f32_to_bf16(q[i]), kh[i] = f32_to_bf16(k[i]), vh[i] = f32_to_bf16(v[i]);
+  auto view16 = [&](const std::vector<uint16_t>& x) { return TensorView(x.data(), DType::bf16, {B, L, H, d}); };
+  attention(view16(qh), view16(kh), view16(vh), view16(oh), o);
+  for (size_t i = 0; i < out.size(); ++i) ASSERT_EQ(f32_to_bf16(out[i]), oh[i]) << i;
+}
+
+TEST(AmxAttention, NonFiniteInputsTakeThePortablePathsSemantics) {
+  SKIP_WITHOUT_AMX();
+  std::mt19937_64 rng = make_rng(24);
+  LowpCall c(DType::bf16, 1, 70, 90, 2, 1, 64, 64, rng);
+  c.v[7 * 64 + 3] = f32_to_bf16(INFINITY);  // value 7: only rows that see key 7 are affected
+  AttentionOptions o;
+  o.causal = Causal::TopLeft;
+  const TensorView q = c.view(c.q, 70, 2, 64), k = c.view(c.k, 90, 1, 64), v = c.view(c.v, 90, 1, 64),
+                   out = c.view(c.out, 70, 2, 64);
+  std::vector<uint16_t> portable;
+  {
+    const ScopedIsa f32("f32");
+    attention(q, k, v, out, o, c.lse_view());
+    portable = c.out;
+  }
+  const ScopedIsa amx("amx");
+  attention(q, k, v, out, o, c.lse_view());
+  EXPECT_EQ(portable, c.out);
+  EXPECT_FALSE(std::isnan(bf16_to_f32(c.out[6 * 2 * 64 + 3]))) << "row 6 cannot see key 7";
+  EXPECT_TRUE(std::isinf(bf16_to_f32(c.out[8 * 2 * 64 + 3])) || std::isnan(bf16_to_f32(c.out[8 * 2 * 64 + 3])));
+}
+
+TEST(AmxAttention, IsaVariableIsCheckedAndNamesThePaths) {
+  std::mt19937_64 rng = make_rng(25);
+  LowpCall c(DType::bf16, 1, 4, 4, 1, 1, 8, 8, rng);
+  const TensorView q = c.view(c.q, 4, 1, 8), k = c.view(c.k, 4, 1, 8), v = c.view(c.v, 4, 1, 8),
+                   out = c.view(c.out, 4, 1, 8);
+  auto message = [&] {
+    try {
+      attention(q, k, v, out);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  {
+    const ScopedIsa bad("sse9");
+    EXPECT_EQ(message(), "ATTN_ISA must be amx, avx512bf16 or f32, got \"sse9\"");
+  }
+  {
+    const ScopedIsa f32("f32");
+    EXPECT_EQ(message(), "no error");
+  }
+  const ScopedIsa amx("amx");
+  if (have_amx()) {
+    EXPECT_EQ(message(), "no error");
+  } else {
+    EXPECT_NE(message().find("ATTN_ISA=amx, but this machine cannot run AMX"), std::string::npos) << message();
+  }
+}
+
+}  // namespace
+}  // namespace attn::testing

@@ -1,0 +1,181 @@
+// Shared pieces of the bf16/f16 attention tests (attention_lowp_test.cc for the
+// portable path, attention_amx_test.cc for the AMX kernel): one call's tensors in a
+// storage dtype with their exact f32 twins, the option cases that touch every part of
+// the score path, the shapes, and a guard that forces a kernel path via ATTN_ISA.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attn/attention.hpp"
+#include "tensor/convert.hpp"
+
+namespace attn::testing {
+
+using detail::bf16_to_f32;
+using detail::f16_to_f32;
+using detail::f32_to_bf16;
+using detail::f32_to_f16;
+
+inline uint32_t bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+/// Sets ATTN_ISA for its lifetime (nullptr: unset), then restores the previous value.
+class ScopedIsa {
+ public:
+  explicit ScopedIsa(const char* isa) {
+    if (const char* old = std::getenv("ATTN_ISA")) old_ = old, had_ = true;
+    if (isa != nullptr) {
+      setenv("ATTN_ISA", isa, 1);
+    } else {
+      unsetenv("ATTN_ISA");
+    }
+  }
+  ~ScopedIsa() {
+    if (had_) {
+      setenv("ATTN_ISA", old_.c_str(), 1);
+    } else {
+      unsetenv("ATTN_ISA");
+    }
+  }
+  ScopedIsa(const ScopedIsa&) = delete;
+  ScopedIsa& operator=(const ScopedIsa&) = delete;
+
+ private:
+  std::string old_;
+  bool had_ = false;
+};
+
+// One call's tensors in a storage dtype, with their exact f32 twins.
+struct LowpCall {
+  DType dt;
+  int B, Lq, Lk, Hq, Hkv, d, dv;
+  std::vector<uint16_t> q, k, v, out, dout, dq, dk, dv_;
+  std::vector<float> q32, k32, v32, out32, dout32;
+  std::vector<float> lse;
+
+  uint16_t to(float f) const { return dt == DType::bf16 ? f32_to_bf16(f) : f32_to_f16(f); }
+  float from(uint16_t h) const { return dt == DType::bf16 ? bf16_to_f32(h) : f16_to_f32(h); }
+  void fill(std::vector<uint16_t>& h, std::vector<float>& f, size_t n, std::mt19937_64& rng, float scale) {
+    std::uniform_real_distribution<float> u(-scale, scale);
+    h.resize(n);
+    f.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      h[i] = to(u(rng));
+      f[i] = from(h[i]);
+    }
+  }
+  LowpCall(DType t, int b, int lq, int lk, int hq, int hkv, int dd, int ddv, std::mt19937_64& rng)
+      : dt(t), B(b), Lq(lq), Lk(lk), Hq(hq), Hkv(hkv), d(dd), dv(ddv) {
+    fill(q, q32, size_t(B) * Lq * Hq * d, rng, 2.0f);
+    fill(k, k32, size_t(B) * Lk * Hkv * d, rng, 2.0f);
+    fill(v, v32, size_t(B) * Lk * Hkv * dv, rng, 1.0f);
+    fill(dout, dout32, size_t(B) * Lq * Hq * dv, rng, 1.0f);
+    out.assign(size_t(B) * Lq * Hq * dv, 0);
+    lse.assign(size_t(B) * Hq * Lq, 0.0f);
+  }
+  TensorView view(const std::vector<uint16_t>& x, int L, int H, int D) const { return TensorView(x.data(), dt, {B, L, H, D}); }
+  TensorView view32(const std::vector<float>& x, int L, int H, int D) const {
+    return TensorView(x.data(), DType::f32, {B, L, H, D});
+  }
+  TensorView lse_view() const { return TensorView(lse.data(), DType::f32, {B, Hq, Lq}); }
+};
+
+// What an option case's tensors live in: f32 (masks, slopes), boolean masks, masks in
+// the input dtype, and the f32 twin of the latter.
+struct OptionStore {
+  std::vector<float> f32, twin;
+  std::vector<uint8_t> boolean;
+  std::vector<uint16_t> lowp;
+};
+
+// Options that touch every part of the score path, for a call's shapes.
+struct OptionCase {
+  const char* name;
+  std::function<void(AttentionOptions&, std::vector<float>&, std::vector<uint8_t>&, std::vector<uint16_t>&,
+                     const LowpCall&, std::mt19937_64&)>
+      set;
+  AttentionOptions make(OptionStore& st, const LowpCall& c, std::mt19937_64& rng) const {
+    AttentionOptions o;
+    set(o, st.f32, st.boolean, st.lowp, c, rng);
+    return o;
+  }
+};
+
+inline std::vector<OptionCase> option_cases() {
+  return {
+      {"plain", [](auto&, auto&, auto&, auto&, auto&, auto&) {}},
+      {"causal", [](AttentionOptions& o, auto&, auto&, auto&, auto&, auto&) { o.causal = Causal::TopLeft; }},
+      {"bottom-right window", [](AttentionOptions& o, auto&, auto&, auto&, auto&, auto&) {
+         o.causal = Causal::BottomRight;
+         o.window = {5, 0};
+       }},
+      {"softcap+scale", [](AttentionOptions& o, auto&, auto&, auto&, auto&, auto&) {
+         o.softcap = 5.0f;
+         o.scale = 0.3f;
+       }},
+      {"f32 additive mask", [](AttentionOptions& o, std::vector<float>& m, auto&, auto&, const LowpCall& c,
+                               std::mt19937_64& rng) {
+         m.resize(size_t(c.Lq) * c.Lk);
+         std::uniform_real_distribution<float> u(-3, 3);
+         for (float& x : m) x = rng() % 10 == 0 ? -INFINITY : u(rng);
+         o.mask = TensorView(m.data(), DType::f32, {c.Lq, c.Lk});
+       }},
+      {"mask in the input dtype", [](AttentionOptions& o, std::vector<float>&, auto&, std::vector<uint16_t>& m,
+                                     const LowpCall& c, std::mt19937_64& rng) {
+         m.resize(size_t(c.Hq) * c.Lq * c.Lk);
+         std::uniform_real_distribution<float> u(-3, 3);
+         for (uint16_t& x : m) x = c.to(rng() % 10 == 0 ? -INFINITY : u(rng));
+         o.mask = TensorView(m.data(), c.dt, {c.Hq, c.Lq, c.Lk});
+       }},
+      {"boolean mask", [](AttentionOptions& o, auto&, std::vector<uint8_t>& m, auto&, const LowpCall& c,
+                          std::mt19937_64& rng) {
+         m.resize(size_t(c.B) * c.Lq * c.Lk);
+         for (uint8_t& x : m) x = rng() % 4 != 0;
+         o.mask = TensorView(m.data(), DType::boolean, {c.B, 1, c.Lq, c.Lk});
+       }},
+      {"alibi", [](AttentionOptions& o, std::vector<float>& m, auto&, auto&, const LowpCall& c, auto&) {
+         m.resize(size_t(c.Hq));
+         for (int h = 0; h < c.Hq; ++h) m[h] = std::pow(2.0f, -1.0f - h);
+         o.alibi_slopes = TensorView(m.data(), DType::f32, {c.Hq});
+       }},
+      {"dropout", [](AttentionOptions& o, auto&, auto&, auto&, auto&, auto&) {
+         o.dropout_p = 0.2f;
+         o.seed = 42;
+       }},
+  };
+}
+
+// The f32 twin of `o`: a mask in the input dtype becomes its exact f32 copy.
+inline AttentionOptions f32_twin(const AttentionOptions& o, const LowpCall& c, std::vector<float>& storage) {
+  AttentionOptions t = o;
+  if (!o.mask.empty() && o.mask.dtype() == c.dt) {
+    const uint16_t* m = o.mask.data_as<const uint16_t>();
+    storage.resize(static_cast<size_t>(o.mask.numel()));
+    for (size_t i = 0; i < storage.size(); ++i) storage[i] = c.from(m[i]);
+    t.mask = TensorView(storage.data(), DType::f32, o.mask.shape());
+  }
+  return t;
+}
+
+struct Shape {
+  int B, Lq, Lk, Hq, Hkv, d, dv;
+};
+inline const Shape kShapes[] = {{1, 1, 1, 1, 1, 16, 16},   {2, 3, 17, 4, 2, 64, 64}, {1, 17, 3, 2, 1, 80, 48},
+                         {1, 100, 100, 2, 2, 128, 128}, {2, 33, 65, 3, 1, 32, 40}};
+
+}  // namespace attn::testing
