@@ -2,15 +2,20 @@
 // both products on the tile unit.
 //
 // One work item is (sequence b, query head h, block of kQ = 32 queries). Per block
-// of up to kW = 128 keys that the rows' bands reach:
-//   S = Q·Kᵀ                 tdpbf16ps, 2×2 tiles of 16×16 (ScoresAmx)
+// of up to kW = 256 keys that the rows' bands reach:
+//   S = Q·Kᵀ                 tdpbf16ps, 2×2 tiles of 16×16 (TileJob)
 //   S = modifiers and masks  the f32 kernel's ApplyScoreMods, per 64 keys
 //   P = e^(scale·S − m_new)  AVX-512, one row max over the whole block first, so
-//                            that every P of the block shares one m (SoftmaxBlock)
+//                            that every P of the block shares one m (UpdateMaxima,
+//                            Exponentials)
 //   O = α·O + P·V            P rounded to bf16, O kept in f32 in memory and loaded
-//                            into accumulator tiles (PvAmx); rows whose α is 1
-//                            (most, once the running max has settled) skip the rescale
+//                            into accumulator tiles; rows whose α is 1 (most, once
+//                            the running max has settled) skip the rescale
 //   out = O / l, lse = m + ln l
+// The tile unit and AVX-512 work side by side: while the softmax of key block t
+// runs, the tile products of blocks t+1 (scores) and t−1 (P·V) are issued between
+// its rows (ForwardBlock). AMX and the bf16 conversions are intrinsics (Highway has
+// no AMX target); the rest is Highway, compiled for its AVX3 target only.
 // Operand layouts, packed once per call (bf16 as uint16_t):
 //   Q  [b][h][Lq rounded to kQ][dp]                       rows, dp = d rounded to 32
 //   K  [b][hk][key group of 16][d chunk of 32][16][16][2] tdpbf16ps's B operand:
@@ -35,7 +40,6 @@
 #include <vector>
 
 #include "cpu/workspace.hpp"
-#include "tensor/convert.hpp"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -70,7 +74,7 @@ namespace {
 using bf16 = uint16_t;
 
 constexpr int kQ = 32;           // queries per work item: two tile rows
-constexpr int kW = 128;          // keys per block: the score buffer's width
+constexpr int kW = 256;          // keys per block: the score buffer's width
 constexpr int kPair = 32;        // the inner dimension of one tdpbf16ps (16 bf16 pairs)
 constexpr int kTile = 16 * 32;   // bf16 elements in one 16×64-byte operand tile
 static_assert(kW % kBk == 0, "score mods work on whole 64-key tiles");
@@ -113,62 +117,105 @@ AmxLayout MakeAmxLayout(const Problem& p) {
   return l;
 }
 
-/// Element `at` of an input tensor as bf16 bits: copied for bf16 inputs, rounded to
-/// nearest even for f32 inputs (Precision::bf16).
-HWY_INLINE bf16 InputBf16(const Problem& p, const float* base, int64_t at) {
-  if (p.dtype == DType::bf16) return reinterpret_cast<const bf16*>(base)[at];
-  return f32_to_bf16(base[at]);
+/// n f32 values rounded to bf16 (vcvtneps2bf16: nearest even; like tdpbf16ps it
+/// reads subnormals as zero, so nothing is lost that the tiles would have used).
+ATTN_AMX void F32ToBf16(const float* src, int n, bf16* dst) {
+  int c = 0;
+  for (; c + 16 <= n; c += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(src + c))));
+  }
+  if (c < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - c)) - 1);
+    _mm256_mask_storeu_epi16(dst + c, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + c))));
+  }
 }
 
-/// bf16 bits of NaN or ±∞ (all exponent bits set).
-HWY_INLINE bool NonFiniteBf16(bf16 x) { return (x & 0x7F80u) == 0x7F80u; }
+/// True when any of n bf16 values (n a multiple of 32) is NaN or ±∞ (all
+/// exponent bits set).
+HWY_INLINE bool AnyNonFiniteBf16(const bf16* x, int n) {
+  const hn::ScalableTag<uint16_t> du;
+  const auto exp_mask = hn::Set(du, 0x7F80);
+  auto bad = hn::Zero(du);
+  for (int c = 0; c < n; c += static_cast<int>(hn::Lanes(du))) {
+    bad = hn::Or(bad, hn::VecFromMask(du, hn::Eq(hn::And(hn::LoadU(du, x + c), exp_mask), exp_mask)));
+  }
+  return !hn::AllTrue(du, hn::Eq(bad, hn::Zero(du)));
+}
+
+/// Row i of an input tensor (base + at, `width` elements) as dp bf16 values: the
+/// row itself when it is already that (bf16, width = dp), else rounded / padded
+/// with zeros into `staging`. Rows past the end (real = false) are all zeros.
+ATTN_AMX const bf16* Bf16Row(const Problem& p, const float* base, int64_t at, int width, int dp, bool real,
+                             bf16* staging) {
+  if (real && p.dtype == DType::bf16 && width == dp) return reinterpret_cast<const bf16*>(base) + at;
+  std::fill(staging, staging + dp, bf16{0});
+  if (!real) return staging;
+  if (p.dtype == DType::bf16) {
+    std::memcpy(staging, reinterpret_cast<const bf16*>(base) + at, sizeof(bf16) * width);
+  } else {
+    F32ToBf16(base + at, width, staging);
+  }
+  return staging;
+}
 
 /// Packs query block qt of (b, h); rows beyond Lq and columns beyond d are zero.
 /// Returns true when a packed value is NaN or ±∞.
-bool PackQueries(const Problem& p, const AmxLayout& l, bf16* pack, int b, int h, int qt) {
+ATTN_AMX bool PackQueries(const Problem& p, const AmxLayout& l, bf16* pack, int b, int h, int qt, bf16* staging) {
   const Sequence& seq = p.seqs[b];
   bf16* dst = l.Q(pack, p, b, h) + static_cast<size_t>(qt) * kQ * l.dp;
   bool bad = false;
   for (int r = 0; r < kQ; ++r) {
     const int i = qt * kQ + r;
-    bf16* row = dst + static_cast<size_t>(r) * l.dp;
-    std::fill(row, row + l.dp, bf16{0});
-    if (i >= seq.Lq) continue;
     const int64_t at = seq.q_offset + h * p.q_head + int64_t{i} * p.q_row;
-    for (int c = 0; c < p.d; ++c) {
-      row[c] = InputBf16(p, p.q, at + c);
-      bad |= NonFiniteBf16(row[c]);
-    }
+    const bf16* row = Bf16Row(p, p.q, at, p.d, l.dp, i < seq.Lq, staging);
+    bad |= AnyNonFiniteBf16(row, l.dp);
+    std::memcpy(dst + static_cast<size_t>(r) * l.dp, row, sizeof(bf16) * l.dp);
   }
   return bad;
 }
 
 /// Packs keys and values of chunk t (32 keys) of (b, hk) into the tile layouts;
 /// keys beyond Lk and columns beyond d / dv are zero. Returns true when a packed
-/// value is NaN or ±∞.
-bool PackKeysValues(const Problem& p, const AmxLayout& l, bf16* pack, int b, int hk, int t) {
+/// value is NaN or ±∞. staging: 32·(dp + dvp) bf16 of thread scratch.
+ATTN_AMX bool PackKeysValues(const Problem& p, const AmxLayout& l, bf16* pack, int b, int hk, int t,
+                             bf16* staging) {
   const Sequence& seq = p.seqs[b];
   const int dc = l.dp / kPair, vc = l.dvp / 16;
-  bf16* kdst = l.K(pack, p, b, hk);
-  bf16* vdst = l.V(pack, p, b, hk) + static_cast<size_t>(t) * vc * kTile;
+  const bf16* krow[kPair];
+  const bf16* vrow[kPair];
   bool bad = false;
   for (int n = 0; n < kPair; ++n) {
     const int j = t * kPair + n;
-    const bool real = j < seq.Lk;
-    // K: key j is column j % 16 of group j / 16; d pairs down the tile's rows.
-    bf16* kg = kdst + static_cast<size_t>(j / 16) * dc * kTile + (j % 16) * 2;
-    const int64_t kat = seq.k_offset + hk * p.k_head + int64_t{j} * p.k_row;
-    for (int c = 0; c < l.dp; ++c) {
-      const bf16 x = real && c < p.d ? InputBf16(p, p.k, kat + c) : bf16{0};
-      bad |= NonFiniteBf16(x);
-      kg[(c / kPair) * kTile + (c % kPair) / 2 * 32 + (c % 2)] = x;
+    krow[n] = Bf16Row(p, p.k, seq.k_offset + hk * p.k_head + int64_t{j} * p.k_row, p.d, l.dp, j < seq.Lk,
+                      staging + static_cast<size_t>(n) * l.dp);
+    vrow[n] = Bf16Row(p, p.v, seq.v_offset + hk * p.v_head + int64_t{j} * p.v_row, p.dv, l.dvp, j < seq.Lk,
+                      staging + static_cast<size_t>(kPair) * l.dp + static_cast<size_t>(n) * l.dvp);
+    bad |= AnyNonFiniteBf16(krow[n], l.dp) || AnyNonFiniteBf16(vrow[n], l.dvp);
+  }
+  // K: tile (group, d chunk c) row kk, column n = the pair K[key n][c·32 + 2kk ..]:
+  // a 16×16 transpose of 32-bit pairs.
+  uint32_t* kdst = reinterpret_cast<uint32_t*>(l.K(pack, p, b, hk) + static_cast<size_t>(t) * 2 * dc * kTile);
+  for (int g = 0; g < 2; ++g) {
+    for (int c = 0; c < dc; ++c) {
+      uint32_t* tile = kdst + (static_cast<size_t>(g) * dc + c) * (kTile / 2);
+      for (int n = 0; n < 16; ++n) {
+        uint32_t pairs[16];
+        std::memcpy(pairs, krow[g * 16 + n] + c * kPair, sizeof pairs);
+        for (int kk = 0; kk < 16; ++kk) tile[kk * 16 + n] = pairs[kk];
+      }
     }
-    // V: key n of the chunk is half (n % 2) of row n / 2; columns across.
-    const int64_t vat = seq.v_offset + hk * p.v_head + int64_t{j} * p.v_row;
-    for (int c = 0; c < l.dvp; ++c) {
-      const bf16 x = real && c < p.dv ? InputBf16(p, p.v, vat + c) : bf16{0};
-      bad |= NonFiniteBf16(x);
-      vdst[(c / 16) * kTile + (n / 2) * 32 + (c % 16) * 2 + (n % 2)] = x;
+  }
+  // V: tile (chunk, column group cc) row kk, column x = (V[2kk][x], V[2kk+1][x]).
+  const hn::ScalableTag<uint32_t> du32;
+  const hn::Rebind<uint16_t, decltype(du32)> du16;
+  static_assert(HWY_LANES(uint32_t) == 16, "one V tile row is one vector of 16 pairs");
+  uint32_t* vdst = reinterpret_cast<uint32_t*>(l.V(pack, p, b, hk) + static_cast<size_t>(t) * vc * kTile);
+  for (int cc = 0; cc < vc; ++cc) {
+    for (int kk = 0; kk < 16; ++kk) {
+      const auto even = hn::PromoteTo(du32, hn::LoadU(du16, vrow[2 * kk] + cc * 16));
+      const auto odd = hn::PromoteTo(du32, hn::LoadU(du16, vrow[2 * kk + 1] + cc * 16));
+      hn::Store(hn::Or(even, hn::ShiftLeft<16>(odd)), du32, vdst + (static_cast<size_t>(cc) * 16 + kk) * 16);
     }
   }
   return bad;
@@ -192,65 +239,104 @@ ATTN_AMX void ConfigureTiles() {
 
 ATTN_AMX void ReleaseTiles() { _tile_release(); }
 
-/// S[kQ][width] (row stride kW floats) = Q·Kᵀ for the `width` keys (a multiple of
-/// 32) of the packed groups starting at k. q: the packed [kQ][dp] query block.
-ATTN_AMX void ScoresAmx(const bf16* q, int dp, const bf16* k, int width, float* s) {
-  const int dc = dp / kPair;
-  const size_t q_ld = sizeof(bf16) * dp, s_ld = sizeof(float) * kW;
-  const bf16* q1 = q + 16 * dp;
-  for (int g = 0; g < width / 16; g += 2) {
-    const bf16* k0 = k + static_cast<size_t>(g) * dc * kTile;
-    const bf16* k1 = k0 + static_cast<size_t>(dc) * kTile;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int c = 0; c < dc; ++c) {
-      _tile_loadd(4, q + c * kPair, q_ld);
-      _tile_loadd(5, q1 + c * kPair, q_ld);
-      _tile_loadd(6, k0 + c * kTile, 64);
-      _tile_loadd(7, k1 + c * kTile, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    float* s0 = s + g * 16;
-    _tile_stored(0, s0, s_ld);
-    _tile_stored(1, s0 + 16, s_ld);
-    _tile_stored(2, s0 + 16 * kW, s_ld);
-    _tile_stored(3, s0 + 16 * kW + 16, s_ld);
-  }
-}
+/// The tile products of one step of the pipeline, issued a few instructions at a
+/// time so that they run on the tile unit while AVX-512 computes a softmax:
+///   S[kQ][qk_width] (row stride kW) = Q·Kᵀ   (skipped when qk_width = 0)
+///   O[kQ][dvp] += P·V for pv_width keys      (skipped when pv_width = 0)
+/// One Step() is one 2×2 block of tdpbf16ps (64 cycles of the tile unit), plus the
+/// zeroing, loading or storing of the accumulators at the ends of a block.
+struct TileJob {
+  // Q·Kᵀ: the packed query block, the packed key groups of the block, the scores.
+  const bf16* q = nullptr;
+  const bf16* k = nullptr;
+  float* s = nullptr;
+  int dp = 0, qk_width = 0;
+  // P·V: the bf16 probabilities (row stride kW), the packed value chunks, O.
+  const bf16* pb = nullptr;
+  const bf16* v = nullptr;
+  float* o = nullptr;
+  int dvp = 0, pv_width = 0;
 
-/// O[kQ][dvp] += P·V: P the bf16 [kQ][width] block (row stride kW), v the packed
-/// value chunks of those keys.
-ATTN_AMX void PvAmx(const bf16* pb, const bf16* v, int width, int dvp, float* o) {
-  const int vc = dvp / 16;
-  const size_t o_ld = sizeof(float) * dvp, p_ld = sizeof(bf16) * kW;
-  const bf16* pb1 = pb + 16 * kW;
-  float* o1 = o + 16 * dvp;
-  for (int cc = 0; cc < vc; cc += 2) {
-    _tile_loadd(0, o + cc * 16, o_ld);
-    _tile_loadd(1, o + cc * 16 + 16, o_ld);
-    _tile_loadd(2, o1 + cc * 16, o_ld);
-    _tile_loadd(3, o1 + cc * 16 + 16, o_ld);
-    for (int t = 0; t < width / kPair; ++t) {
-      const bf16* vt = v + (static_cast<size_t>(t) * vc + cc) * kTile;
-      _tile_loadd(4, pb + t * kPair, p_ld);
-      _tile_loadd(5, pb1 + t * kPair, p_ld);
-      _tile_loadd(6, vt, 64);
-      _tile_loadd(7, vt + kTile, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    _tile_stored(0, o + cc * 16, o_ld);
-    _tile_stored(1, o + cc * 16 + 16, o_ld);
-    _tile_stored(2, o1 + cc * 16, o_ld);
-    _tile_stored(3, o1 + cc * 16 + 16, o_ld);
+  int qk_steps = 0, total = 0, done = 0;
+  int i = 0, j = 0;  // position within the current part: (key group pair, d chunk) or (column pair, key chunk)
+
+  void Start() {
+    qk_steps = qk_width / kPair * (dp / kPair);
+    total = qk_steps + (dvp / kPair) * (pv_width / kPair);
+    done = i = j = 0;
   }
+  ATTN_AMX void Step();
+  /// Runs steps until numerator / denominator of the job is done.
+  ATTN_AMX void RunTo(int numerator, int denominator) {
+    const int until = total * numerator / denominator;
+    while (done < until) Step();
+  }
+  ATTN_AMX void Finish() {
+    while (done < total) Step();
+  }
+};
+
+ATTN_AMX void TileJob::Step() {
+  if (done < qk_steps) {
+    const int dc = dp / kPair;
+    const bf16* k0 = k + static_cast<size_t>(2 * i) * dc * kTile;
+    const bf16* k1 = k0 + static_cast<size_t>(dc) * kTile;
+    const size_t q_ld = sizeof(bf16) * dp;
+    if (j == 0) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    _tile_loadd(4, q + j * kPair, q_ld);
+    _tile_loadd(5, q + 16 * dp + j * kPair, q_ld);
+    _tile_loadd(6, k0 + j * kTile, 64);
+    _tile_loadd(7, k1 + j * kTile, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    if (++j == dc) {
+      float* s0 = s + i * kPair;
+      const size_t s_ld = sizeof(float) * kW;
+      _tile_stored(0, s0, s_ld);
+      _tile_stored(1, s0 + 16, s_ld);
+      _tile_stored(2, s0 + 16 * kW, s_ld);
+      _tile_stored(3, s0 + 16 * kW + 16, s_ld);
+      j = 0;
+      ++i;
+    }
+    if (++done == qk_steps) i = j = 0;
+    return;
+  }
+  const int chunks = pv_width / kPair, vc = dvp / 16;
+  const size_t o_ld = sizeof(float) * dvp, p_ld = sizeof(bf16) * kW;
+  float* o0 = o + i * kPair;
+  float* o1 = o0 + 16 * dvp;
+  if (j == 0) {
+    _tile_loadd(0, o0, o_ld);
+    _tile_loadd(1, o0 + 16, o_ld);
+    _tile_loadd(2, o1, o_ld);
+    _tile_loadd(3, o1 + 16, o_ld);
+  }
+  const bf16* vt = v + (static_cast<size_t>(j) * vc + 2 * i) * kTile;
+  _tile_loadd(4, pb + j * kPair, p_ld);
+  _tile_loadd(5, pb + 16 * kW + j * kPair, p_ld);
+  _tile_loadd(6, vt, 64);
+  _tile_loadd(7, vt + kTile, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+  if (++j == chunks) {
+    _tile_stored(0, o0, o_ld);
+    _tile_stored(1, o0 + 16, o_ld);
+    _tile_stored(2, o1, o_ld);
+    _tile_stored(3, o1 + 16, o_ld);
+    j = 0;
+    ++i;
+  }
+  ++done;
 }
 
 /// Two vectors of f32 rounded to nearest even into 32 bf16 at dst.
@@ -258,31 +344,52 @@ ATTN_AMX HWY_INLINE void StoreBf16x2(VF lo, VF hi, bf16* dst) {
   _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi.raw, lo.raw)));
 }
 
-/// The online-softmax step for a block of kQ rows × `width` scores (row stride kW),
-/// SoftmaxTile's semantics (see tile_kernels-inl.h) over a block wider than one
-/// tile. The natural-unit score is mult·s (mult = the scale when s holds raw dot
-/// products, 1 after the modifiers). Writes p = e^(mult·s − m_new) as bf16 into pb
-/// (or, with keep_f32, as f32 back into s for dropout), updates m and the partial
-/// sums l ([kQ][kLanes], of the unrounded p), and alpha. Returns false when every
-/// score is −∞ (nothing to add; alpha all 1).
-ATTN_AMX bool SoftmaxBlock(float* s, int width, float mult, float* m, float* l, float* alpha,
-                           float* row_max, bf16* pb, bool keep_f32) {
+/// 2^x for x ≤ 0 (or slightly above), −∞ and NaN, for probabilities that will be
+/// rounded to bf16 (8 bits): a degree-4 polynomial fitted to 2^f on [−½, ½]
+/// (relative error 2.8e-6, against the 1.2e-7 of Exp2NonPositive's degree 6),
+/// scaled by vscalefps; exactly 0 below 2^−160.
+HWY_INLINE VF Exp2Probability(DF df, VF x) {
+  x = ClampBelow(df, x, -160.0f);
+  const VF n = hn::Round(x);
+  const VF f = hn::Sub(x, n);
+  VF e = hn::Set(df, 0.009582850564f);
+  e = hn::MulAdd(e, f, hn::Set(df, 0.0559064244f));
+  e = hn::MulAdd(e, f, hn::Set(df, 0.2402409867f));
+  e = hn::MulAdd(e, f, hn::Set(df, 0.6931241935f));
+  e = hn::MulAdd(e, f, hn::Set(df, 1.0f));
+  return VF{_mm512_scalef_ps(e.raw, n.raw)};
+}
+
+/// The first half of the online-softmax step for a block of kQ rows × `width`
+/// scores (row stride kW), SoftmaxTile's semantics (tile_kernels-inl.h) over a block
+/// wider than one tile: the row maxima of mult·s (mult = the scale for raw dot
+/// products, 1 after the modifiers), the new running max m, alpha = e^(m_old − m_new),
+/// and in row_max the max each row subtracts. Returns false when every score is −∞.
+/// Runs the first half of `job` (the second runs in Exponentials).
+ATTN_AMX bool UpdateMaxima(const float* s, int width, float mult, float* m, float* alpha, float* row_max,
+                           TileJob& job) {
   const DF df;
   const VF neg_inf = hn::Set(df, -HUGE_VALF);
-  const VF vmult = hn::Set(df, mult);
   bool any = false;
   for (int r = 0; r < kQ; ++r) {
     const float* row = s + r * kW;
-    VF mx = hn::Load(df, row);
-    auto nan = hn::IsNaN(mx);
+    // A NaN score must make the row NaN, but max drops NaN operands: a running
+    // sum of the scores is NaN when one is (or when +∞ meets −∞; then look again).
+    VF mx = hn::Load(df, row), total = mx;
     for (int c = kLanes; c < width; c += kLanes) {
       const VF x = hn::Load(df, row + c);
       mx = hn::Max(mx, x);
-      nan = hn::Or(nan, hn::IsNaN(x));
+      total = hn::Add(total, x);
+    }
+    bool nan = std::isnan(hn::GetLane(hn::SumOfLanes(df, total)));
+    if (nan) {
+      nan = false;
+      for (int c = 0; c < width; ++c) nan |= std::isnan(row[c]);
     }
     // mult > 0, so the max of mult·s is mult·max(s), rounded the same way.
-    row_max[r] = hn::AllFalse(df, nan) ? hn::GetLane(hn::MaxOfLanes(df, mx)) * mult : NAN;
+    row_max[r] = nan ? NAN : hn::GetLane(hn::MaxOfLanes(df, mx)) * mult;
     any |= row_max[r] != -HUGE_VALF;
+    job.RunTo(r + 1, 2 * kQ);
   }
   if (!any) {
     std::fill(alpha, alpha + kQ, 1.0f);
@@ -294,10 +401,21 @@ ATTN_AMX bool SoftmaxBlock(float* s, int width, float mult, float* m, float* l, 
     const VF m_new = hn::IfThenElse(hn::Or(hn::IsNaN(m_old), hn::IsNaN(tile_max)), hn::Set(df, NAN),
                                     hn::Max(m_old, tile_max));
     const VF m_use = hn::IfThenZeroElse(hn::Eq(m_new, neg_inf), m_new);
+    // Exactly 1 when the max did not move (RescaleRows then skips the row).
     hn::Store(ExpNonPositive(df, hn::Sub(m_old, m_use)), df, alpha + r);
     hn::Store(m_new, df, m + r);
     hn::Store(m_use, df, row_max + r);
   }
+  return true;
+}
+
+/// The second half: p = e^(mult·s − m) per row, as bf16 into pb (or, with keep_f32,
+/// as f32 back into s, for dropout), the sums l ([kQ][kLanes], of the unrounded p)
+/// updated with alpha; between rows, the second half of `job` keeps the tile unit busy.
+ATTN_AMX void Exponentials(float* s, int width, float mult, const float* m, const float* row_max,
+                           const float* alpha, float* l, bf16* pb, bool keep_f32, TileJob& job) {
+  const DF df;
+  constexpr float kLog2e = 1.44269504088896341f;
   for (int r = 0; r < kQ; ++r) {
     float* row = s + r * kW;
     bf16* prow = pb + r * kW;
@@ -307,14 +425,20 @@ ATTN_AMX bool SoftmaxBlock(float* s, int width, float mult, float* m, float* l, 
       } else {
         std::fill(prow, prow + width, bf16{0});
       }
+      job.RunTo(kQ + r + 1, 2 * kQ);
       continue;
     }
-    const VF mu = hn::Set(df, row_max[r]);
+    // In base 2 with one FMA, (s·mult·log2e) − m·log2e, when m·log2e is finite;
+    // else (s·mult − m)·log2e, which cannot overflow.
+    const float m2 = row_max[r] * kLog2e;
+    const bool fused = std::isfinite(m2) || std::isnan(m2);
+    const VF c1 = hn::Set(df, fused ? mult * kLog2e : mult), c0 = hn::Set(df, fused ? m2 : row_max[r]);
     VF sum0 = hn::Zero(df), sum1 = hn::Zero(df);
     for (int c = 0; c < width; c += 2 * kLanes) {
-      // mult·s − m, fused: the product is exact before the subtraction.
-      const VF e0 = ExpNonPositive(df, hn::MulSub(hn::Load(df, row + c), vmult, mu));
-      const VF e1 = ExpNonPositive(df, hn::MulSub(hn::Load(df, row + c + kLanes), vmult, mu));
+      VF x0 = hn::MulSub(hn::Load(df, row + c), c1, c0);
+      VF x1 = hn::MulSub(hn::Load(df, row + c + kLanes), c1, c0);
+      if (!fused) x0 = hn::Mul(x0, hn::Set(df, kLog2e)), x1 = hn::Mul(x1, hn::Set(df, kLog2e));
+      const VF e0 = Exp2Probability(df, x0), e1 = Exp2Probability(df, x1);
       sum0 = hn::Add(sum0, e0);
       sum1 = hn::Add(sum1, e1);
       if (keep_f32) {
@@ -326,8 +450,8 @@ ATTN_AMX bool SoftmaxBlock(float* s, int width, float mult, float* m, float* l, 
     }
     float* lr = l + r * kLanes;
     hn::Store(hn::MulAdd(hn::Load(df, lr), hn::Set(df, alpha[r]), hn::Add(sum0, sum1)), df, lr);
+    job.RunTo(kQ + r + 1, 2 * kQ);
   }
-  return true;
 }
 
 /// Rounds kQ rows × width f32 probabilities (row stride kW) into pb.
@@ -351,25 +475,45 @@ void RescaleRows(float* o, int dvp, const float* alpha) {
   }
 }
 
-/// The per-thread workspace of one work item.
+/// out[c] = acc[c]·inv for c < dv (NaN everywhere when nan), in bf16 (rounded to
+/// nearest even) or f32. acc holds dv rounded up to 32 floats.
+ATTN_AMX void WriteOutputRow(float* acc, int dv, float inv, bool nan, bool to_bf16, float* out32, bf16* out16) {
+  const __m512 scale = _mm512_set1_ps(inv);
+  for (int c = 0; c < dv; c += 16) {
+    const __mmask16 m = static_cast<__mmask16>(dv - c >= 16 ? 0xFFFFu : (1u << (dv - c)) - 1);
+    const __m512 x = nan ? _mm512_set1_ps(NAN) : _mm512_mul_ps(_mm512_loadu_ps(acc + c), scale);
+    if (to_bf16) {
+      _mm256_mask_storeu_epi16(out16 + c, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+    } else {
+      _mm512_mask_storeu_ps(out32 + c, m, x);
+    }
+  }
+}
+
+/// The per-thread workspace of one work item. Scores and probabilities are double
+/// buffered: the tile unit fills one block's scores and multiplies the previous
+/// block's probabilities while AVX-512 exponentiates the current one.
 struct AmxScratch {
-  float* s;     // [kQ][kW]  scores, then (with dropout) f32 probabilities
-  bf16* pb;     // [kQ][kW]  probabilities rounded to bf16
-  float* o;     // [kQ][dvp] output accumulator
-  float* l;     // [kQ][kLanes]
-  float* m;     // [kQ]
-  float* alpha; // [kQ]
-  float* tmp;   // [kQ]
-  int* lo;      // [kQ]
-  int* hi;      // [kQ]
+  float* s[2];   // [kQ][kW]  scores, then (with dropout) f32 probabilities
+  bf16* pb[2];   // [kQ][kW]  probabilities rounded to bf16
+  float* o;      // [kQ][dvp] output accumulator
+  float* l;      // [kQ][kLanes]
+  float* m;      // [kQ]
+  float* alpha;  // [kQ]
+  float* tmp;    // [kQ]
+  int* lo;       // [kQ]
+  int* hi;       // [kQ]
 
   static size_t Floats(int dvp) {
-    return size_t{kQ} * kW + size_t{kQ} * kW / 2 + size_t{kQ} * dvp + size_t{kQ} * kLanes + 5 * kQ;
+    return 3 * size_t{kQ} * kW + size_t{kQ} * dvp + size_t{kQ} * kLanes + 5 * kQ;
   }
   explicit AmxScratch(int dvp) {
-    s = thread_scratch(kSlotTile, Floats(dvp));
-    pb = reinterpret_cast<bf16*>(s + kQ * kW);
-    o = s + kQ * kW + kQ * kW / 2;
+    float* base = thread_scratch(kSlotTile, Floats(dvp));
+    s[0] = base;
+    s[1] = base + kQ * kW;
+    pb[0] = reinterpret_cast<bf16*>(base + 2 * kQ * kW);
+    pb[1] = pb[0] + kQ * kW;
+    o = base + 3 * kQ * kW;
     l = o + static_cast<size_t>(kQ) * dvp;
     m = l + kQ * kLanes;
     alpha = m + kQ;
@@ -385,7 +529,11 @@ bool HasScoreMods(const Problem& p) {
          p.mods != nullptr;
 }
 
-/// One work item: sequence b, query head h, query block qt.
+/// One work item: sequence b, query head h, query block qt. Blocks of keys go
+/// through a two-stage pipeline: while AVX-512 turns block t's scores into
+/// probabilities, the tile unit computes block t+1's scores and adds block t−1's
+/// P·V into O (both interleaved row by row with the softmax, so neither unit waits
+/// for the other); O is rescaled by block t's α once that P·V is in.
 ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, int b, int h, int qt) {
   const Sequence& seq = p.seqs[b];
   const int hk = h / p.group();
@@ -407,9 +555,36 @@ ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, i
   const bf16* v = lay.V(pack, p, b, hk);
   const bool mods = HasScoreMods(p), dropout = p.dropout_p > 0.0f;
   const int dc = lay.dp / kPair, vc = dvp / 16;
-  for (int j0 = jmax < 0 ? 0 : jmin / kPair * kPair; j0 <= jmax; j0 += kW) {
-    const int width = std::min(kW, RoundUp(jmax + 1, kPair) - j0);
-    ScoresAmx(q, lay.dp, k + static_cast<size_t>(j0 / 16) * dc * kTile, width, w.s);
+  const int first = jmax < 0 ? 0 : jmin / kPair * kPair;
+  const int blocks = jmax < 0 ? 0 : (jmax - first) / kW + 1;
+  auto block_start = [&](int t) { return first + t * kW; };
+  auto block_width = [&](int t) { return std::min(kW, RoundUp(jmax + 1, kPair) - block_start(t)); };
+  auto qk_job = [&](TileJob& job, int t) {
+    job.q = q, job.dp = lay.dp, job.s = w.s[t % 2];
+    job.k = k + static_cast<size_t>(block_start(t) / 16) * dc * kTile;
+    job.qk_width = block_width(t);
+  };
+  auto pv_job = [&](TileJob& job, int t) {
+    job.pb = w.pb[t % 2], job.o = w.o, job.dvp = dvp;
+    job.v = v + static_cast<size_t>(block_start(t) / kPair) * vc * kTile;
+    job.pv_width = block_width(t);
+  };
+
+  if (blocks > 0) {
+    TileJob first_scores;
+    qk_job(first_scores, 0);
+    first_scores.Start();
+    first_scores.Finish();
+  }
+  int pending_pv = -1;  // a block whose P·V is still to be added
+  for (int t = 0; t < blocks; ++t) {
+    const int j0 = block_start(t), width = block_width(t);
+    float* sc = w.s[t % 2];
+    TileJob job;
+    if (t + 1 < blocks) qk_job(job, t + 1);
+    if (pending_pv >= 0) pv_job(job, pending_pv);
+    job.Start();
+    pending_pv = -1;
 
     // Modifiers and masks on each 64-key tile that needs them, in natural units.
     bool band = false;
@@ -421,7 +596,7 @@ ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, i
     if (mods || band) {
       const DF df;
       for (int r = 0; r < kQ; ++r) {
-        float* row = w.s + r * kW;
+        float* row = sc + r * kW;
         for (int c = 0; c < width; c += kLanes) {
           hn::Store(hn::Mul(hn::Load(df, row + c), hn::Set(df, p.scale)), df, row + c);
         }
@@ -429,33 +604,39 @@ ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, i
       mult = 1.0f;
       for (int s0 = 0; s0 < width; s0 += kBk) {
         const TilePlace place{b, h, i0, rows, j0 + s0, std::min(kBk, seq.Lk - j0 - s0), w.lo, w.hi};
-        ApplyScoreMods(p, seq, place, w.s + s0, kW, TileNeedsBand(place));
+        ApplyScoreMods(p, seq, place, sc + s0, kW, TileNeedsBand(place));
       }
     }
-    if (!SoftmaxBlock(w.s, width, mult, w.m, w.l, w.alpha, w.tmp, w.pb, dropout)) continue;
-    if (dropout) {
-      for (int s0 = 0; s0 < width; s0 += kBk) ApplyDropout(p, b, h, i0, rows, j0 + s0, w.s + s0, kW);
-      ProbabilitiesToBf16(w.s, width, w.pb);
+    const bool visible = UpdateMaxima(sc, width, mult, w.m, w.alpha, w.tmp, job);
+    if (visible) {
+      Exponentials(sc, width, mult, w.m, w.tmp, w.alpha, w.l, w.pb[t % 2], dropout, job);
+      if (dropout) {
+        for (int s0 = 0; s0 < width; s0 += kBk) ApplyDropout(p, b, h, i0, rows, j0 + s0, sc + s0, kW);
+        ProbabilitiesToBf16(sc, width, w.pb[t % 2]);
+      }
+      pending_pv = t;
     }
-    RescaleRows(w.o, dvp, w.alpha);
-    PvAmx(w.pb, v + static_cast<size_t>(j0 / kPair) * vc * kTile, width, dvp, w.o);
+    job.Finish();
+    // O now holds every block before t; scale it to block t's maxima.
+    if (visible) RescaleRows(w.o, dvp, w.alpha);
+  }
+  if (pending_pv >= 0) {
+    TileJob last;
+    pv_job(last, pending_pv);
+    last.Start();
+    last.Finish();
   }
 
   // Normalise and write out, as the f32 kernel does.
   for (int r = 0; r < rows; ++r) {
     const int64_t at = seq.out_offset + h * p.out_head + int64_t{i0 + r} * p.out_row;
-    const float* acc = w.o + static_cast<size_t>(r) * dvp;
     const float sum = RowSum(w.l, r);
     const bool none = w.m[r] == -HUGE_VALF;
     const bool nan = std::isnan(w.m[r]) || std::isnan(sum);
     const float inv = none ? 0.0f : nan ? NAN : 1.0f / sum;
-    if (p.dtype == DType::bf16) {
-      bf16* dst = reinterpret_cast<bf16*>(p.out) + at;
-      for (int c = 0; c < p.dv; ++c) dst[c] = f32_to_bf16(nan ? NAN : acc[c] * inv);
-    } else {
-      float* dst = p.out + at;
-      for (int c = 0; c < p.dv; ++c) dst[c] = nan ? NAN : acc[c] * inv;
-    }
+    float* acc = w.o + static_cast<size_t>(r) * dvp;
+    WriteOutputRow(acc, p.dv, inv, nan, p.dtype == DType::bf16, p.out + (p.dtype == DType::bf16 ? 0 : at),
+                   reinterpret_cast<bf16*>(p.out) + (p.dtype == DType::bf16 ? at : 0));
     if (p.lse != nullptr) {
       p.lse[seq.lse_offset + h * p.lse_h + int64_t{i0 + r} * p.lse_i] =
           none ? -HUGE_VALF : static_cast<float>(double{w.m[r]} + std::log(double{sum}));
@@ -492,10 +673,15 @@ bool ForwardAmxImpl(const Problem& p, int threads) {
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     bool bad = false;
+    // Staging rows for inputs that need rounding or padding (thread scratch; the
+    // work items below reuse the slot once packing is done).
+    bf16* staging = reinterpret_cast<bf16*>(thread_scratch(kSlotTile, static_cast<size_t>(kPair) * (lay.dp + lay.dvp)));
 #pragma omp for schedule(static) nowait
-    for (int i = 0; i < nq; ++i) bad |= PackQueries(p, lay, pack, qpacks[i].b, qpacks[i].h, qpacks[i].t);
+    for (int i = 0; i < nq; ++i) bad |= PackQueries(p, lay, pack, qpacks[i].b, qpacks[i].h, qpacks[i].t, staging);
 #pragma omp for schedule(static)
-    for (int i = 0; i < nkv; ++i) bad |= PackKeysValues(p, lay, pack, kvpacks[i].b, kvpacks[i].h, kvpacks[i].t);
+    for (int i = 0; i < nkv; ++i) {
+      bad |= PackKeysValues(p, lay, pack, kvpacks[i].b, kvpacks[i].h, kvpacks[i].t, staging);
+    }
     if (bad) nonfinite.store(true);
 #pragma omp barrier
     // Every thread reads the same flag after the barrier, so all or none of them
