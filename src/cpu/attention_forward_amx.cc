@@ -655,14 +655,12 @@ bool ForwardAmxImpl(const Problem& p, int threads) {
   double flops = 0;
   for (int b = 0; b < p.B; ++b) {
     const Sequence& seq = p.seqs[b];
-    for (int hk = 0; hk < p.Hkv; ++hk) {
-      for (int t = 0; t < AmxLayout::KRows(seq.Lk) / kPair; ++t) kvpacks.push_back({b, hk, t});
-    }
+    // Packing items cover every head of a chunk of tokens: the heads of a token
+    // are adjacent in memory, so the reads stream instead of striding by H·d.
+    for (int t = 0; t < AmxLayout::KRows(seq.Lk) / kPair; ++t) kvpacks.push_back({b, 0, t});
+    for (int t = 0; t < AmxLayout::QRows(seq.Lq) / kQ; ++t) qpacks.push_back({b, 0, t});
     for (int h = 0; h < p.Hq; ++h) {
-      for (int t = 0; t < AmxLayout::QRows(seq.Lq) / kQ; ++t) {
-        qpacks.push_back({b, h, t});
-        blocks.push_back({b, h, t});
-      }
+      for (int t = 0; t < AmxLayout::QRows(seq.Lq) / kQ; ++t) blocks.push_back({b, h, t});
     }
     flops += 2.0 * seq.Lq * seq.Lk * (p.d + p.dv) * p.Hq;
   }
@@ -677,10 +675,12 @@ bool ForwardAmxImpl(const Problem& p, int threads) {
     // work items below reuse the slot once packing is done).
     bf16* staging = reinterpret_cast<bf16*>(thread_scratch(kSlotTile, static_cast<size_t>(kPair) * (lay.dp + lay.dvp)));
 #pragma omp for schedule(static) nowait
-    for (int i = 0; i < nq; ++i) bad |= PackQueries(p, lay, pack, qpacks[i].b, qpacks[i].h, qpacks[i].t, staging);
+    for (int i = 0; i < nq; ++i) {
+      for (int h = 0; h < p.Hq; ++h) bad |= PackQueries(p, lay, pack, qpacks[i].b, h, qpacks[i].t, staging);
+    }
 #pragma omp for schedule(static)
     for (int i = 0; i < nkv; ++i) {
-      bad |= PackKeysValues(p, lay, pack, kvpacks[i].b, kvpacks[i].h, kvpacks[i].t, staging);
+      for (int hk = 0; hk < p.Hkv; ++hk) bad |= PackKeysValues(p, lay, pack, kvpacks[i].b, hk, kvpacks[i].t, staging);
     }
     if (bad) nonfinite.store(true);
 #pragma omp barrier
