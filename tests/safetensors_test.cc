@@ -2,6 +2,7 @@
 // of malformed input giving attn::Error.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -143,6 +144,59 @@ TEST(Safetensors, ModuleStateRoundTripAndStrictLoading) {
   SafeTensors wrong = io::module_state(a);
   wrong.tensors["linear1.weight"].shape = {4, 6};
   EXPECT_THROW(io::load_module_state(b, wrong), Error);
+}
+
+TEST(Safetensors, Bf16AndF16ModuleStatesRoundOnceAndLoadBackIntoF32) {
+  nn::Rng rng = nn_rng(23);
+  nn::FeedForward a(5, 7, nn::ActivationKind::relu, 0.0f, rng), b(5, 7, nn::ActivationKind::relu, 0.0f, rng);
+  for (const char* dtype : {"BF16", "F16"}) {
+    SCOPED_TRACE(dtype);
+    const SafeTensors state = io::module_state(a, dtype);
+    EXPECT_EQ(state.at("linear1.weight").dtype, dtype);
+    EXPECT_EQ(state.at("linear1.weight").bytes.size(), 2u * 5 * 7);
+    const SafeTensors reread = io::parse_safetensors(io::serialize_safetensors(state).data(),
+                                                     io::serialize_safetensors(state).size());
+    io::load_module_state(b, reread);
+    const std::vector<float>& w = a.linear1.weight.value;
+    const std::vector<float>& got = b.linear1.weight.value;
+    ASSERT_EQ(w.size(), got.size());
+    bool changed = false;
+    for (size_t i = 0; i < w.size(); ++i) {
+      // Independent oracle: the nearest value with 8 (bf16) or 11 (f16) significant
+      // bits, from frexp/ldexp in double, ties to even; f16 subnormals are multiples
+      // of 2^-24.
+      int e = 0;
+      const double m = std::frexp(double(w[i]), &e);
+      const bool f16 = std::string(dtype) == "F16";
+      const int bits = f16 ? 11 : 8;
+      const double want = f16 && std::fabs(w[i]) < std::ldexp(1.0, -14)
+                              ? std::ldexp(std::nearbyint(std::ldexp(double(w[i]), 24)), -24)
+                              : std::ldexp(std::nearbyint(std::ldexp(m, bits)), e - bits);
+      ASSERT_EQ(double(got[i]), want) << i << " " << w[i];
+      changed |= got[i] != w[i];
+    }
+    EXPECT_TRUE(changed) << "f32 weights should not all be exact in " << dtype;
+  }
+  EXPECT_THROW(SafeTensor::from_f32({1}, a.linear1.weight.value.data(), "F64"), Error);
+}
+
+TEST(Safetensors, FromViewCopiesATensorInItsOwnDtypeThroughItsStrides) {
+  // A [3, 2] bf16 view with a row stride of 5 elements (every other row of a buffer).
+  std::vector<uint16_t> buf(15);
+  for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<uint16_t>(0x3f80 + i);
+  const TensorView v(buf.data(), DType::bf16, {3, 2}, {5, 1});
+  const SafeTensor t = SafeTensor::from_view(v);
+  EXPECT_EQ(t.dtype, "BF16");
+  EXPECT_EQ(t.shape, (std::vector<int64_t>{3, 2}));
+  ASSERT_EQ(t.bytes.size(), 12u);
+  const size_t want[] = {0, 1, 5, 6, 10, 11};
+  for (int i = 0; i < 6; ++i) {
+    uint16_t h;
+    std::memcpy(&h, t.bytes.data() + 2 * i, 2);
+    EXPECT_EQ(h, buf[want[i]]) << i;
+  }
+  const std::vector<float> f = t.to_f32();
+  EXPECT_EQ(f[0], 1.0f);
 }
 
 }  // namespace

@@ -11,9 +11,9 @@
 #include <string>
 #include <nlohmann/json.hpp>
 
-#include "io/files.hpp"
-
 #include "attn/error.hpp"
+#include "io/files.hpp"
+#include "tensor/convert.hpp"
 
 namespace attn::io {
 
@@ -106,10 +106,41 @@ std::vector<int32_t> SafeTensor::to_i32() const {
   return out;
 }
 
-SafeTensor SafeTensor::from_f32(std::vector<int64_t> shape, const float* data) {
-  SafeTensor t{"F32", std::move(shape), {}};
-  t.bytes.resize(static_cast<size_t>(t.numel()) * 4);
-  if (!t.bytes.empty()) std::memcpy(t.bytes.data(), data, t.bytes.size());
+SafeTensor SafeTensor::from_f32(std::vector<int64_t> shape, const float* data, const std::string& dtype) {
+  if (dtype != "F32" && dtype != "BF16" && dtype != "F16") {
+    fail("from_f32: dtype must be F32, BF16 or F16, got \"" + dtype + "\"");
+  }
+  SafeTensor t{dtype, std::move(shape), {}};
+  const size_t n = static_cast<size_t>(t.numel());
+  t.bytes.resize(n * dtype_bytes(dtype));
+  if (dtype == "F32") {
+    if (n != 0) std::memcpy(t.bytes.data(), data, t.bytes.size());
+  } else {
+    for (size_t i = 0; i < n; ++i) {
+      const uint16_t h = dtype == "BF16" ? detail::f32_to_bf16(data[i]) : detail::f32_to_f16(data[i]);
+      std::memcpy(t.bytes.data() + 2 * i, &h, 2);  // little-endian host, as the file
+    }
+  }
+  return t;
+}
+
+SafeTensor SafeTensor::from_view(const TensorView& v) {
+  const char* names[] = {"F32", "BF16", "F16", "BOOL", "I32"};  // DType's order
+  SafeTensor t{names[static_cast<int>(v.dtype())], v.shape(), {}};
+  const size_t esize = dtype_size(v.dtype());
+  const int64_t n = v.numel();
+  t.bytes.resize(static_cast<size_t>(n) * esize);
+  std::vector<int64_t> idx(static_cast<size_t>(v.rank()), 0);
+  const uint8_t* base = static_cast<const uint8_t*>(v.data());
+  for (int64_t e = 0; e < n; ++e) {
+    int64_t at = 0;
+    for (int i = 0; i < v.rank(); ++i) at += idx[static_cast<size_t>(i)] * v.stride(i);
+    std::memcpy(t.bytes.data() + static_cast<size_t>(e) * esize, base + at * static_cast<int64_t>(esize), esize);
+    for (int i = v.rank() - 1; i >= 0; --i) {
+      if (++idx[static_cast<size_t>(i)] < v.size(i)) break;
+      idx[static_cast<size_t>(i)] = 0;
+    }
+  }
   return t;
 }
 
@@ -250,10 +281,10 @@ void save_safetensors(const std::string& path, const SafeTensors& file) {
   }
 }
 
-SafeTensors module_state(nn::Module& module) {
+SafeTensors module_state(nn::Module& module, const std::string& dtype) {
   SafeTensors file;
   for (auto& [name, p] : module.named_parameters())
-    file.tensors[name] = SafeTensor::from_f32(p->shape, p->value.data());
+    file.tensors[name] = SafeTensor::from_f32(p->shape, p->value.data(), dtype);
   return file;
 }
 

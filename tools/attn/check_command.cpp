@@ -1,12 +1,16 @@
 // `attn check`: runs the fused forward against the float64 reference on random
-// inputs of many shapes and options, on this machine, and says whether it holds.
+// inputs of many shapes and options, in every dtype and on every kernel path this
+// machine can run, and says whether it holds.
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "attn/attention.hpp"
 #include "commands.hpp"
+#include "tensor/convert.hpp"
 
 namespace attn::cli {
 namespace {
@@ -29,12 +33,86 @@ double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
   return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
 }
 
+// One dtype on one kernel path (ATTN_ISA's value; "" = the default).
+struct Variant {
+  DType dtype;
+  const char* isa;
+};
+
+// Rounds x to the dtype (f32: unchanged).
+float round_to(DType t, float x) {
+  if (t == DType::bf16) return detail::round_to_bf16(x);
+  if (t == DType::f16) return detail::round_to_f16(x);
+  return x;
+}
+
+// Runs one case in one variant: the fused output against the float64 reference on the
+// same (rounded) inputs. f32: relative error ≤ 1e-6. bf16/f16: FlashAttention's rule,
+// at most 2× the error of a plain implementation with the same rounding (exact
+// softmax, P rounded to the dtype before P·V, f32 sums, output rounded).
+bool run_case(const CheckCase& c, const Variant& var, std::mt19937& rng) {
+  std::uniform_real_distribution<float> u(-1, 1);
+  std::vector<float> q(size_t(c.Lq) * c.H * c.d), k(size_t(c.Lk) * c.Hkv * c.d), v(size_t(c.Lk) * c.Hkv * c.d),
+      ref(q.size()), probs(size_t(c.H) * c.Lq * c.Lk);
+  for (auto* t : {&q, &k, &v}) {
+    for (float& x : *t) x = round_to(var.dtype, u(rng));
+  }
+  AttentionOptions opt;
+  opt.causal = c.causal, opt.window = c.window, opt.softcap = c.softcap;
+  auto view = [](std::vector<float>& x, DType t, int L, int H, int d) { return TensorView(x.data(), t, {1, L, H, d}); };
+  const TensorView qv = view(q, DType::f32, c.Lq, c.H, c.d), kv = view(k, DType::f32, c.Lk, c.Hkv, c.d),
+                   vv = view(v, DType::f32, c.Lk, c.Hkv, c.d);
+  attention_reference(qv, kv, vv, view(ref, DType::f32, c.Lq, c.H, c.d), opt, {},
+                      TensorView(probs.data(), DType::f32, {1, c.H, c.Lq, c.Lk}));
+  std::vector<float> out(q.size());
+  if (var.isa[0] != '\0') setenv("ATTN_ISA", var.isa, 1);
+  if (var.dtype == DType::f32) {
+    attention(qv, kv, vv, view(out, DType::f32, c.Lq, c.H, c.d), opt);
+  } else {
+    const bool bf = var.dtype == DType::bf16;
+    auto narrow = [&](const std::vector<float>& x) {
+      std::vector<uint16_t> h(x.size());
+      for (size_t i = 0; i < x.size(); ++i) h[i] = bf ? detail::f32_to_bf16(x[i]) : detail::f32_to_f16(x[i]);
+      return h;
+    };
+    std::vector<uint16_t> q16 = narrow(q), k16 = narrow(k), v16 = narrow(v), o16(out.size());
+    auto view16 = [&](std::vector<uint16_t>& x, int L, int H) { return TensorView(x.data(), var.dtype, {1, L, H, c.d}); };
+    attention(view16(q16, c.Lq, c.H), view16(k16, c.Lk, c.Hkv), view16(v16, c.Lk, c.Hkv), view16(o16, c.Lq, c.H), opt);
+    for (size_t i = 0; i < out.size(); ++i) out[i] = bf ? detail::bf16_to_f32(o16[i]) : detail::f16_to_f32(o16[i]);
+  }
+  unsetenv("ATTN_ISA");
+  const double err = rel_error(out, ref);
+  bool ok = err <= 1e-6;
+  char bar[64] = "bar 1e-6";
+  if (var.dtype != DType::f32) {
+    std::vector<float> plain(out.size());
+    const int group = c.H / c.Hkv;
+    for (int i = 0; i < c.Lq; ++i) {
+      for (int h = 0; h < c.H; ++h) {
+        const float* p = probs.data() + (size_t(h) * c.Lq + i) * c.Lk;
+        for (int x = 0; x < c.d; ++x) {
+          float acc = 0;
+          for (int j = 0; j < c.Lk; ++j) acc += round_to(var.dtype, p[j]) * v[(size_t(j) * c.Hkv + h / group) * c.d + x];
+          plain[(size_t(i) * c.H + h) * c.d + x] = round_to(var.dtype, acc);
+        }
+      }
+    }
+    const double plain_err = rel_error(plain, ref);
+    ok = err <= 2 * plain_err + 1e-7;
+    std::snprintf(bar, sizeof bar, "plain %.2e, bar 2x", plain_err);
+  }
+  std::printf("  %-5s %-4s %-32s Lq=%-4d Lk=%-4d d=%-3d  rel. error %.2e  (%s)  %s\n", dtype_name(var.dtype),
+              var.isa[0] != '\0' ? var.isa : "f32", c.name, c.Lq, c.Lk, c.d, err, bar, ok ? "ok" : "FAIL");
+  return ok;
+}
+
 }  // namespace
 
 Command add_check_command(CLI::App& app) {
   auto seed = std::make_shared<unsigned>(std::random_device{}());
   CLI::App* sub = app.add_subcommand(
-      "check", "Verify the fused forward against the float64 reference on random inputs");
+      "check", "Verify the fused forward against the float64 reference on random inputs, in f32, bf16 and "
+               "f16, on every kernel path this machine can run");
   sub->add_option("--seed", *seed, "random seed (default: a fresh one)");
   auto run = [seed]() -> int {
     const CheckCase cases[] = {
@@ -46,26 +124,17 @@ Command add_check_command(CLI::App& app) {
         {"odd sizes", 17, 3, 3, 1, 7, Causal::BottomRight, {-1, -1}, 0},
     };
     std::mt19937 rng(*seed);
-    std::uniform_real_distribution<float> u(-1, 1);
     int failures = 0;
-    std::printf("attn check (seed %u): fused forward vs float64 reference, bar 1e-6\n", *seed);
-    for (const CheckCase& c : cases) {
-      std::vector<float> q(size_t(c.Lq) * c.H * c.d), k(size_t(c.Lk) * c.Hkv * c.d),
-          v(size_t(c.Lk) * c.Hkv * c.d), out(q.size()), ref(q.size());
-      for (auto* t : {&q, &k, &v}) {
-        for (float& x : *t) x = u(rng);
-      }
-      AttentionOptions opt;
-      opt.causal = c.causal, opt.window = c.window, opt.softcap = c.softcap;
-      const TensorView qv(q.data(), DType::f32, {1, c.Lq, c.H, c.d}),
-          kv(k.data(), DType::f32, {1, c.Lk, c.Hkv, c.d}), vv(v.data(), DType::f32, {1, c.Lk, c.Hkv, c.d});
-      attention(qv, kv, vv, TensorView(out.data(), DType::f32, {1, c.Lq, c.H, c.d}), opt);
-      attention_reference(qv, kv, vv, TensorView(ref.data(), DType::f32, {1, c.Lq, c.H, c.d}), opt);
-      const double err = rel_error(out, ref);
-      const bool ok = err <= 1e-6;
-      failures += !ok;
-      std::printf("  %-32s Lq=%-4d Lk=%-4d d=%-3d  rel. error %.2e  %s\n", c.name, c.Lq, c.Lk, c.d,
-                  err, ok ? "ok" : "FAIL");
+    const CpuInfo cpu = cpu_info();
+    std::printf("attn check (seed %u): fused forward vs float64 reference; f32 kernel on %s, bf16 default "
+                "path %s%s\n",
+                *seed, cpu.simd_target.c_str(), cpu.bf16_path.c_str(),
+                cpu.amx_bf16 ? "" : (cpu.amx_refused.empty() ? " (no AMX)" : (" (AMX refused: " + cpu.amx_refused + ")").c_str()));
+    // Every dtype, and bf16 on every path this machine can run (the portable one always).
+    std::vector<Variant> variants = {{DType::f32, ""}, {DType::bf16, "f32"}, {DType::f16, ""}};
+    if (cpu.amx_bf16) variants.push_back({DType::bf16, "amx"});
+    for (const Variant& var : variants) {
+      for (const CheckCase& c : cases) failures += !run_case(c, var, rng);
     }
     std::printf("%s\n", failures ? "FAILED" : "all ok");
     return failures ? 1 : 0;

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "attn/nn/module.hpp"
+#include "attn/tensor.hpp"
 
 namespace attn::io {
 
@@ -29,8 +30,13 @@ struct SafeTensor {
   /// The values converted to i32 (integer and BOOL dtypes); throws attn::Error otherwise.
   std::vector<int32_t> to_i32() const;
 
-  static SafeTensor from_f32(std::vector<int64_t> shape, const float* data);
+  /// f32 values stored as `dtype`: "F32" (exact), "BF16" or "F16" (rounded to nearest
+  /// even, as PyTorch's .to(dtype)); any other dtype throws attn::Error.
+  static SafeTensor from_f32(std::vector<int64_t> shape, const float* data, const std::string& dtype = "F32");
   static SafeTensor from_i32(std::vector<int64_t> shape, const int32_t* data);
+  /// A copy of a tensor in its own dtype (f32 → F32, bf16 → BF16, f16 → F16, i32 →
+  /// I32, boolean → BOOL), read through its strides, stored contiguously.
+  static SafeTensor from_view(const TensorView& t);
 };
 
 /// A whole file: tensors by name (sorted) and the optional string metadata.
@@ -55,8 +61,9 @@ std::vector<uint8_t> serialize_safetensors(const SafeTensors& file);
 /// sees half a file); throws attn::Error on I/O failure.
 void save_safetensors(const std::string& path, const SafeTensors& file);
 
-/// Every parameter of `module` as F32 under its PyTorch name.
-SafeTensors module_state(nn::Module& module);
+/// Every parameter of `module` under its PyTorch name, as `dtype`: "F32" (default),
+/// "BF16" or "F16" (rounded; loading converts back to f32, the modules' dtype).
+SafeTensors module_state(nn::Module& module, const std::string& dtype = "F32");
 /// Copies tensors into `module`'s parameters by name. Shapes must match. With `strict`,
 /// every parameter must be present and every tensor must name a parameter (as
 /// PyTorch's load_state_dict); throws attn::Error listing what is missing or unexpected.
