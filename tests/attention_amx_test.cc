@@ -189,12 +189,23 @@ TEST(AmxAttention, IsaVariableIsCheckedAndNamesThePaths) {
     EXPECT_EQ(message(), "ATTN_ISA must be amx, avx512bf16 or f32, got \"sse9\"");
   }
   {
+    const ScopedIsa bad("avx512bf16");
+    EXPECT_NE(message().find("no AVX512-BF16 kernel yet"), std::string::npos) << message();
+  }
+  {
     const ScopedIsa f32("f32");
     EXPECT_EQ(message(), "no error");
+    EXPECT_EQ(cpu_info().bf16_path, "f32");
+  }
+  {
+    const ScopedIsa unset(nullptr);
+    EXPECT_EQ(cpu_info().bf16_path, have_amx() ? "amx" : "f32");
+    EXPECT_EQ(cpu_info().amx_bf16, have_amx());
   }
   const ScopedIsa amx("amx");
   if (have_amx()) {
     EXPECT_EQ(message(), "no error");
+    EXPECT_EQ(cpu_info().bf16_path, "amx");
   } else {
     EXPECT_NE(message().find("ATTN_ISA=amx, but this machine cannot run AMX"), std::string::npos) << message();
   }

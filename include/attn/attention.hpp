@@ -150,8 +150,10 @@ void dropout_mask(const TensorView& mask, float dropout_p, uint64_t seed, uint64
 
 /// Extra memory in bytes that attention() needs for these arguments when run with
 /// `threads` threads: K and V packed for the SIMD kernel (the size of k and v in
-/// f32, padded) plus one tile workspace per thread. It is allocated once per
-/// calling thread and reused by later calls; the Lq×Lk matrix is never stored.
+/// f32, padded; on the AMX path q, k and v in bf16) plus one tile workspace per
+/// thread, and for bf16/f16 inputs on the portable path their f32 copies. The
+/// workspace is allocated once per calling thread and reused by later calls; the
+/// Lq×Lk matrix is never stored.
 size_t attention_workspace_bytes(const TensorView& q, const TensorView& k, const TensorView& v,
                                  const TensorView& out, const AttentionOptions& options,
                                  int threads);
