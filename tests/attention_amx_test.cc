@@ -171,6 +171,33 @@ TEST(AmxAttention, NonFiniteInputsTakeThePortablePathsSemantics) {
   EXPECT_TRUE(std::isinf(bf16_to_f32(c.out[8 * 2 * 64 + 3])) || std::isnan(bf16_to_f32(c.out[8 * 2 * 64 + 3])));
 }
 
+TEST(AmxAttention, NonFiniteMaskValuesFollowTheReference) {
+  SKIP_WITHOUT_AMX();
+  const ScopedIsa amx("amx");
+  std::mt19937_64 rng = make_rng(26);
+  const int L = 300, d = 64;  // several 256-key blocks
+  LowpCall c(DType::bf16, 1, L, L, 1, 1, d, d, rng);
+  std::vector<float> mask(size_t(L) * L, 0.0f);
+  mask[3 * L + 5] = NAN;                                                   // NaN score: row NaN
+  mask[7 * L + 2] = INFINITY;                                              // +∞ score: row NaN
+  for (int j = 0; j < L; ++j) mask[9 * L + j] = mask[11 * L + j] = -INFINITY;
+  mask[9 * L + 280] = NAN;                                                 // only a NaN left: NaN
+  AttentionOptions o;                                                      // row 11: no key, 0
+  o.mask = TensorView(mask.data(), DType::f32, {L, L});
+  attention(c.view(c.q, L, 1, d), c.view(c.k, L, 1, d), c.view(c.v, L, 1, d), c.view(c.out, L, 1, d), o,
+            c.lse_view());
+  for (int i = 0; i < L; ++i) {
+    const float x = bf16_to_f32(c.out[size_t(i) * d]);
+    const bool want_nan = i == 3 || i == 7 || i == 9;
+    EXPECT_EQ(std::isnan(x), want_nan) << "row " << i;
+    EXPECT_EQ(std::isnan(c.lse[i]), want_nan) << "lse row " << i;
+    if (i == 11) {
+      EXPECT_EQ(x, 0.0f);
+      EXPECT_EQ(c.lse[i], -INFINITY);
+    }
+  }
+}
+
 TEST(AmxAttention, IsaVariableIsCheckedAndNamesThePaths) {
   std::mt19937_64 rng = make_rng(25);
   LowpCall c(DType::bf16, 1, 4, 4, 1, 1, 8, 8, rng);

@@ -344,20 +344,20 @@ ATTN_AMX HWY_INLINE void StoreBf16x2(VF lo, VF hi, bf16* dst) {
   _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi.raw, lo.raw)));
 }
 
-/// 2^x for x ≤ 0 (or slightly above), −∞ and NaN, for probabilities that will be
-/// rounded to bf16 (8 bits): a degree-4 polynomial fitted to 2^f on [−½, ½]
-/// (relative error 2.8e-6, against the 1.2e-7 of Exp2NonPositive's degree 6),
-/// scaled by vscalefps; exactly 0 below 2^−160.
-HWY_INLINE VF Exp2Probability(DF df, VF x) {
-  x = ClampBelow(df, x, -160.0f);
-  const VF n = hn::Round(x);
-  const VF f = hn::Sub(x, n);
-  VF e = hn::Set(df, 0.009582850564f);
-  e = hn::MulAdd(e, f, hn::Set(df, 0.0559064244f));
-  e = hn::MulAdd(e, f, hn::Set(df, 0.2402409867f));
-  e = hn::MulAdd(e, f, hn::Set(df, 0.6931241935f));
-  e = hn::MulAdd(e, f, hn::Set(df, 1.0f));
-  return VF{_mm512_scalef_ps(e.raw, n.raw)};
+/// 2^x for probabilities that will be rounded to bf16 (8 bits), in 6 vector ops:
+/// f = x − ⌊x⌋ by vreduceps, a degree-4 polynomial fitted to 2^f on [0, 1) (relative
+/// error 3.0e-6, against the 1.2e-7 of Exp2NonPositive's degree 6), and vscalefps,
+/// which multiplies by 2^⌊x⌋ itself. −∞ gives exactly 0 (vreduceps(−∞) = 0 and
+/// 2^−∞ = 0), NaN gives NaN, results below the normal range round into subnormals.
+/// The softmax is what limits the AMX kernel (see ForwardBlock), so every op counts.
+ATTN_AMX HWY_INLINE VF Exp2Probability(VF x) {
+  const __m512 f = _mm512_reduce_ps(x.raw, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 e = _mm512_set1_ps(0.01342668456f);
+  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(0.0522424736f));
+  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(0.2412802052f));
+  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(0.6930448448f));
+  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(1.0f));
+  return VF{_mm512_scalef_ps(e, x.raw)};
 }
 
 /// The first half of the online-softmax step for a block of kQ rows × `width`
@@ -373,21 +373,18 @@ ATTN_AMX bool UpdateMaxima(const float* s, int width, float mult, float* m, floa
   bool any = false;
   for (int r = 0; r < kQ; ++r) {
     const float* row = s + r * kW;
-    // A NaN score must make the row NaN, but max drops NaN operands: a running
-    // sum of the scores is NaN when one is (or when +∞ meets −∞; then look again).
-    VF mx = hn::Load(df, row), total = mx;
-    for (int c = kLanes; c < width; c += kLanes) {
-      const VF x = hn::Load(df, row + c);
-      mx = hn::Max(mx, x);
-      total = hn::Add(total, x);
-    }
-    bool nan = std::isnan(hn::GetLane(hn::SumOfLanes(df, total)));
-    if (nan) {
-      nan = false;
-      for (int c = 0; c < width; ++c) nan |= std::isnan(row[c]);
-    }
+    VF mx = hn::Load(df, row);
+    for (int c = kLanes; c < width; c += kLanes) mx = hn::Max(mx, hn::Load(df, row + c));
     // mult > 0, so the max of mult·s is mult·max(s), rounded the same way.
-    row_max[r] = nan ? NAN : hn::GetLane(hn::MaxOfLanes(df, mx)) * mult;
+    row_max[r] = hn::GetLane(hn::MaxOfLanes(df, mx)) * mult;
+    // Max may drop a NaN score. That is harmless when the row has a finite max: the
+    // NaN's p is NaN, so l and the row turn NaN. A row whose max is −∞ would skip
+    // its exponentials, so look for a NaN there (rare: only masked rows are −∞).
+    if (row_max[r] == -HUGE_VALF) {
+      for (int c = 0; c < width; ++c) {
+        if (std::isnan(row[c])) row_max[r] = NAN;
+      }
+    }
     any |= row_max[r] != -HUGE_VALF;
     job.RunTo(r + 1, 2 * kQ);
   }
@@ -438,7 +435,7 @@ ATTN_AMX void Exponentials(float* s, int width, float mult, const float* m, cons
       VF x0 = hn::MulSub(hn::Load(df, row + c), c1, c0);
       VF x1 = hn::MulSub(hn::Load(df, row + c + kLanes), c1, c0);
       if (!fused) x0 = hn::Mul(x0, hn::Set(df, kLog2e)), x1 = hn::Mul(x1, hn::Set(df, kLog2e));
-      const VF e0 = Exp2Probability(df, x0), e1 = Exp2Probability(df, x1);
+      const VF e0 = Exp2Probability(x0), e1 = Exp2Probability(x1);
       sum0 = hn::Add(sum0, e0);
       sum1 = hn::Add(sum1, e1);
       if (keep_f32) {
