@@ -158,6 +158,24 @@ size_t attention_workspace_bytes(const TensorView& q, const TensorView& k, const
                                  const TensorView& out, const AttentionOptions& options,
                                  int threads);
 
+/// Combines two attentions of the same queries over disjoint sets of keys (two halves
+/// of a KV cache, two ranks of a ring) into the attention over their union, exactly in
+/// the log-sum-exp sense: with m = max(lse_a, lse_b),
+///   out = (e^(lse_a − m)·out_a + e^(lse_b − m)·out_b) / (e^(lse_a − m) + e^(lse_b − m))
+///   lse = m + ln(e^(lse_a − m) + e^(lse_b − m))
+/// computed in float64 per element, then rounded to the output dtype. Shapes as attention()'s:
+///   out_a, out_b, out  [B, L, H, dv] (or [total, H, dv] for packed sequences), f32, bf16
+///                      or f16, all one dtype;
+///   lse_a, lse_b, lse  [B, H, L] (or [H, total]), f32; lse is optional.
+/// A part whose lse is −∞ (it saw no key) has weight 0 and its output is not read;
+/// both −∞ gives out = 0, lse = −∞, as attention() does for a row with no visible key.
+/// A NaN or +∞ lse makes the row's out and lse NaN (what the whole attention gives).
+/// out may be the very view out_a or out_b (and lse the view lse_a or lse_b), to merge
+/// in place; any other overlap between outputs and inputs is an attn::Error, as are
+/// shapes, dtypes and strides that do not fit (the message names the argument).
+void merge_attention_states(const TensorView& out_a, const TensorView& lse_a, const TensorView& out_b,
+                            const TensorView& lse_b, const TensorView& out, const TensorView& lse = {});
+
 /// What the CPU kernels use on this machine.
 struct CpuInfo {
   std::string simd_target;  // the f32 kernels' Highway target: "AVX3", "AVX2", ...
