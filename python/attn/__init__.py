@@ -25,8 +25,8 @@ import numpy as _np
 from . import _attn
 from ._attn import Error, num_threads, set_num_threads
 
-__all__ = ["scaled_dot_product_attention", "varlen_attention", "attention_backward", "last_dropout_seed", "set_num_threads",
-           "num_threads", "Error", "copies_made"]
+__all__ = ["scaled_dot_product_attention", "varlen_attention", "attention_backward", "merge_attention_states",
+           "last_dropout_seed", "set_num_threads", "num_threads", "cpu_info", "Error", "copies_made"]
 __version__ = "0.1.0"
 
 _copies = 0  # copies the wrapper had to make (see copies_made)
@@ -357,3 +357,43 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     if return_seed:
         result += (last_dropout_seed(),)
     return result if len(result) > 1 else result[0]
+
+
+def merge_attention_states(out_a, lse_a, out_b, lse_b):
+    """Combine two attentions of the same queries over disjoint sets of keys.
+
+    ``out_a, lse_a = scaled_dot_product_attention(q, k_a, v_a, return_lse=True)`` and the
+    same for ``k_b, v_b`` give, merged, the attention of ``q`` over the keys of both (exactly
+    in the log-sum-exp sense: float64 inside, rounded once to the output's dtype). Shapes:
+    out [..., H, L, dv] (float32, float16 or bfloat16, one dtype), lse [..., H, L] float32.
+    Returns ``(out, lse)`` like the inputs (NumPy or torch). A part whose lse is -inf saw
+    no key and drops out; a NaN or +inf lse makes the row NaN.
+    """
+    oa = _array(out_a, "out_a")
+    ob = _array(out_b, "out_b")
+    la = _array(lse_a, "lse_a")
+    lb = _array(lse_b, "lse_b")
+    if oa.ndim < 3:
+        raise ValueError("out_a: expected shape [..., H, L, dv] (at least 3 dimensions), got %s" % (oa.shape,))
+    batch = oa.shape[:-3]
+    h, l, dv = oa.shape[-3:]
+    if ob.shape != oa.shape:
+        raise ValueError("out_b must have out_a's shape %s, got %s" % (oa.shape, ob.shape))
+    for name, t in (("lse_a", la), ("lse_b", lb)):
+        if t.shape != tuple(batch) + (h, l):
+            raise ValueError("%s must have shape %s (out_a's without dv), got %s" % (name, tuple(batch) + (h, l), t.shape))
+    oa4, ob4 = _merge_batch(oa, "out_a", batch), _merge_batch(ob, "out_b", batch)
+    la3, lb3 = _merge_batch(la, "lse_a", batch), _merge_batch(lb, "lse_b", batch)
+    out = _np.empty(oa.shape, dtype=oa.dtype)
+    lse = _np.empty(la.shape, dtype=_np.float32)
+    _attn.merge(_bshd(oa4), la3, _bshd(ob4), lb3, _bshd(out.reshape(oa4.shape)), lse=lse.reshape(la3.shape),
+                bf16=_is_bf16(out_a))
+    return _like(out, out_a), _like(lse, out_a)
+
+
+def cpu_info():
+    """What the CPU kernels use here: a dict with ``simd_target`` (the f32 kernels' SIMD
+    target), ``amx_bf16`` and ``avx512_bf16`` (what the CPU and OS allow), ``amx_refused``
+    (why AMX is unusable although the CPU has it) and ``bf16_path`` ("amx" or "f32": where
+    bfloat16 inputs run now; the environment variable ATTN_ISA=amx|f32 forces one)."""
+    return _attn.cpu_info()

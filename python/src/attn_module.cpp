@@ -129,6 +129,34 @@ PYBIND11_MODULE(_attn, m) {
       py::arg("seed") = 0, py::arg("offset") = 0, py::arg("dbias") = py::none(), py::arg("bf16") = false,
       "Gradients of forward (FlashAttention-2's backward); writes dq, dk, dv and optionally dbias.");
 
+  m.def(
+      "merge",
+      [](const py::object& out_a, const py::object& lse_a, const py::object& out_b, const py::object& lse_b,
+         const py::object& out, const py::object& lse, bool bf16) {
+        const attn::TensorView oa = view_of(out_a, "out_a", false, bf16), la = view_of(lse_a, "lse_a", false),
+                               ob = view_of(out_b, "out_b", false, bf16), lb = view_of(lse_b, "lse_b", false),
+                               ov = view_of(out, "out", true, bf16), lv = view_of(lse, "lse", true);
+        py::gil_scoped_release release;
+        attn::merge_attention_states(oa, la, ob, lb, ov, lv);
+      },
+      py::arg("out_a"), py::arg("lse_a"), py::arg("out_b"), py::arg("lse_b"), py::arg("out"), py::kw_only(),
+      py::arg("lse") = py::none(), py::arg("bf16") = false,
+      "merge_attention_states on BSHD views: two partial attentions over disjoint keys into one.");
+
+  m.def(
+      "cpu_info",
+      [] {
+        const attn::CpuInfo c = attn::cpu_info();
+        py::dict d;
+        d["simd_target"] = c.simd_target;
+        d["amx_bf16"] = c.amx_bf16;
+        d["avx512_bf16"] = c.avx512_bf16;
+        d["amx_refused"] = c.amx_refused;
+        d["bf16_path"] = c.bf16_path;
+        return d;
+      },
+      "What the CPU kernels use on this machine (see attn.cpu_info).");
+
   m.def("set_num_threads", &attn::set_num_threads, py::arg("n"),
         "Threads the kernels use (default: all cores, or ATTN_NUM_THREADS). Results do not depend on it.");
   m.def("num_threads", &attn::num_threads, "Threads the kernels use.");
