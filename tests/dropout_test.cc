@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "attention_harness.hpp"
+#include "cpu/attention_forward.hpp"  // simd_targets, force_simd_target
 #include "dropout/philox.hpp"
 
 namespace attn::testing {
@@ -63,6 +64,27 @@ TEST_F(DropoutForward, MatchesTheReferenceWithTheSameMask) {
   v.set_varlen({17, 65}, {40, 100});
   v.set_alibi(false, rng);
   EXPECT_TRUE(ledger.check(run_case(v, rng)));
+}
+
+// Dropout's forward on every Highway target this CPU supports (issue 11, item 5): the
+// tile shapes differ per target (AVX2's 48×32, AVX-512's 64×64), and the Philox
+// decisions must land on the same (i, j) whatever the tiling.
+TEST(DropoutTargets, EverySimdTargetMatchesTheReference) {
+  for (int64_t target : detail::simd_targets()) {
+    detail::force_simd_target(target);
+    SCOPED_TRACE(detail::attention_forward_target());
+    ErrorLedger ledger;
+    auto rng = make_rng(320 + target);
+    for (int d : {1, 40, 128}) {
+      Config s;
+      s.Lq = 70, s.Lk = 131, s.d = d, s.dv = d, s.Hq = 2, s.Hkv = 1, s.want_probs = true;
+      s.opt.causal = d == 40 ? Causal::BottomRight : Causal::None;
+      s.opt.dropout_p = 0.25f, s.opt.seed = rng(), s.opt.offset = 5;
+      EXPECT_TRUE(ledger.check(run_case(s, rng)));
+    }
+    EXPECT_TRUE(ledger.pooled_within_factor_of_plain());
+  }
+  detail::force_simd_target(0);
 }
 
 TEST(Dropout, ZeroProbabilityIsBitwiseNoDropout) {
