@@ -1,0 +1,103 @@
+"""attn vs PyTorch 2.x's CPU scaled_dot_product_attention (its fused flash kernel), one run.
+
+Same shapes for both (B=1, H=8, [B, H, N, d] tensors, PyTorch's layout, which attn reads in
+place), f32 and bf16, none/causal, 1 and 2 threads; medians of repeated calls after a
+warm-up, each implementation in its own phase (OpenMP pools spin for a while after a
+parallel region). Prints GFLOP/s (4·N²·d·H, halved for causal) and attn's speed-up, and
+which path attn's bf16 took (cpu_info).
+
+  bash bench/peers/setup.sh        # once: bench/peers/.venv with torch 2.x from PyPI
+  PYTHONPATH=build/release/python bench/peers/.venv/bin/python bench/peers/torch2_sdpa.py \
+      [--sizes 2048] [--dims 64,128] [--threads 1,2] [--dtypes f32,bf16] [--markdown FILE]
+"""
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import attn
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def median_time(fn, repeats, min_seconds):
+    fn()  # warm-up: workspaces, thread pools, first touches
+    times = []
+    while len(times) < repeats or sum(times) < min_seconds:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if len(times) >= 50:
+            break
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="2048")
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--dtypes", default="f32,bf16")
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--min-seconds", type=float, default=0.5)
+    ap.add_argument("--markdown", default="")
+    args = ap.parse_args()
+    dtypes = {"f32": torch.float32, "bf16": torch.bfloat16}
+    info = attn.cpu_info()
+    print("CPU: %s; torch %s; attn bf16 path: %s; f32 SIMD target: %s"
+          % (cpu_model(), torch.__version__, info["bf16_path"], info["simd_target"]))
+    rows = []
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        attn.set_num_threads(threads)
+        for name in args.dtypes.split(","):
+            for n in (int(s) for s in args.sizes.split(",")):
+                for d in (int(x) for x in args.dims.split(",")):
+                    g = torch.Generator().manual_seed(n + d)
+                    q, k, v = (torch.rand(1, args.heads, n, d, generator=g).mul_(2).sub_(1).to(dtypes[name])
+                               for _ in range(3))
+                    for causal in (False, True):
+                        def run_torch():
+                            with torch.no_grad():
+                                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+                        def run_attn():
+                            return attn.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+                        diff = (run_torch().float() - run_attn().float()).abs().max().item()
+                        time.sleep(0.3)
+                        t_torch = median_time(run_torch, args.repeats, args.min_seconds)
+                        time.sleep(0.3)
+                        t_attn = median_time(run_attn, args.repeats, args.min_seconds)
+                        fl = 4.0 * n * n * d * args.heads * (0.5 if causal else 1.0)
+                        row = (name, n, d, "causal" if causal else "none", threads, t_torch * 1e3, fl / t_torch * 1e-9,
+                               t_attn * 1e3, fl / t_attn * 1e-9, t_torch / t_attn, diff)
+                        rows.append(row)
+                        print("  %-4s N=%-5d d=%-3d %-6s threads=%d  torch %8.2f ms %7.1f GFLOP/s  attn %8.2f ms "
+                              "%7.1f GFLOP/s  attn/torch %.2fx  max|diff| %.1e" % row, flush=True)
+    table = ["| dtype | N | d | mask | threads | torch ms | torch GFLOP/s | attn ms | attn GFLOP/s | attn speed-up |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        table.append("| %s | %d | %d | %s | %d | %.2f | %.1f | %.2f | %.1f | %.2f× |" % r[:10])
+    text = "\n".join(table) + "\n"
+    print("\n" + text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
