@@ -13,6 +13,7 @@ PACKAGES=(
   clang-14 libclang-rt-14-dev   # libFuzzer for the safetensors loader
   python3-torch python3-numpy   # the PyTorch parity oracle (tests/parity), for /usr/bin/python3
   pybind11-dev python3-dev python3-pytest   # the Python package and its tests
+  python3-venv                  # `pip install .` into a fresh venv (scripts/wheel-smoke.sh)
 )
 
 missing=()

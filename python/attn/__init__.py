@@ -27,7 +27,7 @@ from ._attn import Error, num_threads, set_num_threads
 
 __all__ = ["scaled_dot_product_attention", "varlen_attention", "attention_backward", "merge_attention_states",
            "last_dropout_seed", "set_num_threads", "num_threads", "cpu_info", "Error", "copies_made"]
-__version__ = "0.1.0"
+from ._version import __version__
 
 _copies = 0  # copies the wrapper had to make (see copies_made)
 
