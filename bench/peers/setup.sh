@@ -13,5 +13,5 @@ if [ ! -x "$venv/bin/python" ]; then
   fi
 fi
 "$venv/bin/pip" install --quiet --upgrade pip
-"$venv/bin/pip" install --quiet "torch>=2.4,<3" numpy
+"$venv/bin/pip" install --quiet "torch>=2.4,<3" numpy pytest
 "$venv/bin/python" -c "import torch; print('torch', torch.__version__, 'in', '$venv')"

@@ -9,6 +9,13 @@ requires grad receives its gradient too (summed over its broadcast dimensions). 
 ``dropout_p > 0`` the forward draws a seed (or takes ``seed``) and the backward reuses it.
 The backward is once-differentiable, as PyTorch's own fused attention kernels: asking
 for a second derivative raises instead of silently returning zero.
+
+With PyTorch 2.4 or later the forward and backward are also registered as
+``torch.library`` custom operators, ``attn::sdpa`` and ``attn::sdpa_backward``, with fake
+(meta) implementations and autograd, so ``torch.compile`` traces a model that calls
+``attn.torch.scaled_dot_product_attention`` without graph breaks (and
+``torch.library.opcheck`` passes). Older PyTorch (Debian's 1.13) uses the
+``torch.autograd.Function`` below.
 """
 
 import secrets
@@ -42,6 +49,83 @@ class _Attention(_torch.autograd.Function):
         return dq, dk, dv, grads[3] if want_mask else None, None
 
 
+def _as_numpy_ready(t):
+    return None if t is None else t.detach()
+
+
+_HAS_CUSTOM_OP = hasattr(_torch, "library") and hasattr(_torch.library, "custom_op")
+
+if _HAS_CUSTOM_OP:
+    from typing import Optional as _Optional, Tuple as _Tuple
+
+    def _call_options(dropout_p, is_causal, scale, enable_gqa, bottom_right, window_left, window_right, softcap, seed):
+        return dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                    causal_alignment="bottom_right" if bottom_right else "top_left",
+                    window=(window_left, window_right), softcap=softcap or None, seed=seed)
+
+    @_torch.library.custom_op("attn::sdpa", mutates_args=())
+    def _sdpa_op(query: _torch.Tensor, key: _torch.Tensor, value: _torch.Tensor, attn_mask: _Optional[_torch.Tensor],
+                 alibi_slopes: _Optional[_torch.Tensor], dropout_p: float, is_causal: bool, scale: _Optional[float],
+                 enable_gqa: bool, bottom_right: bool, window_left: int, window_right: int, softcap: float,
+                 seed: int) -> _Tuple[_torch.Tensor, _torch.Tensor]:
+        out, lse = _attn.scaled_dot_product_attention(
+            query, key, value, _as_numpy_ready(attn_mask), return_lse=True, alibi_slopes=_as_numpy_ready(alibi_slopes),
+            **_call_options(dropout_p, is_causal, scale, enable_gqa, bottom_right, window_left, window_right,
+                            softcap, seed))
+        return out, lse
+
+    @_sdpa_op.register_fake
+    def _sdpa_fake(query, key, value, attn_mask, alibi_slopes, dropout_p, is_causal, scale, enable_gqa, bottom_right,
+                   window_left, window_right, softcap, seed):
+        out = query.new_empty(query.shape[:-1] + (value.shape[-1],))
+        lse = query.new_empty(query.shape[:-1], dtype=_torch.float32)
+        return out, lse
+
+    @_torch.library.custom_op("attn::sdpa_backward", mutates_args=())
+    def _sdpa_backward_op(grad_out: _torch.Tensor, query: _torch.Tensor, key: _torch.Tensor, value: _torch.Tensor,
+                          out: _torch.Tensor, lse: _torch.Tensor, attn_mask: _Optional[_torch.Tensor],
+                          alibi_slopes: _Optional[_torch.Tensor], dropout_p: float, is_causal: bool,
+                          scale: _Optional[float], enable_gqa: bool, bottom_right: bool, window_left: int,
+                          window_right: int, softcap: float, seed: int,
+                          want_mask_grad: bool) -> _Tuple[_torch.Tensor, _torch.Tensor, _torch.Tensor, _torch.Tensor]:
+        grads = _attn.attention_backward(
+            grad_out.contiguous(), query, key, value, out, lse, _as_numpy_ready(attn_mask),
+            return_mask_grad=want_mask_grad, alibi_slopes=_as_numpy_ready(alibi_slopes),
+            **_call_options(dropout_p, is_causal, scale, enable_gqa, bottom_right, window_left, window_right,
+                            softcap, seed))
+        dmask = grads[3] if want_mask_grad else query.new_empty((0,))
+        return grads[0], grads[1], grads[2], dmask
+
+    @_sdpa_backward_op.register_fake
+    def _sdpa_backward_fake(grad_out, query, key, value, out, lse, attn_mask, alibi_slopes, dropout_p, is_causal,
+                            scale, enable_gqa, bottom_right, window_left, window_right, softcap, seed, want_mask_grad):
+        dmask = attn_mask.new_empty(attn_mask.shape) if want_mask_grad else query.new_empty((0,))
+        return _torch.empty_like(query), _torch.empty_like(key), _torch.empty_like(value), dmask
+
+    def _no_double_backward(ctx, *grads):
+        raise RuntimeError("attn.torch's backward is once-differentiable (as PyTorch's fused attention): "
+                           "a second derivative is not available")
+
+    _sdpa_backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+    _OPTION_NAMES = ("dropout_p", "is_causal", "scale", "enable_gqa", "bottom_right", "window_left", "window_right",
+                     "softcap", "seed")
+
+    def _setup_context(ctx, inputs, output):
+        query, key, value, attn_mask, alibi_slopes = inputs[:5]
+        ctx.options = inputs[5:]
+        ctx.want_mask_grad = attn_mask is not None and attn_mask.dtype == _torch.float32 and attn_mask.requires_grad
+        ctx.save_for_backward(query, key, value, output[0], output[1], attn_mask, alibi_slopes)
+
+    def _backward(ctx, grad_out, grad_lse):
+        query, key, value, out, lse, attn_mask, alibi_slopes = ctx.saved_tensors
+        dq, dk, dv, dmask = _sdpa_backward_op(grad_out, query, key, value, out, lse, attn_mask, alibi_slopes,
+                                              *ctx.options, ctx.want_mask_grad)
+        return (dq, dk, dv, dmask if ctx.want_mask_grad else None, None) + (None,) * len(_OPTION_NAMES)
+
+    _sdpa_op.register_autograd(_backward, setup_context=_setup_context)
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, causal_alignment="top_left", window=None, softcap=None,
                                  alibi_slopes=None, seed=None):
@@ -54,6 +138,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         seed = secrets.randbits(63)
     if alibi_slopes is not None and isinstance(alibi_slopes, _torch.Tensor):
         alibi_slopes = alibi_slopes.detach()
+    if _HAS_CUSTOM_OP and (alibi_slopes is None or isinstance(alibi_slopes, _torch.Tensor)):
+        if causal_alignment not in ("top_left", "bottom_right"):
+            raise ValueError("causal_alignment must be \"top_left\" or \"bottom_right\", got %r" % (causal_alignment,))
+        left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+        out, _ = _sdpa_op(query, key, value, attn_mask, alibi_slopes, float(dropout_p), bool(is_causal),
+                          None if scale is None else float(scale), bool(enable_gqa),
+                          causal_alignment == "bottom_right", left, right, float(softcap or 0.0), int(seed or 0))
+        return out
     options = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                    causal_alignment=causal_alignment, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                    seed=seed)

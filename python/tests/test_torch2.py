@@ -1,0 +1,71 @@
+"""PyTorch 2 integration (issue 15): attn's forward and backward as torch.library custom
+operators. Runs only under PyTorch >= 2.4 (scripts/test-torch2.sh, with the venv of
+bench/peers/setup.sh); under Debian's torch 1.13 it is skipped."""
+import numpy as np
+import pytest
+import torch
+
+import attn.torch as at
+
+pytestmark = pytest.mark.skipif(not hasattr(torch.library, "custom_op"),
+                                reason="needs PyTorch >= 2.4 (torch.library.custom_op); this is %s" % torch.__version__)
+
+
+def _qkv(rng, b=2, hq=4, hkv=2, lq=17, lk=23, d=16, dtype=torch.float32, grad=True):
+    mk = lambda *s: torch.from_numpy(rng.uniform(-1, 1, s).astype(np.float32)).to(dtype).requires_grad_(grad)
+    return mk(b, hq, lq, d), mk(b, hkv, lk, d), mk(b, hkv, lk, d)
+
+
+def test_opcheck_forward_and_backward(rng):
+    q, k, v = _qkv(rng)
+    mask = torch.from_numpy(rng.uniform(-1, 1, (17, 23)).astype(np.float32)).requires_grad_(True)
+    args = (q, k, v, mask, None, 0.0, True, None, True, True, 3, 0, 0.0, 0)
+    torch.library.opcheck(torch.ops.attn.sdpa.default, args)
+    out, lse = torch.ops.attn.sdpa(*args)
+    g = torch.randn_like(out)
+    bargs = (g, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), mask.detach(), None) + args[5:] + (True,)
+    torch.library.opcheck(torch.ops.attn.sdpa_backward.default, bargs)
+
+
+def test_gradients_match_pytorch_sdpa(rng):
+    q, k, v = _qkv(rng)
+    mask = torch.from_numpy(rng.uniform(-1, 1, (17, 23)).astype(np.float32)).requires_grad_(True)
+    out = at.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    g = torch.randn_like(out)
+    out.backward(g)
+    got = [t.grad.clone() for t in (q, k, v, mask)]
+    for t in (q, k, v, mask):
+        t.grad = None
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    ref.backward(g)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    for a, b in zip(got, (q.grad, k.grad, v.grad, mask.grad)):
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=5e-5)
+
+
+def test_torch_compile_has_no_graph_break(rng):
+    q, k, v = _qkv(rng, grad=False)
+
+    def f(q, k, v):
+        return at.scaled_dot_product_attention(q * 2, k, v, is_causal=True, enable_gqa=True).relu()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v), f(q, k, v))
+    explanation = torch._dynamo.explain(f)(q, k, v)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+def test_torch_compile_trains_through_the_op(rng):
+    q, k, v = _qkv(rng)
+
+    def loss(q, k, v):
+        return at.scaled_dot_product_attention(q, k, v, window=(4, 0), enable_gqa=True).square().sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    compiled(q, k, v).backward()
+    got = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    loss(q, k, v).backward()
+    for a, t in zip(got, (q, k, v)):
+        torch.testing.assert_close(a, t.grad)
