@@ -150,3 +150,54 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                    causal_alignment=causal_alignment, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                    seed=seed)
     return _Attention.apply(query, key, value, attn_mask, options)
+
+
+class patch_sdpa:
+    """Makes PyTorch's own modules run their attention on attn, in one line:
+
+        with attn.torch.patch_sdpa():
+            y = model(x)          # nn.TransformerEncoder, nn.MultiheadAttention, ...
+
+    Inside the block ``torch.nn.functional.scaled_dot_product_attention`` is attn's
+    (differentiable) version, which ``nn.MultiheadAttention`` and the ``nn.Transformer``
+    layers call (``MultiheadAttention`` does so when ``need_weights=False``, as the
+    Transformer layers pass); their native fast path, which would bypass it, is switched
+    off for the duration. Calls attn cannot take (CUDA tensors, other dtypes) go to
+    PyTorch's function unchanged. ``calls`` counts the calls attn took. Not thread-safe:
+    it patches module globals, as any monkey-patch does.
+    """
+
+    def __init__(self):
+        self.calls = 0
+        self._saved = None
+
+    def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        tensors = [t for t in (query, key, value, attn_mask) if t is not None]
+        if (any(t.device.type != "cpu" or t.is_nested for t in tensors)
+                or query.dtype not in (_torch.float32, _torch.bfloat16, _torch.float16)
+                or (attn_mask is not None and attn_mask.dtype not in (_torch.bool, _torch.float32, query.dtype))):
+            return self._saved(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                               scale=scale, enable_gqa=enable_gqa)
+        self.calls += 1
+        return scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    def __enter__(self):
+        import torch.nn.functional as F
+        if not hasattr(F, "scaled_dot_product_attention"):
+            raise RuntimeError("attn.torch.patch_sdpa needs PyTorch 2.x (torch.nn.functional.scaled_dot_product_attention); "
+                               "this is torch %s" % _torch.__version__)
+        self._saved = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = self._sdpa
+        mha = getattr(_torch.backends, "mha", None)
+        self._fastpath = mha.get_fastpath_enabled() if mha is not None and hasattr(mha, "get_fastpath_enabled") else None
+        if self._fastpath is not None:
+            mha.set_fastpath_enabled(False)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.nn.functional as F
+        F.scaled_dot_product_attention = self._saved
+        if self._fastpath is not None:
+            _torch.backends.mha.set_fastpath_enabled(self._fastpath)
+        return False

@@ -7,8 +7,8 @@ import torch
 
 import attn.torch as at
 
-pytestmark = pytest.mark.skipif(not hasattr(torch.library, "custom_op"),
-                                reason="needs PyTorch >= 2.4 (torch.library.custom_op); this is %s" % torch.__version__)
+needs_torch2 = pytest.mark.skipif(not hasattr(torch.library, "custom_op"),
+                                  reason="needs PyTorch >= 2.4 (torch.library.custom_op); this is %s" % torch.__version__)
 
 
 def _qkv(rng, b=2, hq=4, hkv=2, lq=17, lk=23, d=16, dtype=torch.float32, grad=True):
@@ -16,6 +16,7 @@ def _qkv(rng, b=2, hq=4, hkv=2, lq=17, lk=23, d=16, dtype=torch.float32, grad=Tr
     return mk(b, hq, lq, d), mk(b, hkv, lk, d), mk(b, hkv, lk, d)
 
 
+@needs_torch2
 def test_opcheck_forward_and_backward(rng):
     q, k, v = _qkv(rng)
     mask = torch.from_numpy(rng.uniform(-1, 1, (17, 23)).astype(np.float32)).requires_grad_(True)
@@ -27,6 +28,7 @@ def test_opcheck_forward_and_backward(rng):
     torch.library.opcheck(torch.ops.attn.sdpa_backward.default, bargs)
 
 
+@needs_torch2
 def test_gradients_match_pytorch_sdpa(rng):
     q, k, v = _qkv(rng)
     mask = torch.from_numpy(rng.uniform(-1, 1, (17, 23)).astype(np.float32)).requires_grad_(True)
@@ -43,6 +45,7 @@ def test_gradients_match_pytorch_sdpa(rng):
         torch.testing.assert_close(a, b, atol=5e-5, rtol=5e-5)
 
 
+@needs_torch2
 def test_torch_compile_has_no_graph_break(rng):
     q, k, v = _qkv(rng, grad=False)
 
@@ -55,6 +58,7 @@ def test_torch_compile_has_no_graph_break(rng):
     assert explanation.graph_break_count == 0, explanation.break_reasons
 
 
+@needs_torch2
 def test_torch_compile_trains_through_the_op(rng):
     q, k, v = _qkv(rng)
 
@@ -69,3 +73,51 @@ def test_torch_compile_trains_through_the_op(rng):
     loss(q, k, v).backward()
     for a, t in zip(got, (q, k, v)):
         torch.testing.assert_close(a, t.grad)
+
+
+@needs_torch2
+def test_patch_sdpa_runs_a_stock_transformer_encoder_on_attn(rng):
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    x = torch.from_numpy(rng.uniform(-1, 1, (3, 11, 32)).astype(np.float32))
+    pad = torch.zeros(3, 11, dtype=torch.bool)
+    pad[1, 8:] = True
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(11)
+    for train in (False, True):
+        model.train(train)
+        want = model(x, mask=causal, src_key_padding_mask=pad, is_causal=True)
+        with at.patch_sdpa() as patch:
+            got = model(x, mask=causal, src_key_padding_mask=pad, is_causal=True)
+        assert patch.calls == 2, "each layer's attention must run on attn"
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    # Training: gradients through attn equal PyTorch's.
+    model.train()
+    want_grads = torch.autograd.grad(model(x, src_key_padding_mask=pad).square().sum(), list(model.parameters()))
+    with at.patch_sdpa() as patch:
+        got_grads = torch.autograd.grad(model(x, src_key_padding_mask=pad).square().sum(), list(model.parameters()))
+    assert patch.calls == 2
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=5e-5)
+    assert torch.nn.functional.scaled_dot_product_attention is not patch._sdpa, "the patch must be undone"
+
+
+@needs_torch2
+def test_patch_sdpa_runs_multihead_attention_on_attn(rng):
+    torch.manual_seed(1)
+    mha = torch.nn.MultiheadAttention(embed_dim=24, num_heads=3, batch_first=True)
+    q = torch.from_numpy(rng.uniform(-1, 1, (2, 5, 24)).astype(np.float32))
+    kv = torch.from_numpy(rng.uniform(-1, 1, (2, 9, 24)).astype(np.float32))
+    mask = torch.from_numpy(rng.random((5, 9)) < 0.2)  # True = not allowed (PyTorch's MHA rule)
+    want, _ = mha(q, kv, kv, attn_mask=mask, need_weights=False)
+    with at.patch_sdpa() as patch:
+        got, _ = mha(q, kv, kv, attn_mask=mask, need_weights=False)
+    assert patch.calls == 1
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.skipif(hasattr(torch.nn.functional, "scaled_dot_product_attention"), reason="PyTorch 1.x only")
+def test_patch_sdpa_says_it_needs_pytorch_2():
+    with pytest.raises(RuntimeError, match="needs PyTorch 2.x"):
+        with at.patch_sdpa():
+            pass
