@@ -121,3 +121,47 @@ def test_patch_sdpa_says_it_needs_pytorch_2():
     with pytest.raises(RuntimeError, match="needs PyTorch 2.x"):
         with at.patch_sdpa():
             pass
+
+
+@needs_torch2
+@pytest.mark.parametrize("variant", ["bool_mask", "float_mask", "is_causal", "gqa_scale", "causal_gqa_lq_lt_lk"])
+def test_parity_with_pytorch2_sdpa(rng, variant):
+    lq, lk, hkv = (9, 21, 2) if variant == "causal_gqa_lq_lt_lk" else (13, 13, 4 if variant != "gqa_scale" else 1)
+    q, k, v = _qkv(rng, hq=4, hkv=hkv, lq=lq, lk=lk)
+    kw = dict(enable_gqa=hkv != 4)
+    if variant == "bool_mask":
+        kw["attn_mask"] = torch.from_numpy(rng.random((2, 1, lq, lk)) < 0.8)
+    elif variant == "float_mask":
+        kw["attn_mask"] = torch.from_numpy(rng.uniform(-2, 2, (lq, lk)).astype(np.float32))
+    elif variant == "gqa_scale":
+        kw["scale"] = 0.3
+    else:
+        kw["is_causal"] = True
+    out = at.scaled_dot_product_attention(q, k, v, **kw)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
+    want = torch.autograd.grad(ref, (q, k, v), g)
+    if variant == "bool_mask":  # PyTorch gives NaN for rows with no allowed key, attn 0
+        keep = ~torch.isnan(ref)
+        torch.testing.assert_close(out[keep], ref[keep], atol=2e-5, rtol=2e-5)
+        return
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=5e-5)
+
+
+@needs_torch2
+def test_dropout_statistics_match_pytorch2(rng):
+    q, k, v = _qkv(rng, b=1, hq=2, hkv=2, lq=8, lk=8, d=8, grad=False)
+    p, n = 0.3, 400
+    plain = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    ours = torch.stack([at.scaled_dot_product_attention(q, k, v, dropout_p=p, seed=s) for s in range(n)])
+    theirs = torch.stack([torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p) for _ in range(n)])
+    # Both are unbiased: the mean over seeds converges to the no-dropout output ...
+    for samples in (ours, theirs):
+        err = (samples.mean(0) - plain).abs().max().item()
+        assert err < 6 * samples.std(0).max().item() / n ** 0.5, err
+    # ... and they spread alike (Bernoulli(1 - p) on P, scaled by 1/(1 - p)).
+    ratio = (ours.var(0).mean() / theirs.var(0).mean()).item()
+    assert 0.8 < ratio < 1.25, ratio
