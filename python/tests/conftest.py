@@ -29,9 +29,11 @@ def _t(x):
 
 
 def reference(q, k, v, mask=None, is_causal=False, scale=None, alignment="top_left", window=None, softcap=None,
-              alibi=None):
-    """float64 torch tensors [..., H, L, d] → (out, lse), fully masked rows → 0 and -inf."""
-    q, k, v = (_t(x).double() for x in (q, k, v))
+              alibi=None, dtype=torch.float64):
+    """float64 torch tensors [..., H, L, d] → (out, lse), fully masked rows → 0 and -inf.
+    With dtype=torch.float32, the same pipeline in f32: the "plain f32 implementation"
+    whose error FlashAttention's rule compares with."""
+    q, k, v = (_t(x).to(dtype) for x in (q, k, v))
     hq, hkv = q.shape[-3], k.shape[-3]
     if hq != hkv:
         k = k.repeat_interleave(hq // hkv, dim=-3)
@@ -44,7 +46,7 @@ def reference(q, k, v, mask=None, is_causal=False, scale=None, alignment="top_le
     j = torch.arange(S)[None, :]
     ip = i + S - L
     if alibi is not None:
-        slopes = _t(alibi).double()
+        slopes = _t(alibi).to(dtype)
         s = s - slopes[..., None, None] * (ip - j).abs()
     visible = torch.ones(L, S, dtype=torch.bool)
     if mask is not None:
@@ -52,7 +54,7 @@ def reference(q, k, v, mask=None, is_causal=False, scale=None, alignment="top_le
         if m.dtype == torch.bool:
             visible = visible & m
         else:
-            s = s + m.double()
+            s = s + m.to(dtype)
     if is_causal:
         visible = visible & ((j <= i) if alignment == "top_left" else (j <= ip))
     if window is not None:
@@ -65,6 +67,17 @@ def reference(q, k, v, mask=None, is_causal=False, scale=None, alignment="top_le
     lse = torch.logsumexp(s, dim=-1)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     return p @ v, lse
+
+
+def lse_err(got, want):
+    """Largest |got − want| / max(1, |want|) over the finite entries of want (lse near 0
+    has no meaningful relative error; the C++ harness divides the same way)."""
+    got = torch.as_tensor(np.asarray(got), dtype=torch.float64)
+    want = torch.as_tensor(np.asarray(want), dtype=torch.float64)
+    finite = torch.isfinite(want)
+    if not bool(finite.any()):
+        return 0.0
+    return float(((got - want).abs() / want.abs().clamp(min=1.0))[finite].max())
 
 
 def rel_err(got, want):

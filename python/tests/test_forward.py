@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import attn
-from conftest import SEED, reference, rel_err
+from conftest import SEED, lse_err, reference, rel_err
 
 
 def rand(rng, *shape):
@@ -64,15 +64,20 @@ def test_random_options_match_float64(rng, case):
     assert isinstance(out, torch.Tensor) == use_torch
     ref_opts = dict(opts)
     mask = ref_opts.pop("attn_mask", None)
-    want, want_lse = reference(q, k, v, mask=None if mask is None else np.asarray(mask),
-                               is_causal=ref_opts.get("is_causal", False), scale=ref_opts.get("scale"),
-                               alignment=ref_opts.get("causal_alignment", "top_left"), window=ref_opts.get("window"),
-                               softcap=ref_opts.get("softcap"), alibi=ref_opts.get("alibi_slopes"))
+    ref_kw = dict(mask=None if mask is None else np.asarray(mask), is_causal=ref_opts.get("is_causal", False),
+                  scale=ref_opts.get("scale"), alignment=ref_opts.get("causal_alignment", "top_left"),
+                  window=ref_opts.get("window"), softcap=ref_opts.get("softcap"), alibi=ref_opts.get("alibi_slopes"))
+    want, want_lse = reference(q, k, v, **ref_kw)
+    plain, plain_lse = reference(q, k, v, dtype=torch.float32, **ref_kw)
     assert out.shape == (B, hq, L, dv)
-    assert rel_err(out, want) <= 1e-6, "seed %d case %s" % (SEED, (B, hq, hkv, L, S, d, dv, opts.keys()))
+    # The 1e-6 bar, except where f32 arithmetic itself cannot meet it (large logits from
+    # ALiBi, masks or the scale, one short row): then 10x the plain f32 pipeline's error,
+    # the C++ harness's per-case screen.
+    why = "seed %d case %s" % (SEED, (B, hq, hkv, L, S, d, dv, opts.keys()))
+    assert rel_err(out, want) <= max(1e-6, 10 * rel_err(plain, want)), why
     finite = torch.isfinite(want_lse)
     assert torch.equal(torch.isfinite(torch.as_tensor(np.asarray(lse))), finite)
-    assert rel_err(np.asarray(lse)[finite.numpy()], want_lse[finite]) <= 1e-6
+    assert lse_err(lse, want_lse) <= max(1e-6, 10 * lse_err(plain_lse, want_lse)), why
 
 
 def test_batch_dims_none_and_several(rng):
