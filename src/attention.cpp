@@ -16,14 +16,18 @@
 namespace attn {
 namespace detail {
 
+// bf16 (or f32 rounded to bf16) runs on AMX tiles when the CPU has them; f16 and
+// explicit probabilities take the portable path (see cpu/isa.hpp).
+bool takes_amx_path(const Problem& p, const AttentionOptions& options) {
+  return needs_widening(p, options) && p.dtype != DType::f16 && p.probs == nullptr && lowp_path() == LowpPath::amx;
+}
+
 void attention_with_mods(const TensorView& q, const TensorView& k, const TensorView& v,
                          const TensorView& out, const AttentionOptions& options,
                          const TensorView& lse, const TensorView& probs, const UserMods* mods) {
   const Problem p = make_problem("attention", q, k, v, out, options, lse, probs, mods);
   if (needs_widening(p, options)) {
-    // bf16 (or f32 rounded to bf16) on AMX tiles when the CPU has them; f16 and
-    // explicit probabilities take the portable path (see cpu/isa.hpp).
-    if (p.dtype != DType::f16 && p.probs == nullptr && lowp_path() == LowpPath::amx) {
+    if (takes_amx_path(p, options)) {
       if (p.mask_dtype == DType::bf16 || p.mask_dtype == DType::f16) {
         std::vector<float> mask32;
         const AttentionOptions o = with_f32_mask(options, mask32);
@@ -175,8 +179,7 @@ size_t attention_workspace_bytes(const TensorView& q, const TensorView& k, const
       detail::make_problem("attention_workspace_bytes", q, k, v, out, options, {}, {}, nullptr);
   // The AMX path's packed bf16 operands replace the f32 copies (it declines only
   // inputs holding NaN or ±∞, which then take the portable path's copies).
-  if (detail::needs_widening(p, options) && p.dtype != DType::f16 &&
-      detail::lowp_path() == detail::LowpPath::amx) {
+  if (detail::takes_amx_path(p, options)) {
     return detail::attention_forward_amx_workspace_bytes(p, threads);
   }
   return detail::attention_forward_workspace_bytes(p, threads) +

@@ -9,17 +9,14 @@
 #include "attn/attention.hpp"
 #include "tensor/convert.hpp"
 #include "tensor/overlap.hpp"
+#include "tensor/view_util.hpp"
 
 namespace attn {
 namespace {
 
 [[noreturn]] void fail(const std::string& what) { throw Error("merge_attention_states: " + what); }
 
-std::string shape_string(const TensorView& t) {
-  std::string s = "[";
-  for (int i = 0; i < t.rank(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
-  return s + "]";
-}
+std::string shape_string(const TensorView& t) { return detail::shape_string(t.shape()); }
 
 double load(const TensorView& t, int64_t at) {
   const void* base = t.data();
@@ -77,9 +74,8 @@ std::vector<int64_t> check(const TensorView& out_a, const TensorView& lse_a, con
     if (t.empty()) fail(std::string(name) + " is required, got none");
     if (t.dtype() != DType::f32) fail(std::string(name) + " must have dtype f32, got " + dtype_name(t.dtype()));
     if (t.shape() != lse_shape) {
-      std::string want = "[";
-      for (size_t i = 0; i < lse_shape.size(); ++i) want += (i ? ", " : "") + std::to_string(lse_shape[i]);
-      fail(std::string(name) + " must be " + lse_form + " = " + want + "] for out_a " + shape_string(out_a) +
+      fail(std::string(name) + " must be " + lse_form + " = " + detail::shape_string(lse_shape) + " for out_a " +
+           shape_string(out_a) +
            ", got " + shape_string(t));
     }
     for (int i = 0; i < t.rank(); ++i) {

@@ -115,14 +115,10 @@ TEST(AmxAttention, ThreadCountDoesNotChangeABit) {
     const AttentionOptions o = oc.make(store, c, rng);
     const TensorView q = c.view(c.q, 150, 4, 64), k = c.view(c.k, 333, 2, 64), v = c.view(c.v, 333, 2, 64),
                      out = c.view(c.out, 150, 4, 64);
-    const int before = num_threads();
-    set_num_threads(1);
-    attention(q, k, v, out, o, c.lse_view());
+    with_threads(1, [&] { attention(q, k, v, out, o, c.lse_view()); });
     const std::vector<uint16_t> one = c.out;
     const std::vector<float> lse_one = c.lse;
-    set_num_threads(2);
-    attention(q, k, v, out, o, c.lse_view());
-    set_num_threads(before);
+    with_threads(2, [&] { attention(q, k, v, out, o, c.lse_view()); });
     EXPECT_EQ(one, c.out) << oc.name;
     EXPECT_EQ(lse_one, c.lse) << oc.name;
   }

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -21,6 +22,24 @@ uint64_t base_seed();
 
 /// A generator seeded from the base seed and a per-test salt.
 std::mt19937_64 make_rng(uint64_t salt);
+
+/// Expects `call` to throw attn::Error whose message contains `needle`.
+inline void expect_attn_error(const std::function<void()>& call, const std::string& needle) {
+  try {
+    call();
+    ADD_FAILURE() << "no error; expected " << needle;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+/// Runs `call` with n kernel threads, then restores the thread count it found.
+inline void with_threads(int n, const std::function<void()>& call) {
+  const int before = num_threads();
+  set_num_threads(n);
+  call();
+  set_num_threads(before);
+}
 
 /// One configuration. Option tensors (masks, slopes, lengths) are owned here;
 /// use the set_* helpers so the views in `opt` point at the storage.

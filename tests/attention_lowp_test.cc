@@ -245,13 +245,9 @@ TEST(LowPrecisionAttention, NanInAKeyMakesTheRowNanAndThreadsDoNotMatter) {
     o.causal = Causal::TopLeft;  // rows 0–4 cannot see key 5
     const TensorView q = c.view(c.q, 70, 2, 64), k = c.view(c.k, 90, 1, 64), v = c.view(c.v, 90, 1, 64),
                      out = c.view(c.out, 70, 2, 64);
-    const int before = num_threads();
-    set_num_threads(1);
-    attention(q, k, v, out, o, c.lse_view());
+    with_threads(1, [&] { attention(q, k, v, out, o, c.lse_view()); });
     const std::vector<uint16_t> one = c.out;
-    set_num_threads(2);
-    attention(q, k, v, out, o, c.lse_view());
-    set_num_threads(before);
+    with_threads(2, [&] { attention(q, k, v, out, o, c.lse_view()); });
     EXPECT_EQ(one, c.out);
     for (int i = 0; i < 70; ++i)
       for (int h = 0; h < 2; ++h) {
@@ -268,14 +264,7 @@ TEST(LowPrecisionAttention, MixedDtypesAreErrors) {
   std::vector<uint16_t> h(64);
   const TensorView q = c.view(c.q, 4, 1, 8), k = c.view(c.k, 4, 1, 8), v = c.view(c.v, 4, 1, 8),
                    out = c.view(c.out, 4, 1, 8);
-  auto expect = [](const std::function<void()>& call, const std::string& needle) {
-    try {
-      call();
-      ADD_FAILURE() << "no error; expected " << needle;
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
+  const auto expect = expect_attn_error;
   expect([&] { attention(q, TensorView(f.data(), DType::f32, {1, 4, 1, 8}), v, out); },
          "k must have dtype bf16 (the dtype of q; mixed dtypes are an error), got f32");
   expect([&] { attention(q, k, v, TensorView(h.data(), DType::f16, {1, 4, 1, 8})); },

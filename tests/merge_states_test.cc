@@ -237,14 +237,7 @@ TEST(MergeAttentionStates, ArgumentErrorsNameTheArgument) {
   std::vector<uint16_t> h(o.size());
   auto v4 = [](std::vector<float>& x) { return TensorView(x.data(), DType::f32, {2, 3, 4, 5}); };
   auto lv = [](std::vector<float>& x) { return TensorView(x.data(), DType::f32, {2, 4, 3}); };
-  auto expect = [](const std::function<void()>& call, const std::string& needle) {
-    try {
-      call();
-      ADD_FAILURE() << "no error; expected " << needle;
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
+  const auto expect = expect_attn_error;
   expect([&] { merge_attention_states(v4(o), lv(l), TensorView(h.data(), DType::bf16, {2, 3, 4, 5}), lv(l2), v4(o3)); },
          "out_b must have dtype f32 (the dtype of out_a), got bf16");
   expect([&] { merge_attention_states(v4(o), lv(l), TensorView(o2.data(), DType::f32, {2, 3, 4, 4}), lv(l2), v4(o3)); },

@@ -19,7 +19,6 @@ enum class LowpPath { amx, f32 };
 /// a refusal makes amx unavailable, never an error.
 struct CpuFeatures {
   bool amx_bf16 = false;     // CPUID and OS permission, usable
-  bool amx_fp16 = false;     // CPUID only (no kernel uses it yet)
   bool avx512_bf16 = false;  // CPUID
   std::string amx_refused;   // why amx is unusable when CPUID has it ("" otherwise)
 };

@@ -14,6 +14,7 @@
 #include "attn/error.hpp"
 #include "io/files.hpp"
 #include "tensor/convert.hpp"
+#include "tensor/view_util.hpp"
 
 namespace attn::io {
 
@@ -128,19 +129,11 @@ SafeTensor SafeTensor::from_view(const TensorView& v) {
   const char* names[] = {"F32", "BF16", "F16", "BOOL", "I32"};  // DType's order
   SafeTensor t{names[static_cast<int>(v.dtype())], v.shape(), {}};
   const size_t esize = dtype_size(v.dtype());
-  const int64_t n = v.numel();
-  t.bytes.resize(static_cast<size_t>(n) * esize);
-  std::vector<int64_t> idx(static_cast<size_t>(v.rank()), 0);
+  t.bytes.resize(static_cast<size_t>(v.numel()) * esize);
   const uint8_t* base = static_cast<const uint8_t*>(v.data());
-  for (int64_t e = 0; e < n; ++e) {
-    int64_t at = 0;
-    for (int i = 0; i < v.rank(); ++i) at += idx[static_cast<size_t>(i)] * v.stride(i);
-    std::memcpy(t.bytes.data() + static_cast<size_t>(e) * esize, base + at * static_cast<int64_t>(esize), esize);
-    for (int i = v.rank() - 1; i >= 0; --i) {
-      if (++idx[static_cast<size_t>(i)] < v.size(i)) break;
-      idx[static_cast<size_t>(i)] = 0;
-    }
-  }
+  detail::for_each_element(v, [&](int64_t at, int64_t i) {
+    std::memcpy(t.bytes.data() + static_cast<size_t>(i) * esize, base + at * static_cast<int64_t>(esize), esize);
+  });
   return t;
 }
 

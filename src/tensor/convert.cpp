@@ -1,6 +1,7 @@
 // bf16/f16 ↔ f32 conversions (see convert.hpp). Scalar bit manipulation: exact and
 // portable; the fast kernels convert inside their packing steps instead.
 #include "tensor/convert.hpp"
+#include "tensor/view_util.hpp"
 
 #include <cstring>
 
@@ -56,29 +57,6 @@ uint16_t f32_to_f16(float f) {
   return static_cast<uint16_t>(sign | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13));
 }
 
-namespace {
-// Calls f(offset of the element in the view, index in row-major order) for every element.
-template <class F>
-void for_each_element(const TensorView& t, F&& f) {
-  const int64_t n = t.numel();
-  if (t.empty() || n == 0) return;
-  const int r = t.rank();
-  std::vector<int64_t> idx(static_cast<size_t>(r), 0);
-  int64_t at = 0;
-  const int64_t last = r > 0 ? t.size(r - 1) : 1, step = r > 0 ? t.stride(r - 1) : 0;
-  for (int64_t flat = 0; flat < n;) {
-    for (int64_t j = 0; j < last; ++j) f(at + j * step, flat + j);
-    flat += last;
-    // Advance the outer index (dimensions 0 … r−2).
-    for (int i = r - 2; i >= 0; --i) {
-      at += t.stride(i);
-      if (++idx[static_cast<size_t>(i)] < t.size(i)) break;
-      at -= t.stride(i) * t.size(i);
-      idx[static_cast<size_t>(i)] = 0;
-    }
-  }
-}
-}  // namespace
 
 std::vector<float> to_f32_contiguous(const TensorView& src, bool round_bf16) {
   std::vector<float> out(static_cast<size_t>(src.empty() ? 0 : src.numel()));

@@ -7,6 +7,7 @@
 
 #include "attn/error.hpp"
 #include "attn/tensor.hpp"
+#include "tensor/view_util.hpp"
 
 namespace attn {
 
@@ -32,13 +33,19 @@ const char* dtype_name(DType t) {
   return "?";
 }
 
-namespace {
+namespace detail {
 
 std::string shape_string(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
   return s + "]";
 }
+
+}  // namespace detail
+
+namespace {
+
+using detail::shape_string;
 
 // The number of elements, or an attn::Error when it (or its size in bytes of
 // `elem` each) does not fit in int64: a wrapped product would allocate or
