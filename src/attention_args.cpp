@@ -8,101 +8,12 @@
 #include <sstream>
 #include <string>
 
+#include "arg_checker.hpp"
 #include "problem.hpp"
 #include "tensor/overlap.hpp"
 
 namespace attn::detail {
 namespace {
-
-// Builds "fn: <what>" messages.
-class Checker {
- public:
-  explicit Checker(const char* fn) : fn_(fn) {}
-
-  [[noreturn]] void fail(const std::string& what) const {
-    throw Error(std::string(fn_) + ": " + what);
-  }
-  void require(bool ok, const std::string& what) const {
-    if (!ok) fail(what);
-  }
-
-  // A tensor argument that must be present, of dtype `dt` and rank `rank`.
-  void tensor(const TensorView& t, const char* name, DType dt, int rank,
-              const char* layout) const {
-    if (t.empty()) fail(std::string(name) + " is required, got none");
-    if (t.dtype() != dt) {
-      const bool lowp = dt == DType::bf16 || dt == DType::f16;
-      fail(std::string(name) + " must have dtype " + dtype_name(dt) +
-           (lowp || std::string(name) != "q" ? std::string(" (the dtype of q; mixed dtypes are an error)") : "") +
-           ", got " + dtype_name(t.dtype()));
-    }
-    if (t.rank() != rank) {
-      fail(std::string(name) + " must have rank " + std::to_string(rank) + " " + layout +
-           ", got " + t.describe());
-    }
-    if (t.data() == nullptr && t.numel() > 0) {
-      fail(std::string(name) + " has a null data pointer but " + std::to_string(t.numel()) +
-           " elements");
-    }
-    nonnegative_strides(t, name);
-  }
-
-  // Negative strides are rejected everywhere (the kernels and the reference
-  // address a view from its first element upwards).
-  void nonnegative_strides(const TensorView& t, const char* name) const {
-    for (int i = 0; i < t.rank(); ++i) {
-      if (t.size(i) > 1 && t.stride(i) < 0) {
-        fail(std::string(name) + " must have non-negative strides, got stride " +
-             std::to_string(t.stride(i)) + " in dimension " + std::to_string(i) + " of " +
-             t.describe());
-      }
-    }
-  }
-
-  // An output must not overlap itself, nor any of `others` (inputs or outputs)
-  // except those `alias_ok` says it may equal exactly.
-  void writable(const TensorView& t, const char* name) const {
-    if (self_overlapping(t)) {
-      fail(std::string(name) + " is an output, so its elements must not overlap each other " +
-           "(no stride 0 on a dimension of size > 1), got " + t.describe());
-    }
-  }
-  void disjoint(const TensorView& out, const char* out_name, const TensorView& other,
-                const char* other_name, bool exact_alias_ok = false) const {
-    if (out.empty() || other.empty()) return;
-    if (exact_alias_ok && same_view(out, other)) return;
-    if (views_overlap(out, other)) {
-      fail(std::string(out_name) + " overlaps " + other_name +
-           (exact_alias_ok ? " without being exactly the same view" : "") +
-           ": an output must not share memory with an input or another output" +
-           (exact_alias_ok ? " (out may alias q, k or v exactly)" : "") + "; got " + out_name +
-           " " + out.describe() + " at " + std::to_string(reinterpret_cast<uintptr_t>(out.data())) +
-           ", " + other_name + " " + other.describe() + " at " +
-           std::to_string(reinterpret_cast<uintptr_t>(other.data())));
-    }
-  }
-
-  // The last dimension must be contiguous (stride 1) unless it has one element.
-  void last_contiguous(const TensorView& t, const char* name) const {
-    const int r = t.rank() - 1;
-    if (r >= 0 && t.size(r) > 1 && t.stride(r) != 1) {
-      fail(std::string(name) + " must have a contiguous last dimension (stride 1), got " +
-           t.describe());
-    }
-  }
-
-  void dim_equals(const TensorView& t, const char* name, int dim, int64_t expected,
-                  const char* meaning) const {
-    if (t.size(dim) != expected) {
-      fail(std::string(name) + ".shape[" + std::to_string(dim) + "] (" + meaning +
-           ") must be " + std::to_string(expected) + ", got " + std::to_string(t.size(dim)) +
-           " in " + t.describe());
-    }
-  }
-
- private:
-  const char* fn_;
-};
 
 std::vector<int32_t> read_i32(const TensorView& t) {
   std::vector<int32_t> v(static_cast<size_t>(t.size(0)));

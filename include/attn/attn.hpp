@@ -3,5 +3,6 @@
 
 #include "attn/attention.hpp"
 #include "attn/error.hpp"
+#include "attn/kvcache.hpp"
 #include "attn/nn.hpp"
 #include "attn/tensor.hpp"

@@ -13,12 +13,12 @@ namespace attn {
 
 /// Element types. f32 is what the kernels compute with; boolean (one byte, 0 or 1)
 /// is for masks; i32 for sequence offsets and lengths. bf16 and f16 are storage
-/// types reserved for the low-precision paths.
-enum class DType : uint8_t { f32, bf16, f16, boolean, i32 };
+/// types for the low-precision paths; i8 for quantized KV caches (attn/kvcache.hpp).
+enum class DType : uint8_t { f32, bf16, f16, boolean, i32, i8 };
 
 /// Size of one element in bytes.
 size_t dtype_size(DType t);
-/// "f32", "bf16", "f16", "bool", "i32".
+/// "f32", "bf16", "f16", "bool", "i32", "i8".
 const char* dtype_name(DType t);
 
 /// A view of memory someone else owns: data pointer, element type, shape and

@@ -18,6 +18,7 @@ size_t dtype_size(DType t) {
     case DType::f16: return 2;
     case DType::boolean: return 1;
     case DType::i32: return 4;
+    case DType::i8: return 1;
   }
   return 0;
 }
@@ -29,6 +30,7 @@ const char* dtype_name(DType t) {
     case DType::f16: return "f16";
     case DType::boolean: return "bool";
     case DType::i32: return "i32";
+    case DType::i8: return "i8";
   }
   return "?";
 }

@@ -1,0 +1,92 @@
+// Attention against a KV cache: decoding (one or a few new queries against a long
+// cache), speculative decoding and chunked prefill, with FlashAttention's
+// flash_attn_with_kvcache semantics and names where they exist.
+//
+// Layouts (the last dimension contiguous, any other non-negative strides):
+//   q            [B, Lq, Hq, d]          out [B, Lq, Hq, dv]     lse f32 [B, Hq, Lq]
+//   contiguous:  cache.k [B, capacity, Hkv, d]        cache.v [B, capacity, Hkv, dv]
+//   paged:       cache.k [num_blocks, page_size, Hkv, d] (and v), cache.block_table
+//                int32 [B, max_blocks]: logical position t of sequence b lives in
+//                page block_table[b][t / page_size], row t % page_size. Any page size ≥ 1.
+//   int8 caches: cache.k_scale / v_scale f32 [B, capacity, Hkv] (or [num_blocks,
+//                page_size, Hkv]): key row = k_scale · k (one scale per token and head).
+//   cache_seqlens int32 [B]: tokens already in each sequence's cache.
+//   k_new, v_new [B, Lnew, Hkv, d / dv]: appended in place at positions
+//                cache_seqlens[b] … cache_seqlens[b] + Lnew − 1 before attending.
+//
+// Sequence b then attends over Lk = cache_seqlens[b] + Lnew keys, with the options'
+// semantics exactly as attention() with Lq queries and Lk keys: bottom-right causal
+// (the last query sees every key; TopLeft is also accepted), window, softcap, ALiBi,
+// GQA/MQA (Hq a multiple of Hkv), lse. cache_seqlens is read, not advanced: add Lnew
+// yourself after the call (as with FlashAttention).
+//
+// Dtypes: q, out (and k_new, v_new) f32, bf16 or f16; the cache f32, bf16, f16 or i8
+// (k and v alike). New keys and values are rounded once to the cache's dtype (bf16,
+// f16: nearest even) or quantized (i8: scale = max|x| / 127 per token and head, values
+// round(x / scale) — a token of zeros gets scale 0). The kernel reads the cache in its
+// own dtype, with f32 scores, softmax and accumulation; nothing is re-packed per call.
+//
+// Rotary embeddings on append (FlashAttention's rotary_cos/rotary_sin): f32
+// [max_position, rotary_dim / 2]; the first rotary_dim dimensions of each new key
+// (row t at position cache_seqlens[b] + t) and of each query (row i at position
+// cache_seqlens[b] + Lnew − Lq + i, aligned with the new tokens) rotate by the table's
+// angles; interleaved pairs (0,1), (2,3)… (GPT-J) or halves (i, i + rotary_dim/2)
+// (GPT-NeoX, Llama). FlashAttention rotates every query of a non-causal call at
+// cache_seqlens[b]; attn rotates each query at its own position.
+//
+// Split-KV (Flash-Decoding): each sequence's keys are cut into splits that separate
+// threads compute, and the partial results are combined in split order as
+// merge_attention_states() does. The automatic split count depends on the sequence
+// length only (never on the thread count), so results are bitwise identical for any
+// number of threads; a forced num_splits is too.
+#pragma once
+
+#include <cstdint>
+
+#include "attn/attention.hpp"
+#include "attn/tensor.hpp"
+
+namespace attn {
+
+/// A KV cache in the caller's memory (see the layouts above). block_table empty =
+/// contiguous; k_scale and v_scale are required for i8 caches and refused otherwise.
+struct KVCache {
+  TensorView k, v;
+  TensorView k_scale, v_scale;
+  TensorView block_table;
+};
+
+/// What attention_with_kvcache appends and how it splits.
+struct KVCacheOptions {
+  /// New keys and values, appended before attending; give both or neither.
+  TensorView k_new, v_new;
+  /// Rotary tables (both or neither; need k_new): f32 [max_position, rotary_dim / 2].
+  TensorView rotary_cos, rotary_sin;
+  /// Rotary pairing: true = (0,1), (2,3)… (FlashAttention's default); false = halves.
+  bool rotary_interleaved = true;
+  /// Splits per sequence: 0 = automatic (by length), else 1 … kMaxKVSplits.
+  int num_splits = 0;
+};
+
+/// The most splits num_splits accepts.
+inline constexpr int kMaxKVSplits = 256;
+
+/// Appends k_new / v_new (and rotates the keys if kv gives rotary tables) into the
+/// cache, then computes out (and lse if given) for q against each sequence's
+/// cache_seqlens[b] + Lnew keys. options: scale, causal, window, softcap,
+/// alibi_slopes apply as in attention(); masks, cu_seqlens, key_lengths and dropout
+/// are attn::Errors here (precision is ignored: the cache's dtype decides). Throws
+/// attn::Error, naming the argument, before writing anything: shapes, dtypes, a
+/// block_table entry out of range or repeated within a sequence, a page another
+/// sequence uses that this call would write, cache_seqlens + Lnew beyond the
+/// capacity, a non-finite new value for an i8 cache, overlapping outputs.
+void attention_with_kvcache(const TensorView& q, const KVCache& cache, const TensorView& cache_seqlens,
+                            const TensorView& out, const AttentionOptions& options = {},
+                            const KVCacheOptions& kv = {}, const TensorView& lse = {});
+
+/// Only the append of attention_with_kvcache (for prefill: write a prompt's keys and
+/// values, rotated and quantized, without attending). Same checks and semantics;
+/// kv.num_splits is ignored.
+void kvcache_append(const KVCache& cache, const TensorView& cache_seqlens, const KVCacheOptions& kv);
+
+}  // namespace attn

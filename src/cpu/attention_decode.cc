@@ -1,0 +1,418 @@
+// Attention against a KV cache (decoding, chunked prefill): Flash-Decoding's split-KV
+// online softmax, reading the cache in place in its own dtype (f32, bf16, f16, i8),
+// with Highway SIMD and OpenMP threads.
+//
+// Work item = (sequence b, kv head, row chunk, split). A row chunk is every query row
+// that reads this kv head — the Lq queries of each of the group's query heads — up to
+// kMaxRows, so each cached key and value row is read once for all of them (GQA/MQA
+// decoding is bound by reading the cache, not by arithmetic). A split is a range of
+// whole key blocks; for each block of kBk keys:
+//   S = (scale·Q)·Kᵀ        one dot product per (row, key), the key row converted
+//                           to f32 once for all rows (i8: times the key's scale)
+//   S = modifiers (S)       ApplyScoreMods, shared with attention()
+//   P = e^(S − m_new) …     SoftmaxTile, shared with attention()
+//   O = α·O + P·V           V rows converted once per block and chunk of dv
+// Splits are combined in split order as merge_attention_states does. The automatic
+// split count depends on the key count only, so no result depends on the threads.
+// Removed keys never contribute, even where the cache holds NaN or ±∞ there: a
+// chunk of P·V that comes out non-finite is recomputed skipping p = 0.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kvcache/decode_problem.hpp"
+#include "tensor/convert.hpp"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "cpu/attention_decode.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+
+#include <hwy/aligned_allocator.h>
+#include <hwy/highway.h>
+
+#include "cpu/score_mods-inl.h"
+#include "cpu/tile_kernels-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace attn::detail::HWY_NAMESPACE {
+namespace {
+
+/// Query rows per work item: S is kMaxRows × kBk floats, O kMaxRows × dv.
+constexpr int kMaxRows = 64;
+/// Keys per split when the count is automatic: a split's partial result (rows × dv
+/// floats) costs far less than reading this many keys, and a 1k-key split is enough
+/// work to hide a thread's wake-up.
+constexpr int kAutoSplitKeys = 1024;
+constexpr int kAutoMaxSplits = 64;
+
+/// kLanes cache elements at p, as f32.
+template <typename T>
+HWY_INLINE VF LoadF32(DF df, const T* HWY_RESTRICT p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return hn::LoadU(df, p);
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    const hn::Rebind<int32_t, DF> di;
+    const hn::Rebind<int8_t, DF> d8;
+    return hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, p)));
+  } else {
+    const hn::Rebind<T, DF> dh;
+    return hn::PromoteTo(df, hn::LoadU(dh, p));
+  }
+}
+
+/// The n < kLanes cache elements at p as f32, zeros after them (no read past p + n).
+template <typename T>
+HWY_INLINE VF LoadTailF32(DF df, const T* HWY_RESTRICT p, int n) {
+  T buf[kLanes];
+  std::memset(static_cast<void*>(buf), 0, sizeof(buf));
+  std::memcpy(static_cast<void*>(buf), p, sizeof(T) * n);
+  return LoadF32(df, buf);
+}
+
+/// s[r·ld + c] = Σ_x q[r][x]·k_c[x] for NR rows (q: rows of dp floats, zero past d)
+/// and NK keys.
+template <typename T, int NR, int NK>
+HWY_INLINE void DotRows(const float* HWY_RESTRICT q, size_t dp, const T* const* keys, int d,
+                        float* HWY_RESTRICT s, size_t ld) {
+  const DF df;
+  VF acc[NR][NK];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NK; ++c) acc[r][c] = hn::Zero(df);
+  int x = 0;
+  for (; x + kLanes <= d; x += kLanes) {
+    VF kv[NK];
+    for (int c = 0; c < NK; ++c) kv[c] = LoadF32(df, keys[c] + x);
+    for (int r = 0; r < NR; ++r) {
+      const VF qv = hn::Load(df, q + r * dp + x);
+      for (int c = 0; c < NK; ++c) acc[r][c] = hn::MulAdd(qv, kv[c], acc[r][c]);
+    }
+  }
+  if (x < d) {
+    VF kv[NK];
+    for (int c = 0; c < NK; ++c) kv[c] = LoadTailF32(df, keys[c] + x, d - x);
+    for (int r = 0; r < NR; ++r) {
+      const VF qv = hn::Load(df, q + r * dp + x);
+      for (int c = 0; c < NK; ++c) acc[r][c] = hn::MulAdd(qv, kv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NK; ++c) s[r * ld + c] = hn::GetLane(hn::SumOfLanes(df, acc[r][c]));
+}
+
+template <typename T, int NK>
+HWY_INLINE void DotRowGroups(const float* q, size_t dp, int rows, const T* const* keys, int d, float* s, size_t ld) {
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) DotRows<T, 4, NK>(q + r * dp, dp, keys, d, s + r * ld, ld);
+  switch (rows - r) {
+    case 3: DotRows<T, 3, NK>(q + r * dp, dp, keys, d, s + r * ld, ld); break;
+    case 2: DotRows<T, 2, NK>(q + r * dp, dp, keys, d, s + r * ld, ld); break;
+    case 1: DotRows<T, 1, NK>(q + r * dp, dp, keys, d, s + r * ld, ld); break;
+    default: break;
+  }
+}
+
+/// o[r][x..x+kLanes) = α_r·o[r] + Σ_c p[r][c]·v_c[x..] for NR rows. When the sum
+/// is not finite (the cache holds NaN or ±∞ somewhere in these values), it is
+/// recomputed over the keys with p ≠ 0 only, so removed keys take no part.
+template <typename T, int NR>
+HWY_INLINE void PvRowsChunk(const float* HWY_RESTRICT p, size_t ld, const T* const* vals, int cols, int x,
+                            int width, const float* HWY_RESTRICT alpha, float* HWY_RESTRICT o, size_t o_ld) {
+  const DF df;
+  VF acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = hn::Zero(df);
+  auto value = [&](int c) { return width == kLanes ? LoadF32(df, vals[c] + x) : LoadTailF32(df, vals[c] + x, width); };
+  for (int c = 0; c < cols; ++c) {
+    const VF vv = value(c);
+    for (int r = 0; r < NR; ++r) acc[r] = hn::MulAdd(hn::Set(df, p[r * ld + c]), vv, acc[r]);
+  }
+  if constexpr (!std::is_same_v<T, int8_t>) {
+    auto bad = hn::Not(hn::IsFinite(acc[0]));
+    for (int r = 1; r < NR; ++r) bad = hn::Or(bad, hn::Not(hn::IsFinite(acc[r])));
+    if (HWY_UNLIKELY(!hn::AllFalse(df, bad))) {
+      for (int r = 0; r < NR; ++r) {
+        acc[r] = hn::Zero(df);
+        for (int c = 0; c < cols; ++c) {
+          if (p[r * ld + c] != 0.0f) acc[r] = hn::MulAdd(hn::Set(df, p[r * ld + c]), value(c), acc[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    float* orow = o + r * o_ld + x;
+    hn::Store(hn::MulAdd(hn::Load(df, orow), hn::Set(df, alpha[r]), acc[r]), df, orow);
+  }
+}
+
+template <typename T>
+HWY_INLINE void PvBlock(const float* p, size_t ld, int rows, const T* const* vals, int cols, int dv,
+                        const float* alpha, float* o, size_t o_ld) {
+  for (int x = 0; x < dv; x += kLanes) {
+    const int width = std::min(kLanes, dv - x);
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) PvRowsChunk<T, 4>(p + r * ld, ld, vals, cols, x, width, alpha + r, o + r * o_ld, o_ld);
+    switch (rows - r) {
+      case 3: PvRowsChunk<T, 3>(p + r * ld, ld, vals, cols, x, width, alpha + r, o + r * o_ld, o_ld); break;
+      case 2: PvRowsChunk<T, 2>(p + r * ld, ld, vals, cols, x, width, alpha + r, o + r * o_ld, o_ld); break;
+      case 1: PvRowsChunk<T, 1>(p + r * ld, ld, vals, cols, x, width, alpha + r, o + r * o_ld, o_ld); break;
+      default: break;
+    }
+  }
+}
+
+/// The query rows of one work item: query heads g0 … g0+heads−1 of the kv head's
+/// group, queries i0 … i0+count−1 of each; row r = (r / count)-th head, query
+/// i0 + r % count.
+struct RowChunk {
+  int g0, heads, i0, count;
+  int rows() const { return heads * count; }
+};
+
+std::vector<RowChunk> RowChunks(int group, int lq) {
+  std::vector<RowChunk> chunks;
+  if (lq <= kMaxRows) {
+    const int per = std::max(1, kMaxRows / lq);
+    for (int g = 0; g < group; g += per) chunks.push_back({g, std::min(per, group - g), 0, lq});
+  } else {
+    for (int g = 0; g < group; ++g)
+      for (int i = 0; i < lq; i += kMaxRows) chunks.push_back({g, 1, i, std::min(kMaxRows, lq - i)});
+  }
+  return chunks;
+}
+
+/// One work item's running state and scratch (per thread), vector-aligned.
+struct Scratch {
+  hwy::AlignedFreeUniquePtr<float[]> q, s, o, m, l, alpha, row_max;
+  std::vector<int> lo, hi;
+  Scratch(int dp, int dvp)
+      : q(hwy::AllocateAligned<float>(static_cast<size_t>(kMaxRows) * dp)),
+        s(hwy::AllocateAligned<float>(static_cast<size_t>(kMaxRows) * kBk)),
+        o(hwy::AllocateAligned<float>(static_cast<size_t>(kMaxRows) * dvp)),
+        m(hwy::AllocateAligned<float>(kMaxRows)),
+        l(hwy::AllocateAligned<float>(static_cast<size_t>(kMaxRows) * kLanes)),
+        alpha(hwy::AllocateAligned<float>(kMaxRows)),
+        row_max(hwy::AllocateAligned<float>(kMaxRows)),
+        lo(kMaxRows),
+        hi(kMaxRows) {}
+};
+
+/// The split's partial result: unnormalised O (rows × dvp), m and l per row.
+struct Partial {
+  float* o;
+  float* m;
+  float* l;
+};
+
+template <typename T>
+void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, int b, int hk, const RowChunk& rc,
+                 int t0, int t1, Scratch& w, Partial out) {
+  const DF df;
+  const Sequence& seq = p.attn.seqs[b];
+  const int rows = rc.rows(), rows_pad = RoundUp(rows, kLanes);
+  const int group = p.group();
+  // The queries' bands; the item's keys are [t0, t1) ∩ their union.
+  int lo_all = INT32_MAX, hi_all = -1;
+  for (int i = 0; i < rc.count; ++i) {
+    BandOfRow(p.attn, seq, rc.i0 + i, &w.lo[i], &w.hi[i]);
+    if (w.lo[i] <= w.hi[i]) lo_all = std::min(lo_all, w.lo[i]), hi_all = std::max(hi_all, w.hi[i]);
+  }
+  std::fill(w.m.get(), w.m.get() + rows_pad, -HUGE_VALF);
+  std::fill(w.l.get(), w.l.get() + static_cast<size_t>(kLanes) * rows_pad, 0.0f);
+  std::fill(w.o.get(), w.o.get() + static_cast<size_t>(rows) * dvp, 0.0f);
+  // Rows of this item, contiguous: q of head g0 + r / count, query i0 + r % count.
+  float* q = w.q.get();
+  for (int r = 0; r < rows; ++r) {
+    const int h = hk * group + rc.g0 + r / rc.count, i = rc.i0 + r % rc.count;
+    std::memcpy(&q[static_cast<size_t>(r) * dp], qs + ((static_cast<size_t>(b) * p.Hq + h) * p.Lq + i) * dp,
+                sizeof(float) * dp);
+  }
+  const T* kbase = static_cast<const T*>(p.k.base);
+  const T* vbase = static_cast<const T*>(p.v.base);
+  const bool i8 = std::is_same_v<T, int8_t>;
+  const int first = std::max(t0, lo_all), last = std::min(t1 - 1, hi_all);
+  const T* keys[kBk];
+  const T* vals[kBk];
+  for (int j0 = first <= last ? t0 + (first - t0) / kBk * kBk : t1; j0 <= last; j0 += kBk) {
+    const int cols = std::min(kBk, t1 - j0);
+    for (int c = 0; c < cols; ++c) {
+      keys[c] = kbase + p.row_offset(p.k, b, j0 + c, hk);
+      vals[c] = vbase + p.row_offset(p.v, b, j0 + c, hk);
+    }
+    float* s = w.s.get();
+    int c = 0;
+    for (; c + 2 <= cols; c += 2) DotRowGroups<T, 2>(q, dp, rows, keys + c, p.d, s + c, kBk);
+    if (c < cols) DotRowGroups<T, 1>(q, dp, rows, keys + c, p.d, s + c, kBk);
+    if (i8) {
+      for (int cc = 0; cc < cols; ++cc) {
+        const float ks = p.k.scale[p.scale_offset(p.k, b, j0 + cc, hk)];
+        for (int r = 0; r < rows; ++r) s[r * kBk + cc] *= ks;
+      }
+    }
+    for (int r = 0; r < rows_pad; ++r) {
+      std::fill(s + r * kBk + (r < rows ? cols : 0), s + (r + 1) * kBk, -HUGE_VALF);
+    }
+    for (int g = 0; g < rc.heads; ++g) {
+      const TilePlace t{b, hk * group + rc.g0 + g, rc.i0, rc.count, j0, cols, w.lo.data(), w.hi.data()};
+      ApplyScoreMods(p.attn, seq, t, s + static_cast<size_t>(g) * rc.count * kBk, kBk, cols < kBk || TileNeedsBand(t));
+    }
+    if (!SoftmaxTile(s, kBk, rows_pad, w.m.get(), w.l.get(), w.alpha.get(), w.row_max.get())) continue;
+    if (i8) {
+      for (int cc = 0; cc < cols; ++cc) {
+        const float vs = p.v.scale[p.scale_offset(p.v, b, j0 + cc, hk)];
+        for (int r = 0; r < rows; ++r) {
+          float& x = s[r * kBk + cc];
+          if (x != 0.0f) x *= vs;  // a removed key stays 0 whatever its scale
+        }
+      }
+    }
+    PvBlock<T>(s, kBk, rows, vals, cols, p.dv, w.alpha.get(), w.o.get(), dvp);
+  }
+  for (int r = 0; r < rows; ++r) {
+    out.m[r] = w.m[r];
+    out.l[r] = RowSum(w.l.get(), r);
+    std::memcpy(out.o + static_cast<size_t>(r) * dvp, &w.o[static_cast<size_t>(r) * dvp], sizeof(float) * dvp);
+  }
+  (void)df;
+}
+
+void StoreRow(const DecodeProblem& p, int b, int i, int h, const float* o, double inv_l, float lse_value) {
+  const int64_t at = b * p.out_b + i * p.out_row + h * p.out_head;
+  for (int x = 0; x < p.dv; ++x) {
+    const float y = static_cast<float>(o[x] * inv_l);
+    switch (p.q_dtype) {
+      case DType::bf16: static_cast<uint16_t*>(p.out)[at + x] = f32_to_bf16(y); break;
+      case DType::f16: static_cast<uint16_t*>(p.out)[at + x] = f32_to_f16(y); break;
+      default: static_cast<float*>(p.out)[at + x] = y; break;
+    }
+  }
+  if (p.lse != nullptr) p.lse[b * p.lse_b + h * p.lse_h + i * p.lse_i] = lse_value;
+}
+
+/// Combines the splits' partial results of one row (merge_attention_states's rule,
+/// in split order) and writes out and lse.
+void FinishRow(const DecodeProblem& p, int b, int i, int h, const Partial* parts, int nsplits, int r, int dvp,
+               std::vector<double>& acc) {
+  bool nan = false;
+  float mx = -HUGE_VALF;
+  for (int s = 0; s < nsplits; ++s) {
+    const float m = parts[s].m[r];
+    nan |= std::isnan(m);
+    mx = std::max(mx, m);
+  }
+  if (nan) mx = NAN;
+  if (mx == -HUGE_VALF) {  // no visible key in any split: out 0, lse −∞
+    const std::vector<float> zero(p.dv, 0.0f);
+    StoreRow(p, b, i, h, zero.data(), 1.0, -HUGE_VALF);
+    return;
+  }
+  std::fill(acc.begin(), acc.begin() + p.dv, 0.0);
+  double total = 0;
+  for (int s = 0; s < nsplits; ++s) {
+    const float m = parts[s].m[r];
+    if (m == -HUGE_VALF) continue;  // this split saw no key: weight 0, O not read
+    const double w = std::exp(static_cast<double>(m) - mx);
+    total += w * parts[s].l[r];
+    const float* o = parts[s].o + static_cast<size_t>(r) * dvp;
+    for (int x = 0; x < p.dv; ++x) acc[x] += w * o[x];
+  }
+  std::vector<float> o(p.dv);
+  for (int x = 0; x < p.dv; ++x) o[x] = static_cast<float>(acc[x] / total);
+  StoreRow(p, b, i, h, o.data(), 1.0, static_cast<float>(mx + std::log(total)));
+}
+
+int SplitsOf(const DecodeProblem& p, int lk) {
+  if (p.num_splits > 0) return p.num_splits;
+  return std::clamp((lk + kAutoSplitKeys - 1) / kAutoSplitKeys, 1, kAutoMaxSplits);
+}
+
+template <typename T>
+void Decode(const DecodeProblem& p, int threads) {
+  const int dp = RoundUp(p.d, kLanes), dvp = RoundUp(p.dv, kLanes);
+  const std::vector<float> qs = prepare_queries(p, kLanes);
+  const std::vector<RowChunk> chunks = RowChunks(p.group(), p.Lq);
+  struct Item {
+    int b, hk, chunk, t0, t1;
+    size_t part;  // offset of the partial result in `parts`
+  };
+  struct Group {  // the items of one (b, hk, chunk), in split order
+    int b, hk, chunk, first, count;
+  };
+  std::vector<Item> items;
+  std::vector<Group> groups;
+  size_t floats = 0;
+  for (int b = 0; b < p.B; ++b) {
+    const int lk = p.attn.seqs[b].Lk;
+    const int nsplit = SplitsOf(p, lk);
+    const int blocks = (lk + kBk - 1) / kBk;
+    const int per = std::max(1, (blocks + nsplit - 1) / nsplit);
+    for (int hk = 0; hk < p.Hkv; ++hk) {
+      for (int ch = 0; ch < static_cast<int>(chunks.size()); ++ch) {
+        groups.push_back({b, hk, ch, static_cast<int>(items.size()), nsplit});
+        const int rows = chunks[ch].rows();
+        for (int s = 0; s < nsplit; ++s) {
+          const int t0 = std::min(lk, s * per * kBk), t1 = std::min(lk, (s + 1) * per * kBk);
+          items.push_back({b, hk, ch, t0, t1, floats});
+          floats += static_cast<size_t>(rows) * (dvp + 2);
+        }
+      }
+    }
+  }
+  std::vector<float> parts(floats);
+  auto partial = [&](const Item& it) {
+    const int rows = chunks[it.chunk].rows();
+    float* base = parts.data() + it.part;
+    return Partial{base, base + static_cast<size_t>(rows) * dvp, base + static_cast<size_t>(rows) * (dvp + 1)};
+  };
+  double bytes = 0;
+  for (int b = 0; b < p.B; ++b) bytes += double(p.attn.seqs[b].Lk) * p.Hkv * (p.d + p.dv);
+  const int nt = bytes < 1e5 ? 1 : std::max(1, threads);
+  const int nitems = static_cast<int>(items.size()), ngroups = static_cast<int>(groups.size());
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    Scratch w(dp, dvp);
+    std::vector<double> acc(p.dv);
+    std::vector<Partial> ps;
+#pragma omp for schedule(dynamic, 1)
+    for (int n = 0; n < nitems; ++n) {
+      const Item& it = items[n];
+      ComputeItem<T>(p, qs.data(), dp, dvp, it.b, it.hk, chunks[it.chunk], it.t0, it.t1, w, partial(it));
+    }
+#pragma omp for schedule(static)
+    for (int n = 0; n < ngroups; ++n) {
+      const Group& g = groups[n];
+      const RowChunk& rc = chunks[g.chunk];
+      ps.clear();
+      for (int s = 0; s < g.count; ++s) ps.push_back(partial(items[g.first + s]));
+      for (int r = 0; r < rc.rows(); ++r) {
+        const int h = g.hk * p.group() + rc.g0 + r / rc.count, i = rc.i0 + r % rc.count;
+        FinishRow(p, g.b, i, h, ps.data(), g.count, r, dvp, acc);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void DecodeDispatch(const DecodeProblem& p, int threads) {
+  switch (p.cache_dtype) {
+    case DType::bf16: Decode<hwy::bfloat16_t>(p, threads); break;
+    case DType::f16: Decode<hwy::float16_t>(p, threads); break;
+    case DType::i8: Decode<int8_t>(p, threads); break;
+    default: Decode<float>(p, threads); break;
+  }
+}
+
+}  // namespace attn::detail::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace attn::detail {
+
+HWY_EXPORT(DecodeDispatch);
+
+void attention_decode_cpu(const DecodeProblem& p, int threads) { HWY_DYNAMIC_DISPATCH(DecodeDispatch)(p, threads); }
+
+}  // namespace attn::detail
+#endif  // HWY_ONCE

@@ -1,0 +1,22 @@
+// attention_with_kvcache() and kvcache_append(): check, append, attend.
+#include "attn/kvcache.hpp"
+#include "kvcache/decode_problem.hpp"
+
+namespace attn {
+
+void attention_with_kvcache(const TensorView& q, const KVCache& cache, const TensorView& cache_seqlens,
+                            const TensorView& out, const AttentionOptions& options, const KVCacheOptions& kv,
+                            const TensorView& lse) {
+  const detail::DecodeProblem p = detail::make_decode_problem("attention_with_kvcache", q, cache, cache_seqlens, out,
+                                                              options, kv, lse, /*attend=*/true);
+  detail::append_to_cache(p);
+  detail::attention_decode_cpu(p, num_threads());
+}
+
+void kvcache_append(const KVCache& cache, const TensorView& cache_seqlens, const KVCacheOptions& kv) {
+  const detail::DecodeProblem p =
+      detail::make_decode_problem("kvcache_append", {}, cache, cache_seqlens, {}, {}, kv, {}, /*attend=*/false);
+  detail::append_to_cache(p);
+}
+
+}  // namespace attn

@@ -1,0 +1,101 @@
+// The KV cache's write side: new keys and values rotated (RoPE), then rounded to the
+// cache's dtype or quantized to i8 with one scale per token and head; and the
+// queries' f32 copy (scaled, rotated) that the decode kernel reads. New tokens are
+// few per call (one per sequence when decoding), so this is plain scalar code.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "kvcache/decode_problem.hpp"
+#include "tensor/convert.hpp"
+
+namespace attn::detail {
+namespace {
+
+float load(DType dt, const void* base, int64_t at) {
+  switch (dt) {
+    case DType::bf16: return bf16_to_f32(static_cast<const uint16_t*>(base)[at]);
+    case DType::f16: return f16_to_f32(static_cast<const uint16_t*>(base)[at]);
+    default: return static_cast<const float*>(base)[at];
+  }
+}
+
+// Rotates the first rotary_dim entries of x (position pos) by the tables' angles.
+void rotate(const DecodeProblem& p, float* x, int64_t pos) {
+  if (p.rot_cos == nullptr) return;
+  const float* cs = p.rot_cos + pos * p.cos_row;
+  const float* sn = p.rot_sin + pos * p.sin_row;
+  const int half = p.rotary_dim / 2;
+  for (int j = 0; j < half; ++j) {
+    float& a = x[p.rotary_interleaved ? 2 * j : j];
+    float& b = x[p.rotary_interleaved ? 2 * j + 1 : j + half];
+    const float x0 = a, x1 = b;
+    a = x0 * cs[j] - x1 * sn[j];
+    b = x0 * sn[j] + x1 * cs[j];
+  }
+}
+
+// Writes one row (n values) into the cache row at `at`, in the cache's dtype.
+void store_row(const DecodeProblem& p, const CacheTensor& c, int64_t at, int64_t scale_at, const float* x, int n) {
+  switch (p.cache_dtype) {
+    case DType::f32: std::copy(x, x + n, static_cast<float*>(c.base) + at); break;
+    case DType::bf16:
+      for (int i = 0; i < n; ++i) static_cast<uint16_t*>(c.base)[at + i] = f32_to_bf16(x[i]);
+      break;
+    case DType::f16:
+      for (int i = 0; i < n; ++i) static_cast<uint16_t*>(c.base)[at + i] = f32_to_f16(x[i]);
+      break;
+    default: {  // i8: symmetric, one scale per row; the checks made x finite
+      float amax = 0.0f;
+      for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+      const float scale = amax / 127.0f;
+      int8_t* dst = static_cast<int8_t*>(c.base) + at;
+      for (int i = 0; i < n; ++i) {
+        const float r = scale > 0.0f ? std::nearbyint(x[i] / scale) : 0.0f;
+        dst[i] = static_cast<int8_t>(std::clamp(r, -127.0f, 127.0f));
+      }
+      c.scale[scale_at] = scale;
+      break;
+    }
+  }
+}
+
+}  // namespace
+
+void append_to_cache(const DecodeProblem& p) {
+  if (p.Lnew == 0) return;
+  std::vector<float> row(static_cast<size_t>(std::max(p.d, p.dv)));
+  for (int b = 0; b < p.B; ++b) {
+    for (int t = 0; t < p.Lnew; ++t) {
+      const int pos = p.cached[b] + t;
+      for (int h = 0; h < p.Hkv; ++h) {
+        const int64_t k_at = b * p.kn_b + t * p.kn_row + h * p.kn_head;
+        for (int x = 0; x < p.d; ++x) row[x] = load(p.new_dtype, p.k_new, k_at + x);
+        rotate(p, row.data(), pos);
+        store_row(p, p.k, p.row_offset(p.k, b, pos, h), p.scale_offset(p.k, b, pos, h), row.data(), p.d);
+        const int64_t v_at = b * p.vn_b + t * p.vn_row + h * p.vn_head;
+        for (int x = 0; x < p.dv; ++x) row[x] = load(p.new_dtype, p.v_new, v_at + x);
+        store_row(p, p.v, p.row_offset(p.v, b, pos, h), p.scale_offset(p.v, b, pos, h), row.data(), p.dv);
+      }
+    }
+  }
+}
+
+std::vector<float> prepare_queries(const DecodeProblem& p, int multiple) {
+  const int dp = (p.d + multiple - 1) / multiple * multiple;
+  std::vector<float> qs(static_cast<size_t>(p.B) * p.Hq * p.Lq * dp, 0.0f);
+  for (int b = 0; b < p.B; ++b) {
+    for (int h = 0; h < p.Hq; ++h) {
+      for (int i = 0; i < p.Lq; ++i) {
+        float* dst = qs.data() + ((static_cast<size_t>(b) * p.Hq + h) * p.Lq + i) * dp;
+        const int64_t at = b * p.q_b + i * p.q_row + h * p.q_head;
+        for (int x = 0; x < p.d; ++x) dst[x] = load(p.q_dtype, p.q, at + x);
+        rotate(p, dst, int64_t{p.cached[b]} + p.Lnew - p.Lq + i);
+        for (int x = 0; x < p.d; ++x) dst[x] *= p.attn.scale;
+      }
+    }
+  }
+  return qs;
+}
+
+}  // namespace attn::detail

@@ -1,0 +1,580 @@
+// attention_with_kvcache (issue 12): decoding, speculative decoding and chunked prefill
+// against contiguous and paged caches of every dtype, checked against the float64
+// reference on the same logical keys and values (the cache read back after the call
+// and dequantized), on fresh random inputs of odd shapes. Also: the append (rounding,
+// i8 quantization, RoPE in both pairings), nothing else in the cache touched, garbage
+// (NaN) in unused slots and in removed keys never read into a result, split counts,
+// bitwise equality across thread counts, and every argument error.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attention_harness.hpp"
+#include "attn/kvcache.hpp"
+#include "tensor/convert.hpp"
+
+namespace attn::testing {
+namespace {
+
+enum class Rope { none, interleaved, half };
+
+std::string seed_note() { return "ATTN_TEST_SEED=" + std::to_string(base_seed()); }
+
+struct KvConfig {
+  int B = 1, Hq = 4, Hkv = 2, d = 16, dv = 16, Lq = 1, Lnew = 1;
+  std::vector<int> cached{5};
+  int page = 0;  // 0 = contiguous
+  DType cache_dtype = DType::f32, q_dtype = DType::f32;
+  Causal causal = Causal::BottomRight;
+  Window window;
+  float softcap = 0.0f;
+  bool alibi = false;
+  Rope rope = Rope::none;
+  int rotary_dim = 0;  // 0 = d
+  int num_splits = 0;
+  std::string name() const {
+    std::string s = "B" + std::to_string(B) + " Hq" + std::to_string(Hq) + " Hkv" + std::to_string(Hkv) + " d" +
+                    std::to_string(d) + " dv" + std::to_string(dv) + " Lq" + std::to_string(Lq) + " Lnew" +
+                    std::to_string(Lnew) + " page" + std::to_string(page) + " cache " + dtype_name(cache_dtype) +
+                    " q " + dtype_name(q_dtype) + " causal" + std::to_string(int(causal)) + " window " +
+                    std::to_string(window.left) + "," + std::to_string(window.right) + " softcap" +
+                    std::to_string(softcap) + (alibi ? " alibi" : "") + " rope" + std::to_string(int(rope)) +
+                    " splits" + std::to_string(num_splits) + " cached";
+    for (int c : cached) s += " " + std::to_string(c);
+    return s;
+  }
+};
+
+float read_elem(DType dt, const void* base, int64_t at) {
+  switch (dt) {
+    case DType::bf16: return detail::bf16_to_f32(static_cast<const uint16_t*>(base)[at]);
+    case DType::f16: return detail::f16_to_f32(static_cast<const uint16_t*>(base)[at]);
+    case DType::i8: return static_cast<const int8_t*>(base)[at];
+    default: return static_cast<const float*>(base)[at];
+  }
+}
+
+void write_elem(DType dt, void* base, int64_t at, float x) {
+  switch (dt) {
+    case DType::bf16: static_cast<uint16_t*>(base)[at] = detail::f32_to_bf16(x); break;
+    case DType::f16: static_cast<uint16_t*>(base)[at] = detail::f32_to_f16(x); break;
+    case DType::i8: static_cast<int8_t*>(base)[at] = static_cast<int8_t>(x); break;
+    default: static_cast<float*>(base)[at] = x; break;
+  }
+}
+
+// Everything one call needs, owned; the cache's unused slots hold NaN (float caches).
+struct KvCase {
+  KvConfig c;
+  int pages_total = 0, page_size = 0, max_blocks = 0;
+  std::vector<uint8_t> k_cache, v_cache;  // raw bytes
+  std::vector<float> k_scale, v_scale;
+  std::vector<int32_t> block_table, seqlens;
+  std::vector<uint8_t> q, k_new, v_new;  // q dtype
+  std::vector<float> cos_t, sin_t, slopes;
+
+  explicit KvCase(const KvConfig& cfg, std::mt19937_64& rng) : c(cfg) {
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    const int cap_needed = *std::max_element(c.cached.begin(), c.cached.end()) + c.Lnew;
+    if (c.page == 0) {
+      page_size = cap_needed + 3;  // spare rows at the end
+      pages_total = c.B;
+      max_blocks = 1;
+    } else {
+      page_size = c.page;
+      max_blocks = (cap_needed + page_size - 1) / page_size + 1;
+      pages_total = c.B * max_blocks + 3;
+      // Each sequence gets distinct random pages; spare pages are never listed.
+      std::vector<int32_t> perm(pages_total);
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      block_table.assign(perm.begin(), perm.begin() + c.B * max_blocks);
+    }
+    const size_t es = dtype_size(c.cache_dtype);
+    k_cache.assign(size_t(pages_total) * page_size * c.Hkv * c.d * es, 0);
+    v_cache.assign(size_t(pages_total) * page_size * c.Hkv * c.dv * es, 0);
+    const bool i8 = c.cache_dtype == DType::i8;
+    if (i8) {
+      k_scale.assign(size_t(pages_total) * page_size * c.Hkv, 0.0f);
+      v_scale.assign(size_t(pages_total) * page_size * c.Hkv, 0.0f);
+      for (float& s : k_scale) s = (0.5f + u(rng) * 0.4f) / 127.0f;
+      for (float& s : v_scale) s = (0.5f + u(rng) * 0.4f) / 127.0f;
+    }
+    std::uniform_int_distribution<int> qi(-127, 127);
+    auto fill = [&](std::vector<uint8_t>& buf, int width) {
+      const int64_t n = int64_t(buf.size() / es);
+      for (int64_t i = 0; i < n; ++i) {
+        (void)width;
+        write_elem(c.cache_dtype, buf.data(), i, i8 ? float(qi(rng)) : NAN);
+      }
+    };
+    fill(k_cache, c.d);
+    fill(v_cache, c.dv);
+    seqlens.assign(c.cached.begin(), c.cached.end());
+    // Real tokens of the existing prefix: random values.
+    for (int b = 0; b < c.B; ++b)
+      for (int t = 0; t < c.cached[b]; ++t)
+        for (int h = 0; h < c.Hkv; ++h) {
+          for (int x = 0; x < c.d; ++x) write_elem(c.cache_dtype, k_cache.data(), k_at(b, t, h) + x, i8 ? float(qi(rng)) : u(rng));
+          for (int x = 0; x < c.dv; ++x) write_elem(c.cache_dtype, v_cache.data(), v_at(b, t, h) + x, i8 ? float(qi(rng)) : u(rng));
+        }
+    const size_t qs = dtype_size(c.q_dtype);
+    auto rand_q = [&](std::vector<uint8_t>& buf, size_t n) {
+      buf.assign(n * qs, 0);
+      for (size_t i = 0; i < n; ++i) write_elem(c.q_dtype, buf.data(), int64_t(i), 1.5f * u(rng));
+    };
+    rand_q(q, size_t(c.B) * c.Lq * c.Hq * c.d);
+    rand_q(k_new, size_t(c.B) * c.Lnew * c.Hkv * c.d);
+    rand_q(v_new, size_t(c.B) * c.Lnew * c.Hkv * c.dv);
+    if (c.rope != Rope::none) {
+      const int rd = c.rotary_dim ? c.rotary_dim : c.d;
+      cos_t.resize(size_t(cap_needed) * rd / 2);
+      sin_t.resize(cos_t.size());
+      for (int pos = 0; pos < cap_needed; ++pos)
+        for (int j = 0; j < rd / 2; ++j) {
+          const double a = pos * std::pow(10000.0, -2.0 * j / rd);
+          cos_t[size_t(pos) * rd / 2 + j] = float(std::cos(a));
+          sin_t[size_t(pos) * rd / 2 + j] = float(std::sin(a));
+        }
+    }
+    if (c.alibi) {
+      slopes.resize(size_t(c.B) * c.Hq);
+      for (float& s : slopes) s = 0.05f + 0.3f * std::fabs(u(rng));
+    }
+  }
+
+  int32_t page_of(int b, int t) const { return c.page == 0 ? b : block_table[size_t(b) * max_blocks + t / page_size]; }
+  int64_t k_at(int b, int t, int h) const { return ((int64_t(page_of(b, t)) * page_size + t % page_size) * c.Hkv + h) * c.d; }
+  int64_t v_at(int b, int t, int h) const { return ((int64_t(page_of(b, t)) * page_size + t % page_size) * c.Hkv + h) * c.dv; }
+  int64_t s_at(int b, int t, int h) const { return (int64_t(page_of(b, t)) * page_size + t % page_size) * c.Hkv + h; }
+  float k_value(int b, int t, int h, int x) const {
+    const float v = read_elem(c.cache_dtype, k_cache.data(), k_at(b, t, h) + x);
+    return c.cache_dtype == DType::i8 ? v * k_scale[s_at(b, t, h)] : v;
+  }
+  float v_value(int b, int t, int h, int x) const {
+    const float v = read_elem(c.cache_dtype, v_cache.data(), v_at(b, t, h) + x);
+    return c.cache_dtype == DType::i8 ? v * v_scale[s_at(b, t, h)] : v;
+  }
+
+  KVCache cache() {
+    KVCache kc;
+    kc.k = TensorView(k_cache.data(), c.cache_dtype, {pages_total, page_size, c.Hkv, c.d});
+    kc.v = TensorView(v_cache.data(), c.cache_dtype, {pages_total, page_size, c.Hkv, c.dv});
+    if (c.cache_dtype == DType::i8) {
+      kc.k_scale = TensorView(k_scale.data(), DType::f32, {pages_total, page_size, c.Hkv});
+      kc.v_scale = TensorView(v_scale.data(), DType::f32, {pages_total, page_size, c.Hkv});
+    }
+    if (c.page != 0) kc.block_table = TensorView(block_table.data(), DType::i32, {c.B, max_blocks});
+    return kc;
+  }
+  KVCacheOptions kv() {
+    KVCacheOptions o;
+    if (c.Lnew > 0) {
+      o.k_new = TensorView(k_new.data(), c.q_dtype, {c.B, c.Lnew, c.Hkv, c.d});
+      o.v_new = TensorView(v_new.data(), c.q_dtype, {c.B, c.Lnew, c.Hkv, c.dv});
+    }
+    if (c.rope != Rope::none) {
+      const int rd = c.rotary_dim ? c.rotary_dim : c.d;
+      const int64_t n = int64_t(cos_t.size()) / (rd / 2);
+      o.rotary_cos = TensorView(cos_t.data(), DType::f32, {n, rd / 2});
+      o.rotary_sin = TensorView(sin_t.data(), DType::f32, {n, rd / 2});
+      o.rotary_interleaved = c.rope == Rope::interleaved;
+    }
+    o.num_splits = c.num_splits;
+    return o;
+  }
+  AttentionOptions options() const {
+    AttentionOptions o;
+    o.causal = c.causal;
+    o.window = c.window;
+    o.softcap = c.softcap;
+    if (c.alibi) o.alibi_slopes = TensorView(slopes.data(), DType::f32, {c.B, c.Hq});
+    return o;
+  }
+  TensorView seqlen_view() const { return TensorView(seqlens.data(), DType::i32, {c.B}); }
+  TensorView q_view() const { return TensorView(q.data(), c.q_dtype, {c.B, c.Lq, c.Hq, c.d}); }
+
+  // Rotates a row (double) at `pos` the way the tables say.
+  void rotate(std::vector<double>& x, int pos) const {
+    if (c.rope == Rope::none) return;
+    const int rd = c.rotary_dim ? c.rotary_dim : c.d, half = rd / 2;
+    for (int j = 0; j < half; ++j) {
+      const int a = c.rope == Rope::interleaved ? 2 * j : j, b = c.rope == Rope::interleaved ? 2 * j + 1 : j + half;
+      const double cs = cos_t[size_t(pos) * half + j], sn = sin_t[size_t(pos) * half + j];
+      const double x0 = x[a], x1 = x[b];
+      x[a] = x0 * cs - x1 * sn;
+      x[b] = x0 * sn + x1 * cs;
+    }
+  }
+};
+
+struct Result {
+  std::vector<uint8_t> out;
+  std::vector<float> lse;
+};
+
+Result run(KvCase& kc) {
+  const KvConfig& c = kc.c;
+  Result r;
+  r.out.assign(size_t(c.B) * c.Lq * c.Hq * c.dv * dtype_size(c.q_dtype), 0xAB);
+  r.lse.assign(size_t(c.B) * c.Hq * c.Lq, 123.0f);
+  attention_with_kvcache(kc.q_view(), kc.cache(), kc.seqlen_view(),
+                         TensorView(r.out.data(), c.q_dtype, {c.B, c.Lq, c.Hq, c.dv}), kc.options(), kc.kv(),
+                         TensorView(r.lse.data(), DType::f32, {c.B, c.Hq, c.Lq}));
+  return r;
+}
+
+// Half an ulp of the cache dtype, relative (i8: absolute, from the scale).
+double rounding(DType dt) { return dt == DType::bf16 ? 1.0 / 256 : dt == DType::f16 ? 1.0 / 2048 : 1e-7; }
+
+// After the call: the appended rows hold the rotated new keys/values rounded once
+// (or quantized), every other cache byte is unchanged.
+void check_append(const KvCase& before, const KvCase& after, const std::string& name) {
+  const KvConfig& c = after.c;
+  std::vector<uint8_t> kexp = before.k_cache, vexp = before.v_cache;
+  const size_t es = dtype_size(c.cache_dtype);
+  for (int b = 0; b < c.B; ++b)
+    for (int t = 0; t < c.Lnew; ++t) {
+      const int pos = c.cached[b] + t;
+      for (int h = 0; h < c.Hkv; ++h) {
+        for (int which = 0; which < 2; ++which) {
+          const int width = which == 0 ? c.d : c.dv;
+          std::vector<double> x(width);
+          const auto& src = which == 0 ? after.k_new : after.v_new;
+          for (int e = 0; e < width; ++e)
+            x[e] = read_elem(c.q_dtype, src.data(), ((int64_t(b) * c.Lnew + t) * c.Hkv + h) * width + e);
+          if (which == 0) after.rotate(x, pos);
+          double amax = 0;
+          for (double e : x) amax = std::max(amax, std::fabs(e));
+          for (int e = 0; e < width; ++e) {
+            const float got = which == 0 ? after.k_value(b, pos, h, e) : after.v_value(b, pos, h, e);
+            const double tol = c.cache_dtype == DType::i8 ? amax / 127 * 0.5 + 1e-6 * amax
+                                                          : rounding(c.cache_dtype) * std::fabs(x[e]) + 2e-7;
+            ASSERT_NEAR(got, x[e], tol) << name << " appended " << (which ? "v" : "k") << " b" << b << " t" << t
+                                        << " h" << h << " e" << e << " (" << seed_note() << ")";
+          }
+          if (c.cache_dtype == DType::i8) {
+            const float s = (which == 0 ? after.k_scale : after.v_scale)[after.s_at(b, pos, h)];
+            EXPECT_NEAR(s, amax / 127, 1e-6 * amax + 1e-12) << name;
+          }
+          // Mark the row as expected-changed.
+          const int64_t at = which == 0 ? after.k_at(b, pos, h) : after.v_at(b, pos, h);
+          auto& exp = which == 0 ? kexp : vexp;
+          const auto& got = which == 0 ? after.k_cache : after.v_cache;
+          std::memcpy(exp.data() + at * es, got.data() + at * es, width * es);
+        }
+      }
+    }
+  EXPECT_TRUE(kexp == after.k_cache) << name << ": bytes outside the appended key rows changed";
+  EXPECT_TRUE(vexp == after.v_cache) << name << ": bytes outside the appended value rows changed";
+}
+
+// The float64 reference on the logical keys and values (the cache after the call,
+// dequantized), sequence by sequence, with the queries rotated in double.
+void check_against_reference(const KvCase& kc, const Result& r, const std::string& name) {
+  const KvConfig& c = kc.c;
+  double worst = 0, scale = 1e-30, worst_lse = 0;
+  for (int b = 0; b < c.B; ++b) {
+    const int lk = c.cached[b] + c.Lnew;
+    std::vector<float> q(size_t(c.Lq) * c.Hq * c.d), k(size_t(std::max(lk, 1)) * c.Hkv * c.d),
+        v(size_t(std::max(lk, 1)) * c.Hkv * c.dv), out(size_t(c.Lq) * c.Hq * c.dv), lse(size_t(c.Hq) * c.Lq);
+    for (int i = 0; i < c.Lq; ++i)
+      for (int h = 0; h < c.Hq; ++h) {
+        std::vector<double> x(c.d);
+        for (int e = 0; e < c.d; ++e) x[e] = read_elem(c.q_dtype, kc.q.data(), ((int64_t(b) * c.Lq + i) * c.Hq + h) * c.d + e);
+        kc.rotate(x, lk - c.Lq + i);
+        for (int e = 0; e < c.d; ++e) q[(size_t(i) * c.Hq + h) * c.d + e] = float(x[e]);
+      }
+    for (int t = 0; t < lk; ++t)
+      for (int h = 0; h < c.Hkv; ++h) {
+        for (int e = 0; e < c.d; ++e) k[(size_t(t) * c.Hkv + h) * c.d + e] = kc.k_value(b, t, h, e);
+        for (int e = 0; e < c.dv; ++e) v[(size_t(t) * c.Hkv + h) * c.dv + e] = kc.v_value(b, t, h, e);
+      }
+    AttentionOptions o = kc.options();
+    if (c.alibi) o.alibi_slopes = TensorView(kc.slopes.data() + size_t(b) * c.Hq, DType::f32, {c.Hq});
+    attention_reference(TensorView(q.data(), DType::f32, {1, c.Lq, c.Hq, c.d}),
+                        TensorView(k.data(), DType::f32, {1, lk, c.Hkv, c.d}),
+                        TensorView(v.data(), DType::f32, {1, lk, c.Hkv, c.dv}),
+                        TensorView(out.data(), DType::f32, {1, c.Lq, c.Hq, c.dv}), o,
+                        TensorView(lse.data(), DType::f32, {1, c.Hq, c.Lq}));
+    for (size_t n = 0; n < out.size(); ++n) {
+      const float got = read_elem(c.q_dtype, r.out.data(), int64_t(b) * c.Lq * c.Hq * c.dv + int64_t(n));
+      ASSERT_FALSE(std::isnan(got)) << name << ": NaN at b" << b << " element " << n << " (" << seed_note() << ")";
+      worst = std::max(worst, std::fabs(double(got) - out[n]));
+      scale = std::max(scale, std::fabs(double(out[n])));
+    }
+    for (int h = 0; h < c.Hq; ++h)
+      for (int i = 0; i < c.Lq; ++i) {
+        const float ref = lse[size_t(h) * c.Lq + i], got = r.lse[(size_t(b) * c.Hq + h) * c.Lq + i];
+        if (std::isinf(ref)) {
+          EXPECT_EQ(got, ref) << name << " lse b" << b << " h" << h << " i" << i;
+        } else {
+          worst_lse = std::max(worst_lse, std::fabs(double(got) - ref) / std::max(1.0, std::fabs(double(ref))));
+        }
+      }
+  }
+  // f32 arithmetic on exactly the reference's inputs (dequantization and rotation
+  // rounded the same way), then one rounding to the output dtype.
+  const double out_round = c.q_dtype == DType::bf16 ? 1.0 / 256 : c.q_dtype == DType::f16 ? 1.0 / 2048 : 0.0;
+  EXPECT_LE(worst, 2e-5 * scale + out_round * scale) << name << " (" << seed_note() << ")";
+  EXPECT_LE(worst_lse, 2e-5) << name << " (" << seed_note() << ")";
+}
+
+void run_and_check(const KvConfig& cfg, std::mt19937_64& rng) {
+  KvCase kc(cfg, rng);
+  const KvCase before = kc;
+  const Result r = run(kc);
+  check_append(before, kc, cfg.name());
+  check_against_reference(kc, r, cfg.name());
+}
+
+TEST(KVCache, DecodingMatchesFloat64OnEveryCacheDtypeAndLayout) {
+  auto rng = make_rng(1201);
+  for (DType dt : {DType::f32, DType::bf16, DType::f16, DType::i8}) {
+    for (int page : {0, 1, 16, 64, 256, 7}) {
+      KvConfig c;
+      c.B = 3, c.Hq = 8, c.Hkv = 2, c.d = 64, c.dv = 64;
+      c.cached = {0, 17, 1000};
+      c.page = page;
+      c.cache_dtype = dt;
+      run_and_check(c, rng);
+    }
+  }
+}
+
+TEST(KVCache, OddShapesOptionsAndQueryDtypes) {
+  auto rng = make_rng(1202);
+  std::uniform_int_distribution<int> pick(0, 1 << 30);
+  const int ds[] = {1, 3, 8, 17, 64, 80, 128};
+  const DType dts[] = {DType::f32, DType::bf16, DType::f16, DType::i8};
+  const DType qdts[] = {DType::f32, DType::bf16, DType::f16};
+  const int pages[] = {0, 1, 3, 16, 64};
+  for (int n = 0; n < 40; ++n) {
+    KvConfig c;
+    c.B = 1 + pick(rng) % 3;
+    c.Hkv = 1 + pick(rng) % 3;
+    c.Hq = c.Hkv * (1 + pick(rng) % 4);
+    c.d = ds[pick(rng) % 7];
+    c.dv = pick(rng) % 3 == 0 ? ds[pick(rng) % 7] : c.d;
+    c.Lq = pick(rng) % 3 == 0 ? 1 + pick(rng) % 9 : 1;
+    c.Lnew = pick(rng) % 4 == 0 ? 0 : c.Lq;
+    c.cached.clear();
+    for (int b = 0; b < c.B; ++b) c.cached.push_back(pick(rng) % 4 == 0 ? pick(rng) % 5 : pick(rng) % 300);
+    if (c.Lnew == 0)
+      for (int& x : c.cached) x = std::max(x, 1);
+    c.page = pages[pick(rng) % 5];
+    c.cache_dtype = dts[pick(rng) % 4];
+    c.q_dtype = qdts[pick(rng) % 3];
+    c.causal = pick(rng) % 3 == 0 ? Causal::None : pick(rng) % 5 == 0 ? Causal::TopLeft : Causal::BottomRight;
+    if (pick(rng) % 3 == 0) c.window = {int(pick(rng) % 40), pick(rng) % 2 ? -1 : int(pick(rng) % 3)};
+    if (pick(rng) % 4 == 0) c.softcap = 2.0f + float(pick(rng) % 20);
+    c.alibi = pick(rng) % 4 == 0;
+    if (c.Lnew > 0 && c.d >= 2 && pick(rng) % 2 == 0) {
+      c.rope = pick(rng) % 2 ? Rope::interleaved : Rope::half;
+      c.rotary_dim = pick(rng) % 2 ? c.d / 2 * 2 : std::max(2, c.d / 4 * 2);
+      for (int& x : c.cached) x = std::max(x, c.Lq);  // queries' positions are >= 0
+    }
+    c.num_splits = pick(rng) % 3 == 0 ? 1 + pick(rng) % 9 : 0;
+    run_and_check(c, rng);
+  }
+}
+
+TEST(KVCache, LongCachesAcrossSplitCounts) {
+  auto rng = make_rng(1203);
+  for (int splits : {0, 1, 2, 5, 64}) {
+    KvConfig c;
+    c.B = 2, c.Hq = 8, c.Hkv = 1, c.d = 32, c.dv = 48;
+    c.cached = {4000, 2345};
+    c.page = 16;
+    c.cache_dtype = DType::bf16;
+    c.num_splits = splits;
+    c.window = {1500, -1};
+    run_and_check(c, rng);
+  }
+}
+
+TEST(KVCache, ChunkedPrefillAndSpeculativeDecoding) {
+  auto rng = make_rng(1204);
+  for (int lq : {3, 70, 200}) {
+    KvConfig c;
+    c.B = 2, c.Hq = 4, c.Hkv = 2, c.d = 24, c.dv = 24;
+    c.Lq = c.Lnew = lq;
+    c.cached = {100, 0};
+    c.page = 16;
+    c.rope = Rope::half;
+    c.cached = {100, lq};
+    run_and_check(c, rng);
+  }
+}
+
+TEST(KVCache, BitwiseIdenticalForAnyThreadCount) {
+  auto rng = make_rng(1205);
+  for (int splits : {0, 3}) {
+    KvConfig c;
+    c.B = 2, c.Hq = 8, c.Hkv = 2, c.d = 64, c.dv = 64;
+    c.cached = {3000, 5000};
+    c.page = 64;
+    c.cache_dtype = DType::i8;
+    c.num_splits = splits;
+    c.Lnew = 1;
+    const KvCase base(c, rng);
+    std::vector<Result> results;
+    for (int t : {1, 2, 3}) {
+      KvCase kc = base;
+      with_threads(t, [&] { results.push_back(run(kc)); });
+    }
+    for (size_t n = 1; n < results.size(); ++n) {
+      EXPECT_TRUE(results[n].out == results[0].out) << "threads differ, splits " << splits;
+      EXPECT_TRUE(std::memcmp(results[n].lse.data(), results[0].lse.data(), results[0].lse.size() * 4) == 0);
+    }
+  }
+}
+
+TEST(KVCache, GarbageInRemovedKeysAndUnusedSlotsNeverReachTheOutput) {
+  auto rng = make_rng(1206);
+  KvConfig c;
+  c.B = 2, c.Hq = 4, c.Hkv = 1, c.d = 16, c.dv = 16;
+  c.cached = {300, 90};
+  c.page = 16;
+  c.window = {50, -1};
+  KvCase kc(c, rng);
+  // Keys 0..9 are outside every query's window: put NaN and ∞ there.
+  for (int b = 0; b < c.B; ++b)
+    for (int t = 0; t < 10; ++t) {
+      write_elem(c.cache_dtype, kc.k_cache.data(), kc.k_at(b, t, 0), NAN);
+      write_elem(c.cache_dtype, kc.v_cache.data(), kc.v_at(b, t, 0) + 3, INFINITY);
+    }
+  const KvCase before = kc;
+  const Result r = run(kc);
+  check_append(before, kc, "garbage");
+  check_against_reference(kc, r, "garbage");
+  // A fully removed row: out 0, lse −∞.
+  KvConfig e = c;
+  e.window = {-1, -1};
+  e.causal = Causal::TopLeft;  // with Lq = 1, query 0 sees key 0 only
+  e.cached = {0, 0};
+  e.Lnew = 0;
+  e.cached = {1, 1};
+  KvCase ek(e, rng);
+  const Result er = run(ek);
+  check_against_reference(ek, er, "top-left");
+}
+
+TEST(KVCache, AppendOnlyWritesWhatAttentionWouldSee) {
+  auto rng = make_rng(1207);
+  for (DType dt : {DType::f32, DType::bf16, DType::i8}) {
+    KvConfig c;
+    c.B = 2, c.Hkv = 3, c.d = 10, c.dv = 6, c.Lnew = 5;
+    c.cached = {7, 0};
+    c.page = 4;
+    c.cache_dtype = dt;
+    c.rope = Rope::interleaved;
+    KvCase kc(c, rng);
+    const KvCase before = kc;
+    kvcache_append(kc.cache(), kc.seqlen_view(), kc.kv());
+    check_append(before, kc, std::string("append ") + dtype_name(dt));
+  }
+}
+
+TEST(KVCache, ErrorsNameTheArgument) {
+  auto rng = make_rng(1208);
+  KvConfig c;
+  c.B = 2, c.Hq = 4, c.Hkv = 2, c.d = 8, c.dv = 8;
+  c.cached = {5, 9};
+  c.page = 4;
+  KvCase kc(c, rng);
+  std::vector<float> out(size_t(2) * 1 * 4 * 8), lse(8);
+  const TensorView ov(out.data(), DType::f32, {2, 1, 4, 8});
+  auto call = [&](const KVCache& cache, const TensorView& seqlens, const KVCacheOptions& kv,
+                  const AttentionOptions& o = {}, const TensorView& q = {}, const TensorView& out_v = {}) {
+    return [=, &kc] { attention_with_kvcache(q.empty() ? kc.q_view() : q, cache, seqlens, out_v.empty() ? ov : out_v, o, kv); };
+  };
+  const KVCache good = kc.cache();
+  const KVCacheOptions kv = kc.kv();
+  const std::vector<uint8_t> k_before = kc.k_cache, v_before = kc.v_cache;
+  // block_table out of range and repeated.
+  std::vector<int32_t> bt = kc.block_table;
+  bt[1] = kc.pages_total;
+  KVCache bad = good;
+  bad.block_table = TensorView(bt.data(), DType::i32, {2, kc.max_blocks});
+  expect_attn_error(call(bad, kc.seqlen_view(), kv), "out of range");
+  bt = kc.block_table;
+  bt[1] = bt[0];
+  expect_attn_error(call(bad, kc.seqlen_view(), kv), "repeats a page");
+  // A page that sequence 1 reads and sequence 0's append writes.
+  bt = kc.block_table;
+  bt[size_t(kc.max_blocks) + 0] = bt[1];  // seq 0 appends at t = 5, page index 1
+  expect_attn_error(call(bad, kc.seqlen_view(), kv), "shared pages must be read-only");
+  // Capacity.
+  std::vector<int32_t> long_lens = {5, kc.max_blocks * 4};
+  expect_attn_error(call(good, TensorView(long_lens.data(), DType::i32, {2}), kv), "exceeds the cache's capacity");
+  std::vector<int32_t> neg = {-1, 3};
+  expect_attn_error(call(good, TensorView(neg.data(), DType::i32, {2}), kv), "cache_seqlens[0] must be >= 0");
+  // Page size and dtype mismatches.
+  KVCache mism = good;
+  mism.v = TensorView(kc.v_cache.data(), DType::f32, {kc.pages_total, 8, c.Hkv, c.dv});
+  expect_attn_error(call(mism, kc.seqlen_view(), kv), "page size mismatch");
+  mism = good;
+  mism.v = TensorView(kc.v_cache.data(), DType::bf16, {kc.pages_total, 4, c.Hkv, c.dv});
+  expect_attn_error(call(mism, kc.seqlen_view(), kv), "cache.v must have the dtype of cache.k");
+  std::vector<uint16_t> qb(size_t(2) * 4 * 8);
+  expect_attn_error(call(good, kc.seqlen_view(), kv, {}, TensorView(qb.data(), DType::bf16, {2, 1, 4, 8})),
+                    "out must have dtype bf16");
+  // i8 without scales, scales on a float cache.
+  std::vector<int8_t> k8(kc.k_cache.size() / 4), v8(kc.v_cache.size() / 4);
+  KVCache i8 = good;
+  i8.k = TensorView(k8.data(), DType::i8, {kc.pages_total, 4, c.Hkv, c.d});
+  i8.v = TensorView(v8.data(), DType::i8, {kc.pages_total, 4, c.Hkv, c.dv});
+  expect_attn_error(call(i8, kc.seqlen_view(), kv), "cache.k_scale is required");
+  KVCache scaled = good;
+  std::vector<float> sc(size_t(kc.pages_total) * 4 * c.Hkv);
+  scaled.k_scale = TensorView(sc.data(), DType::f32, {kc.pages_total, 4, c.Hkv});
+  expect_attn_error(call(scaled, kc.seqlen_view(), kv), "for i8 caches only");
+  // A NaN new key into an i8 cache.
+  std::vector<float> sc2(sc.size());
+  i8.k_scale = TensorView(sc.data(), DType::f32, {kc.pages_total, 4, c.Hkv});
+  i8.v_scale = TensorView(sc2.data(), DType::f32, {kc.pages_total, 4, c.Hkv});
+  std::vector<float> knan(size_t(2) * 1 * 2 * 8, 0.5f);
+  knan[3] = NAN;
+  KVCacheOptions kvn = kv;
+  kvn.k_new = TensorView(knan.data(), DType::f32, {2, 1, 2, 8});
+  expect_attn_error(call(i8, kc.seqlen_view(), kvn), "an i8 cache holds finite values only");
+  // Options the cache path does not take; rotary without new keys; splits.
+  AttentionOptions o;
+  std::vector<uint8_t> m(100, 1);
+  o.mask = TensorView(m.data(), DType::boolean, {1, 1, 1, 10});
+  expect_attn_error(call(good, kc.seqlen_view(), kv, o), "options.mask is not supported");
+  o = {};
+  o.dropout_p = 0.1f;
+  expect_attn_error(call(good, kc.seqlen_view(), kv, o), "dropout_p must be 0");
+  KVCacheOptions rot;
+  std::vector<float> cs(64 * 4, 1.0f);
+  rot.rotary_cos = TensorView(cs.data(), DType::f32, {64, 4});
+  rot.rotary_sin = TensorView(cs.data(), DType::f32, {64, 4});
+  expect_attn_error(call(good, kc.seqlen_view(), rot), "need kv.k_new");
+  KVCacheOptions sp = kv;
+  sp.num_splits = kMaxKVSplits + 1;
+  expect_attn_error(call(good, kc.seqlen_view(), sp), "kv.num_splits must be");
+  KVCacheOptions half = kv;
+  half.v_new = {};
+  expect_attn_error(call(good, kc.seqlen_view(), half), "go together");
+  // Hq not a multiple of Hkv; out overlapping the cache.
+  std::vector<float> q3(size_t(2) * 3 * 8);
+  std::vector<float> o3(size_t(2) * 3 * 8);
+  expect_attn_error(call(good, kc.seqlen_view(), kv, {}, TensorView(q3.data(), DType::f32, {2, 1, 3, 8}),
+                         TensorView(o3.data(), DType::f32, {2, 1, 3, 8})),
+                    "multiple of the cache's Hkv");
+  expect_attn_error(call(good, kc.seqlen_view(), kv, {}, {}, TensorView(kc.k_cache.data(), DType::f32, {2, 1, 4, 8})),
+                    "out overlaps cache.k");
+  // No failed call wrote anything.
+  EXPECT_TRUE(k_before == kc.k_cache && v_before == kc.v_cache);
+}
+
+}  // namespace
+}  // namespace attn::testing
