@@ -72,6 +72,15 @@ HWY_INLINE VF LoadTailF32(DF df, const T* HWY_RESTRICT p, int n) {
   return LoadF32(df, buf);
 }
 
+/// Asks for the n elements at p in L2 (prefetcht1), one request per cache line.
+template <typename T>
+HWY_INLINE void PrefetchRow(const T* p, int n) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  const int len = n * static_cast<int>(sizeof(T));
+  for (int at = 0; at < len; at += 64) __builtin_prefetch(bytes + at, 0, 2);
+  __builtin_prefetch(bytes + len - 1, 0, 2);  // a row that straddles one more line
+}
+
 /// s[r·ld + c] = Σ_x q[r][x]·k_c[x] for NR rows (q: rows of dp floats, zero past d)
 /// and NK keys.
 template <typename T, int NR, int NK>
@@ -114,50 +123,50 @@ HWY_INLINE void DotRowGroups(const float* q, size_t dp, int rows, const T* const
   }
 }
 
-/// o[r][x..x+kLanes) = α_r·o[r] + Σ_c p[r][c]·v_c[x..] for NR rows. When the sum
-/// is not finite (the cache holds NaN or ±∞ somewhere in these values), it is
-/// recomputed over the keys with p ≠ 0 only, so removed keys take no part.
-template <typename T, int NR>
-HWY_INLINE void PvRowsChunk(const float* HWY_RESTRICT p, size_t ld, const T* const* vals, int cols, int x,
-                            int width, const float* HWY_RESTRICT alpha, float* HWY_RESTRICT o, size_t o_ld) {
+/// o[r] += Σ_k p[r][k]·v_k for NK consecutive keys (p: row stride ld) and every
+/// row: one key row (all of dv) at a time, so the cache is read in token order.
+/// A p of exactly 0 — a removed key — is skipped, so a NaN or ±∞ the cache holds
+/// there never reaches o (0·NaN would).
+template <typename T, int NK>
+HWY_INLINE void PvKeys(const float* HWY_RESTRICT p, size_t ld, int rows, const T* const* vals, int dv,
+                       float* HWY_RESTRICT o, size_t o_ld) {
   const DF df;
-  VF acc[NR];
-  for (int r = 0; r < NR; ++r) acc[r] = hn::Zero(df);
-  auto value = [&](int c) { return width == kLanes ? LoadF32(df, vals[c] + x) : LoadTailF32(df, vals[c] + x, width); };
-  for (int c = 0; c < cols; ++c) {
-    const VF vv = value(c);
-    for (int r = 0; r < NR; ++r) acc[r] = hn::MulAdd(hn::Set(df, p[r * ld + c]), vv, acc[r]);
-  }
-  if constexpr (!std::is_same_v<T, int8_t>) {
-    auto bad = hn::Not(hn::IsFinite(acc[0]));
-    for (int r = 1; r < NR; ++r) bad = hn::Or(bad, hn::Not(hn::IsFinite(acc[r])));
-    if (HWY_UNLIKELY(!hn::AllFalse(df, bad))) {
-      for (int r = 0; r < NR; ++r) {
-        acc[r] = hn::Zero(df);
-        for (int c = 0; c < cols; ++c) {
-          if (p[r * ld + c] != 0.0f) acc[r] = hn::MulAdd(hn::Set(df, p[r * ld + c]), value(c), acc[r]);
-        }
+  bool dense = true;  // no p = 0 among these keys and rows: the plain loop
+  for (int r = 0; r < rows; ++r)
+    for (int k = 0; k < NK; ++k) dense &= p[r * ld + k] != 0.0f;
+  if (dense) {  // each value chunk converted once, used by every row
+    for (int x = 0; x < dv; x += kLanes) {
+      const int width = std::min(kLanes, dv - x);
+      VF vv[NK];
+      for (int k = 0; k < NK; ++k) vv[k] = width == kLanes ? LoadF32(df, vals[k] + x) : LoadTailF32(df, vals[k] + x, width);
+      for (int r = 0; r < rows; ++r) {
+        float* orow = o + r * o_ld + x;
+        VF acc = hn::Load(df, orow);
+        for (int k = 0; k < NK; ++k) acc = hn::MulAdd(hn::Set(df, p[r * ld + k]), vv[k], acc);
+        hn::Store(acc, df, orow);
       }
     }
+    return;
   }
-  for (int r = 0; r < NR; ++r) {
-    float* orow = o + r * o_ld + x;
-    hn::Store(hn::MulAdd(hn::Load(df, orow), hn::Set(df, alpha[r]), acc[r]), df, orow);
-  }
-}
-
-template <typename T>
-HWY_INLINE void PvBlock(const float* p, size_t ld, int rows, const T* const* vals, int cols, int dv,
-                        const float* alpha, float* o, size_t o_ld) {
-  for (int x = 0; x < dv; x += kLanes) {
-    const int width = std::min(kLanes, dv - x);
-    int r = 0;
-    for (; r + 4 <= rows; r += 4) PvRowsChunk<T, 4>(p + r * ld, ld, vals, cols, x, width, alpha + r, o + r * o_ld, o_ld);
-    switch (rows - r) {
-      case 3: PvRowsChunk<T, 3>(p + r * ld, ld, vals, cols, x, width, alpha + r, o + r * o_ld, o_ld); break;
-      case 2: PvRowsChunk<T, 2>(p + r * ld, ld, vals, cols, x, width, alpha + r, o + r * o_ld, o_ld); break;
-      case 1: PvRowsChunk<T, 1>(p + r * ld, ld, vals, cols, x, width, alpha + r, o + r * o_ld, o_ld); break;
-      default: break;
+  for (int r = 0; r < rows; ++r) {
+    float coef[NK];
+    bool all = true, any = false;
+    for (int k = 0; k < NK; ++k) {
+      coef[k] = p[r * ld + k];
+      all &= coef[k] != 0.0f;
+      any |= coef[k] != 0.0f;
+    }
+    if (!any) continue;
+    float* orow = o + r * o_ld;
+    for (int x = 0; x < dv; x += kLanes) {
+      const int width = std::min(kLanes, dv - x);
+      VF acc = hn::Load(df, orow + x);
+      for (int k = 0; k < NK; ++k) {
+        if (!all && coef[k] == 0.0f) continue;
+        const VF vv = width == kLanes ? LoadF32(df, vals[k] + x) : LoadTailF32(df, vals[k] + x, width);
+        acc = hn::MulAdd(hn::Set(df, coef[k]), vv, acc);
+      }
+      hn::Store(acc, df, orow + x);
     }
   }
 }
@@ -182,34 +191,49 @@ std::vector<RowChunk> RowChunks(int group, int lq) {
   return chunks;
 }
 
-/// One work item's running state and scratch (per thread), vector-aligned.
+/// Query rows of all heads of one work item: kv heads × their chunk's rows, and
+/// the most padding rows (rows rounded up to whole vectors, per head) they add.
+constexpr int kMaxItemRows = 256;
+constexpr int kMaxPadRows = kMaxItemRows * (kLanes - 1);
+
+/// One work item's running state and scratch (per thread), vector-aligned: per kv
+/// head its rows' queries, O, m, l and a score tile.
 struct Scratch {
   hwy::AlignedFreeUniquePtr<float[]> q, s, o, m, l, alpha, row_max;
   std::vector<int> lo, hi;
   Scratch(int dp, int dvp)
-      : q(hwy::AllocateAligned<float>(static_cast<size_t>(kMaxRows) * dp)),
-        s(hwy::AllocateAligned<float>(static_cast<size_t>(kMaxRows) * kBk)),
-        o(hwy::AllocateAligned<float>(static_cast<size_t>(kMaxRows) * dvp)),
-        m(hwy::AllocateAligned<float>(kMaxRows)),
-        l(hwy::AllocateAligned<float>(static_cast<size_t>(kMaxRows) * kLanes)),
-        alpha(hwy::AllocateAligned<float>(kMaxRows)),
-        row_max(hwy::AllocateAligned<float>(kMaxRows)),
+      : q(hwy::AllocateAligned<float>(static_cast<size_t>(kMaxItemRows) * dp)),
+        s(hwy::AllocateAligned<float>(static_cast<size_t>(kMaxItemRows + kMaxPadRows) * kBk)),
+        o(hwy::AllocateAligned<float>(static_cast<size_t>(kMaxItemRows) * dvp)),
+        m(hwy::AllocateAligned<float>(static_cast<size_t>(kMaxItemRows) + kMaxPadRows)),
+        l(hwy::AllocateAligned<float>((static_cast<size_t>(kMaxItemRows) + kMaxPadRows) * kLanes)),
+        alpha(hwy::AllocateAligned<float>(static_cast<size_t>(kMaxItemRows) + kMaxPadRows)),
+        row_max(hwy::AllocateAligned<float>(kMaxRows + kLanes)),
         lo(kMaxRows),
         hi(kMaxRows) {}
 };
 
-/// The split's partial result: unnormalised O (rows × dvp), m and l per row.
+/// The split's partial result: unnormalised O (rows × dvp), m and l per row, for
+/// the item's rows in order (kv head by kv head).
 struct Partial {
   float* o;
   float* m;
   float* l;
 };
 
+/// A work item: sequence b, kv heads hk0 … hk0+heads−1, a row chunk, keys [t0, t1).
+/// Taking every kv head of a token at once reads the cache in whole token rows
+/// (Hkv·d contiguous elements) rather than one head's slice of each.
+struct Item {
+  int b, hk0, heads, chunk, t0, t1;
+  size_t part;  // offset of the partial result
+};
+
 template <typename T>
-void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, int b, int hk, const RowChunk& rc,
-                 int t0, int t1, Scratch& w, Partial out) {
-  const DF df;
-  const Sequence& seq = p.attn.seqs[b];
+void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const Item& it, const RowChunk& rc,
+                 Scratch& w, Partial out) {
+  const Sequence& seq = p.attn.seqs[it.b];
+  const int b = it.b, t0 = it.t0, t1 = it.t1;
   const int rows = rc.rows(), rows_pad = RoundUp(rows, kLanes);
   const int group = p.group();
   // The queries' bands; the item's keys are [t0, t1) ∩ their union.
@@ -218,63 +242,131 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, int b
     BandOfRow(p.attn, seq, rc.i0 + i, &w.lo[i], &w.hi[i]);
     if (w.lo[i] <= w.hi[i]) lo_all = std::min(lo_all, w.lo[i]), hi_all = std::max(hi_all, w.hi[i]);
   }
-  std::fill(w.m.get(), w.m.get() + rows_pad, -HUGE_VALF);
-  std::fill(w.l.get(), w.l.get() + static_cast<size_t>(kLanes) * rows_pad, 0.0f);
-  std::fill(w.o.get(), w.o.get() + static_cast<size_t>(rows) * dvp, 0.0f);
-  // Rows of this item, contiguous: q of head g0 + r / count, query i0 + r % count.
-  float* q = w.q.get();
-  for (int r = 0; r < rows; ++r) {
-    const int h = hk * group + rc.g0 + r / rc.count, i = rc.i0 + r % rc.count;
-    std::memcpy(&q[static_cast<size_t>(r) * dp], qs + ((static_cast<size_t>(b) * p.Hq + h) * p.Lq + i) * dp,
-                sizeof(float) * dp);
+  std::fill(w.m.get(), w.m.get() + static_cast<size_t>(it.heads) * rows_pad, -HUGE_VALF);
+  std::fill(w.l.get(), w.l.get() + static_cast<size_t>(kLanes) * it.heads * rows_pad, 0.0f);
+  std::fill(w.o.get(), w.o.get() + static_cast<size_t>(it.heads) * rows * dvp, 0.0f);
+  // Rows of kv head hh, contiguous: q of head g0 + r / count, query i0 + r % count.
+  for (int hh = 0; hh < it.heads; ++hh) {
+    for (int r = 0; r < rows; ++r) {
+      const int h = (it.hk0 + hh) * group + rc.g0 + r / rc.count, i = rc.i0 + r % rc.count;
+      std::memcpy(&w.q[(static_cast<size_t>(hh) * rows + r) * dp],
+                  qs + ((static_cast<size_t>(b) * p.Hq + h) * p.Lq + i) * dp, sizeof(float) * dp);
+    }
   }
   const T* kbase = static_cast<const T*>(p.k.base);
   const T* vbase = static_cast<const T*>(p.v.base);
   const bool i8 = std::is_same_v<T, int8_t>;
   const int first = std::max(t0, lo_all), last = std::min(t1 - 1, hi_all);
-  const T* keys[kBk];
-  const T* vals[kBk];
+  // Token rows of the item's heads: one span when the heads are adjacent.
+  const int64_t k_span = p.k.head_stride == p.d ? int64_t{it.heads} * p.d : p.d;
+  const int64_t v_span = p.v.head_stride == p.dv ? int64_t{it.heads} * p.dv : p.dv;
+  const T* keys0[kBk];
+  const T* vals0[kBk];
   for (int j0 = first <= last ? t0 + (first - t0) / kBk * kBk : t1; j0 <= last; j0 += kBk) {
     const int cols = std::min(kBk, t1 - j0);
     for (int c = 0; c < cols; ++c) {
-      keys[c] = kbase + p.row_offset(p.k, b, j0 + c, hk);
-      vals[c] = vbase + p.row_offset(p.v, b, j0 + c, hk);
+      keys0[c] = kbase + p.row_offset(p.k, b, j0 + c, it.hk0);
+      vals0[c] = vbase + p.row_offset(p.v, b, j0 + c, it.hk0);
     }
-    float* s = w.s.get();
-    int c = 0;
-    for (; c + 2 <= cols; c += 2) DotRowGroups<T, 2>(q, dp, rows, keys + c, p.d, s + c, kBk);
-    if (c < cols) DotRowGroups<T, 1>(q, dp, rows, keys + c, p.d, s + c, kBk);
-    if (i8) {
-      for (int cc = 0; cc < cols; ++cc) {
-        const float ks = p.k.scale[p.scale_offset(p.k, b, j0 + cc, hk)];
-        for (int r = 0; r < rows; ++r) s[r * kBk + cc] *= ks;
+    // The next block's rows, into L2 while this one computes: pages are scattered
+    // and rows are far apart, a pattern the hardware prefetchers do not follow
+    // across 4 KiB pages, so without this every row would wait on DRAM.
+    const int next_cols = std::min(kBk, std::min(t1, last + 1) - (j0 + kBk));
+    for (int c = 0; c < next_cols; ++c) {
+      const T* kn = kbase + p.row_offset(p.k, b, j0 + kBk + c, it.hk0);
+      const T* vn = vbase + p.row_offset(p.v, b, j0 + kBk + c, it.hk0);
+      for (int hh = 0; hh < it.heads; hh += static_cast<int>(k_span / p.d)) PrefetchRow(kn + hh * p.k.head_stride, k_span);
+      for (int hh = 0; hh < it.heads; hh += static_cast<int>(v_span / p.dv)) PrefetchRow(vn + hh * p.v.head_stride, v_span);
+    }
+    // Scores of every head, key by key (token order: each token's heads are adjacent).
+    auto head_keys = [&](int c, int hh, int nk, const T** out_keys) {
+      for (int k = 0; k < nk; ++k) out_keys[k] = keys0[c + k] + hh * p.k.head_stride;
+    };
+    {
+      const T* kk[2];
+      int c = 0;
+      for (; c + 2 <= cols; c += 2) {
+        for (int hh = 0; hh < it.heads; ++hh) {
+          head_keys(c, hh, 2, kk);
+          DotRowGroups<T, 2>(&w.q[static_cast<size_t>(hh) * rows * dp], dp, rows, kk, p.d,
+                             &w.s[static_cast<size_t>(hh) * rows_pad * kBk] + c, kBk);
+        }
       }
-    }
-    for (int r = 0; r < rows_pad; ++r) {
-      std::fill(s + r * kBk + (r < rows ? cols : 0), s + (r + 1) * kBk, -HUGE_VALF);
-    }
-    for (int g = 0; g < rc.heads; ++g) {
-      const TilePlace t{b, hk * group + rc.g0 + g, rc.i0, rc.count, j0, cols, w.lo.data(), w.hi.data()};
-      ApplyScoreMods(p.attn, seq, t, s + static_cast<size_t>(g) * rc.count * kBk, kBk, cols < kBk || TileNeedsBand(t));
-    }
-    if (!SoftmaxTile(s, kBk, rows_pad, w.m.get(), w.l.get(), w.alpha.get(), w.row_max.get())) continue;
-    if (i8) {
-      for (int cc = 0; cc < cols; ++cc) {
-        const float vs = p.v.scale[p.scale_offset(p.v, b, j0 + cc, hk)];
-        for (int r = 0; r < rows; ++r) {
-          float& x = s[r * kBk + cc];
-          if (x != 0.0f) x *= vs;  // a removed key stays 0 whatever its scale
+      if (c < cols) {
+        for (int hh = 0; hh < it.heads; ++hh) {
+          head_keys(c, hh, 1, kk);
+          DotRowGroups<T, 1>(&w.q[static_cast<size_t>(hh) * rows * dp], dp, rows, kk, p.d,
+                             &w.s[static_cast<size_t>(hh) * rows_pad * kBk] + c, kBk);
         }
       }
     }
-    PvBlock<T>(s, kBk, rows, vals, cols, p.dv, w.alpha.get(), w.o.get(), dvp);
+    bool active[kMaxItemRows];
+    for (int hh = 0; hh < it.heads; ++hh) {
+      const int hk = it.hk0 + hh;
+      float* s = &w.s[static_cast<size_t>(hh) * rows_pad * kBk];
+      float* m = &w.m[static_cast<size_t>(hh) * rows_pad];
+      float* l = &w.l[static_cast<size_t>(hh) * rows_pad * kLanes];
+      float* alpha = &w.alpha[static_cast<size_t>(hh) * rows_pad];
+      float* o = &w.o[static_cast<size_t>(hh) * rows * dvp];
+      if (i8) {
+        for (int cc = 0; cc < cols; ++cc) {
+          const float ks = p.k.scale[p.scale_offset(p.k, b, j0 + cc, hk)];
+          for (int r = 0; r < rows; ++r) s[r * kBk + cc] *= ks;
+        }
+      }
+      for (int r = 0; r < rows_pad; ++r) {
+        std::fill(s + r * kBk + (r < rows ? cols : 0), s + (r + 1) * kBk, -HUGE_VALF);
+      }
+      for (int g = 0; g < rc.heads; ++g) {
+        const TilePlace t{b, hk * group + rc.g0 + g, rc.i0, rc.count, j0, cols, w.lo.data(), w.hi.data()};
+        ApplyScoreMods(p.attn, seq, t, s + static_cast<size_t>(g) * rc.count * kBk, kBk,
+                       cols < kBk || TileNeedsBand(t));
+      }
+      active[hh] = SoftmaxTile(s, kBk, rows_pad, m, l, alpha, w.row_max.get());
+      if (!active[hh]) continue;
+      for (int r = 0; r < rows; ++r) {  // O = α·O before this block's P·V
+        if (alpha[r] == 1.0f) continue;
+        const VF a = hn::Set(DF(), alpha[r]);
+        for (int x = 0; x < dvp; x += kLanes) hn::Store(hn::Mul(a, hn::Load(DF(), o + r * dvp + x)), DF(), o + r * dvp + x);
+      }
+      if (i8) {
+        for (int cc = 0; cc < cols; ++cc) {
+          const float vs = p.v.scale[p.scale_offset(p.v, b, j0 + cc, hk)];
+          for (int r = 0; r < rows; ++r) {
+            float& x = s[r * kBk + cc];
+            if (x != 0.0f) x *= vs;  // a removed key stays 0 whatever its scale
+          }
+        }
+      }
+    }
+    // P·V, key by key again.
+    {
+      const T* vv[2];
+      int c = 0;
+      for (; c < cols; c += 2) {
+        const int nk = std::min(2, cols - c);
+        for (int hh = 0; hh < it.heads; ++hh) {
+          if (!active[hh]) continue;
+          for (int k = 0; k < nk; ++k) vv[k] = vals0[c + k] + hh * p.v.head_stride;
+          const float* s = &w.s[static_cast<size_t>(hh) * rows_pad * kBk] + c;
+          float* o = &w.o[static_cast<size_t>(hh) * rows * dvp];
+          if (nk == 2) {
+            PvKeys<T, 2>(s, kBk, rows, vv, p.dv, o, dvp);
+          } else {
+            PvKeys<T, 1>(s, kBk, rows, vv, p.dv, o, dvp);
+          }
+        }
+      }
+    }
   }
-  for (int r = 0; r < rows; ++r) {
-    out.m[r] = w.m[r];
-    out.l[r] = RowSum(w.l.get(), r);
-    std::memcpy(out.o + static_cast<size_t>(r) * dvp, &w.o[static_cast<size_t>(r) * dvp], sizeof(float) * dvp);
+  for (int hh = 0; hh < it.heads; ++hh) {
+    for (int r = 0; r < rows; ++r) {
+      const size_t at = static_cast<size_t>(hh) * rows + r;
+      out.m[at] = w.m[static_cast<size_t>(hh) * rows_pad + r];
+      out.l[at] = RowSum(&w.l[static_cast<size_t>(hh) * rows_pad * kLanes], r);
+      std::memcpy(out.o + at * dvp, &w.o[at * dvp], sizeof(float) * dvp);
+    }
   }
-  (void)df;
 }
 
 void StoreRow(const DecodeProblem& p, int b, int i, int h, const float* o, double inv_l, float lse_value) {
@@ -332,12 +424,8 @@ void Decode(const DecodeProblem& p, int threads) {
   const int dp = RoundUp(p.d, kLanes), dvp = RoundUp(p.dv, kLanes);
   const std::vector<float> qs = prepare_queries(p, kLanes);
   const std::vector<RowChunk> chunks = RowChunks(p.group(), p.Lq);
-  struct Item {
-    int b, hk, chunk, t0, t1;
-    size_t part;  // offset of the partial result in `parts`
-  };
-  struct Group {  // the items of one (b, hk, chunk), in split order
-    int b, hk, chunk, first, count;
+  struct Group {  // the items of one (b, kv heads, chunk), in split order
+    int first, count;
   };
   std::vector<Item> items;
   std::vector<Group> groups;
@@ -347,23 +435,25 @@ void Decode(const DecodeProblem& p, int threads) {
     const int nsplit = SplitsOf(p, lk);
     const int blocks = (lk + kBk - 1) / kBk;
     const int per = std::max(1, (blocks + nsplit - 1) / nsplit);
-    for (int hk = 0; hk < p.Hkv; ++hk) {
-      for (int ch = 0; ch < static_cast<int>(chunks.size()); ++ch) {
-        groups.push_back({b, hk, ch, static_cast<int>(items.size()), nsplit});
-        const int rows = chunks[ch].rows();
+    for (int ch = 0; ch < static_cast<int>(chunks.size()); ++ch) {
+      const int rows = chunks[ch].rows();
+      const int heads = std::max(1, std::min(p.Hkv, kMaxItemRows / rows));
+      for (int hk0 = 0; hk0 < p.Hkv; hk0 += heads) {
+        const int nh = std::min(heads, p.Hkv - hk0);
+        groups.push_back({static_cast<int>(items.size()), nsplit});
         for (int s = 0; s < nsplit; ++s) {
           const int t0 = std::min(lk, s * per * kBk), t1 = std::min(lk, (s + 1) * per * kBk);
-          items.push_back({b, hk, ch, t0, t1, floats});
-          floats += static_cast<size_t>(rows) * (dvp + 2);
+          items.push_back({b, hk0, nh, ch, t0, t1, floats});
+          floats += static_cast<size_t>(rows) * nh * (dvp + 2);
         }
       }
     }
   }
   std::vector<float> parts(floats);
   auto partial = [&](const Item& it) {
-    const int rows = chunks[it.chunk].rows();
+    const size_t rows = static_cast<size_t>(chunks[it.chunk].rows()) * it.heads;
     float* base = parts.data() + it.part;
-    return Partial{base, base + static_cast<size_t>(rows) * dvp, base + static_cast<size_t>(rows) * (dvp + 1)};
+    return Partial{base, base + rows * dvp, base + rows * (dvp + 1)};
   };
   double bytes = 0;
   for (int b = 0; b < p.B; ++b) bytes += double(p.attn.seqs[b].Lk) * p.Hkv * (p.d + p.dv);
@@ -376,18 +466,20 @@ void Decode(const DecodeProblem& p, int threads) {
     std::vector<Partial> ps;
 #pragma omp for schedule(dynamic, 1)
     for (int n = 0; n < nitems; ++n) {
-      const Item& it = items[n];
-      ComputeItem<T>(p, qs.data(), dp, dvp, it.b, it.hk, chunks[it.chunk], it.t0, it.t1, w, partial(it));
+      ComputeItem<T>(p, qs.data(), dp, dvp, items[n], chunks[items[n].chunk], w, partial(items[n]));
     }
 #pragma omp for schedule(static)
     for (int n = 0; n < ngroups; ++n) {
       const Group& g = groups[n];
-      const RowChunk& rc = chunks[g.chunk];
+      const Item& it = items[g.first];
+      const RowChunk& rc = chunks[it.chunk];
       ps.clear();
       for (int s = 0; s < g.count; ++s) ps.push_back(partial(items[g.first + s]));
-      for (int r = 0; r < rc.rows(); ++r) {
-        const int h = g.hk * p.group() + rc.g0 + r / rc.count, i = rc.i0 + r % rc.count;
-        FinishRow(p, g.b, i, h, ps.data(), g.count, r, dvp, acc);
+      for (int hh = 0; hh < it.heads; ++hh) {
+        for (int r = 0; r < rc.rows(); ++r) {
+          const int h = (it.hk0 + hh) * p.group() + rc.g0 + r / rc.count, i = rc.i0 + r % rc.count;
+          FinishRow(p, it.b, i, h, ps.data(), g.count, hh * rc.rows() + r, dvp, acc);
+        }
       }
     }
   }

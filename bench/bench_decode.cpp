@@ -1,0 +1,23 @@
+// bench_decode [L ...]: the decode table (decode_table.hpp) with its defaults, or for
+// the given cache lengths; the read bandwidth for 1 and 2 threads first. The same
+// table as `attn bench --decode`, without the CLI.
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+
+#include "decode_table.hpp"
+
+int main(int argc, char** argv) {
+  attn::bench::DecodeOptions o;
+  if (argc > 1) {
+    o.lengths.clear();
+    for (int i = 1; i < argc; ++i) o.lengths.push_back(std::atoi(argv[i]));
+  }
+  std::vector<double> bw(3, 0.0);
+  for (int t : {1, 2}) {
+    bw[t] = attn::bench::measure_read_bandwidth(t);
+    std::printf("read bandwidth, %d thread(s): %.1f GB/s\n", t, bw[t]);
+  }
+  const auto rows = attn::bench::run_decode_table(o, std::cout);
+  std::printf("\n%s", attn::bench::format_decode_table(rows, bw).c_str());
+}

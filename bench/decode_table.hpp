@@ -1,0 +1,56 @@
+// The decode benchmark of issue 12: attention_with_kvcache with Lq = 1 (one new token
+// appended per call, as a decoding step does) against a long KV cache, reported as GB/s
+// of cache read and as a fraction of the machine's measured read bandwidth
+// (measure_read_bandwidth, a STREAM-like sum). Used by `attn bench --decode` and
+// bench_decode.
+#pragma once
+
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+#include "attn/tensor.hpp"
+
+namespace attn::bench {
+
+/// GB/s of reading `bytes` of f32 with `threads` threads (a vectorised sum of an array
+/// far larger than the caches), median of repetitions.
+double measure_read_bandwidth(int threads, size_t bytes = size_t{1} << 30);
+
+struct DecodeConfig {
+  int B = 1, Hq = 32, Hkv = 8, d = 128, L = 8192;
+  int page = 16;  // 0 = contiguous
+  DType cache = DType::bf16;
+  int threads = 1;
+  int splits = 0;  // 0 = automatic
+};
+
+struct DecodeRow {
+  DecodeConfig config;
+  double bytes = 0;  // cache bytes one call reads (keys, values, i8 scales)
+  double ms = 0;     // median per call
+  double gbps() const { return bytes / (ms * 1e6); }
+};
+
+struct DecodeOptions {
+  std::vector<int> batches = {1, 8};
+  std::vector<int> lengths = {1024, 8192, 32768, 131072};
+  std::vector<int> pages = {16, 256};
+  std::vector<DType> dtypes = {DType::f32, DType::bf16, DType::i8};
+  std::vector<int> threads = {1, 2};
+  double max_cache_gb = 6.0;  // rows whose cache is larger are skipped (and said so)
+  int min_reps = 5;
+  double min_seconds = 0.5;
+};
+
+/// Times one configuration (the cache filled with random values first).
+DecodeRow time_decode(const DecodeConfig& c, const DecodeOptions& o);
+
+/// Runs the table, printing progress to `log`.
+std::vector<DecodeRow> run_decode_table(const DecodeOptions& o, std::ostream& log);
+
+/// Markdown table: GB/s and the fraction of the read bandwidth for the row's threads
+/// (bandwidth[t] for t threads).
+std::string format_decode_table(const std::vector<DecodeRow>& rows, const std::vector<double>& bandwidth);
+
+}  // namespace attn::bench
