@@ -26,6 +26,7 @@ from . import _attn
 from ._attn import Error, num_threads, set_num_threads
 
 __all__ = ["scaled_dot_product_attention", "varlen_attention", "attention_backward", "merge_attention_states",
+           "attention_with_kvcache", "kvcache_append",
            "last_dropout_seed", "set_num_threads", "num_threads", "cpu_info", "Error", "copies_made"]
 from ._version import __version__
 
@@ -389,6 +390,97 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
     _attn.merge(_bshd(oa4), la3, _bshd(ob4), lb3, _bshd(out.reshape(oa4.shape)), lse=lse.reshape(la3.shape),
                 bf16=_is_bf16(out_a))
     return _like(out, out_a), _like(lse, out_a)
+
+
+
+def _cache_array(x, name):
+    """A writable NumPy view of a cache (float32, float16, bfloat16 or int8), never a copy."""
+    if _is_torch(x) and str(x.dtype) == "torch.int8":
+        if x.device.type != "cpu":
+            raise ValueError("%s: expected a CPU tensor, got one on %s" % (name, x.device))
+        x = x.detach().numpy()
+    elif not (_is_torch(x)) and isinstance(x, _np.ndarray) and x.dtype == _np.int8:
+        pass
+    else:
+        x = _array(x, name)
+    if not x.flags.writeable:
+        raise ValueError("%s: the cache is written in place, so it must be a writable array" % name)
+    return x
+
+
+def _seqlens(cache_seqlens, batch):
+    if cache_seqlens is None:
+        raise TypeError("cache_seqlens is required: the tokens already in each sequence's cache (int or int32 [B])")
+    if isinstance(cache_seqlens, (int, _np.integer)):
+        return _np.full((batch,), int(cache_seqlens), dtype=_np.int32)
+    return _array(cache_seqlens, "cache_seqlens", kinds=("i",))
+
+
+def _kvcache_args(k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table, k_scale, v_scale,
+                  batch):
+    kc, vc = _cache_array(k_cache, "k_cache"), _cache_array(v_cache, "v_cache")
+    args = dict(k_scale=_array(k_scale, "k_scale", allow_none=True) if k_scale is not None else None,
+                v_scale=_array(v_scale, "v_scale", allow_none=True) if v_scale is not None else None,
+                block_table=_array(block_table, "block_table", kinds=("i",), allow_none=True),
+                cache_seqlens=_seqlens(cache_seqlens, batch),
+                k=_array(k, "k", allow_none=True), v=_array(v, "v", allow_none=True),
+                rotary_cos=_array(rotary_cos, "rotary_cos", allow_none=True),
+                rotary_sin=_array(rotary_sin, "rotary_sin", allow_none=True),
+                cache_bf16=_is_bf16(k_cache), new_bf16=_is_bf16(k))
+    for name, t in (("k_scale", args["k_scale"]), ("v_scale", args["v_scale"])):
+        if t is not None and not t.flags.writeable:
+            raise ValueError("%s: written in place on append, so it must be a writable array" % name)
+    return kc, vc, args
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                           cache_seqlens=None, block_table=None, softmax_scale=None, causal=False,
+                           window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
+                           num_splits=0, return_softmax_lse=False, *, k_scale=None, v_scale=None):
+    """Attention of new queries against a KV cache, FlashAttention's ``flash_attn_with_kvcache``.
+
+    Layouts are FlashAttention's (sequence before heads): q [B, Lq, Hq, d]; k_cache, v_cache
+    [B, capacity, Hkv, d / dv], or paged [num_blocks, page_size, Hkv, d] with ``block_table``
+    int32 [B, max_blocks] (any page size); cache_seqlens int or int32 [B] (tokens already
+    cached; not advanced by the call). ``k``, ``v`` [B, Lnew, Hkv, d / dv] are written into the
+    cache in place at cache_seqlens (rotated by ``rotary_cos``/``rotary_sin`` [positions,
+    rotary_dim / 2] if given: keys at their positions, queries at cache_seqlens + Lnew - Lq + i;
+    ``rotary_interleaved`` pairs (0,1),(2,3)… else halves), then each sequence attends over its
+    cache_seqlens[b] + Lnew keys. ``causal`` is bottom-right aligned (the last query sees every
+    key). The cache may be float32, float16, bfloat16 (torch) or int8 with ``k_scale``/``v_scale``
+    float32 [B or num_blocks, capacity or page_size, Hkv] (key = scale · int8; new tokens are
+    quantized with scale max|x| / 127). q, k, v: float32, float16 or bfloat16. ``num_splits``:
+    0 = automatic split-KV, else the splits per sequence. Returns out [B, Lq, Hq, dv] in q's
+    dtype, and lse float32 [B, Hq, Lq] if ``return_softmax_lse``. NumPy or CPU torch alike.
+    """
+    qa = _array(q, "q")
+    if qa.ndim != 4:
+        raise ValueError("q: expected shape [B, Lq, Hq, d], got %s" % (qa.shape,))
+    kc, vc, args = _kvcache_args(k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table,
+                                 k_scale, v_scale, qa.shape[0])
+    if vc.ndim != 4:
+        raise ValueError("v_cache: expected 4 dimensions, got %s" % (vc.shape,))
+    left, right = _window(window_size)
+    out = _np.empty(qa.shape[:3] + (vc.shape[3],), dtype=qa.dtype)
+    lse = _np.empty((qa.shape[0], qa.shape[2], qa.shape[1]), dtype=_np.float32) if return_softmax_lse else None
+    _attn.kvcache(qa, kc, vc, out=out, lse=lse, scale=softmax_scale, causal=2 if causal else 0,
+                  window_left=left, window_right=right, softcap=float(softcap or 0.0),
+                  alibi_slopes=_array(alibi_slopes, "alibi_slopes", allow_none=True),
+                  rotary_interleaved=bool(rotary_interleaved), num_splits=int(num_splits), q_bf16=_is_bf16(q),
+                  **args)
+    out = _like(out, q)
+    return (out, _like(lse, q)) if return_softmax_lse else out
+
+
+def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, block_table=None, rotary_cos=None, rotary_sin=None,
+                   rotary_interleaved=True, *, k_scale=None, v_scale=None):
+    """Only the append of ``attention_with_kvcache``: writes k, v [B, Lnew, Hkv, d / dv] into
+    the cache at cache_seqlens (rotated, rounded or quantized the same way), e.g. a prompt's
+    keys and values before decoding. cache_seqlens is not advanced."""
+    ka = _array(k, "k")
+    kc, vc, args = _kvcache_args(k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table,
+                                 k_scale, v_scale, ka.shape[0] if ka.ndim == 4 else 1)
+    _attn.kvcache(None, kc, vc, rotary_interleaved=bool(rotary_interleaved), **args)
 
 
 def cpu_info():

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "attn/attention.hpp"
+#include "attn/kvcache.hpp"
 #include "attn/error.hpp"
 
 namespace py = pybind11;
@@ -36,10 +37,11 @@ attn::TensorView view_of(const py::object& obj, const char* name, bool writable,
   else if (int16 && int16_is_bf16) dtype = attn::DType::bf16;  // torch.bfloat16 seen as int16 (NumPy has no bf16)
   else if (f == "?" && info.itemsize == 1) dtype = attn::DType::boolean;
   else if ((f == "i" || f == "l" || f == "<i" || f == "=i") && info.itemsize == 4) dtype = attn::DType::i32;
+  else if (f == "b" && info.itemsize == 1) dtype = attn::DType::i8;  // quantized KV caches
   else
     throw py::type_error(std::string(name) + ": unsupported element type (buffer format \"" + f + "\", " +
                          std::to_string(info.itemsize) + " bytes); expected float32, float16 or bfloat16" +
-                         " (int32 for sequence lengths, bool or float32 for masks)");
+                         " (int32 for sequence lengths, bool or float32 for masks, int8 for quantized KV caches)");
   std::vector<int64_t> shape(info.shape.begin(), info.shape.end()), strides;
   for (py::ssize_t s : info.strides) {
     if (s < 0 || s % info.itemsize != 0)
@@ -142,6 +144,55 @@ PYBIND11_MODULE(_attn, m) {
       py::arg("out_a"), py::arg("lse_a"), py::arg("out_b"), py::arg("lse_b"), py::arg("out"), py::kw_only(),
       py::arg("lse") = py::none(), py::arg("bf16") = false,
       "merge_attention_states on BSHD views: two partial attentions over disjoint keys into one.");
+
+  m.def(
+      "kvcache",
+      [](const py::object& q, const py::object& k_cache, const py::object& v_cache, const py::object& k_scale,
+         const py::object& v_scale, const py::object& block_table, const py::object& cache_seqlens,
+         const py::object& k_new, const py::object& v_new, const py::object& rotary_cos,
+         const py::object& rotary_sin, bool rotary_interleaved, const py::object& out, const py::object& lse,
+         std::optional<float> scale, int causal, int window_left, int window_right, float softcap,
+         const py::object& alibi_slopes, int num_splits, bool q_bf16, bool cache_bf16, bool new_bf16) {
+        attn::KVCache cache;
+        cache.k = view_of(k_cache, "k_cache", true, cache_bf16);
+        cache.v = view_of(v_cache, "v_cache", true, cache_bf16);
+        cache.k_scale = view_of(k_scale, "k_scale", true);
+        cache.v_scale = view_of(v_scale, "v_scale", true);
+        cache.block_table = view_of(block_table, "block_table", false);
+        attn::KVCacheOptions kv;
+        kv.k_new = view_of(k_new, "k", false, new_bf16);
+        kv.v_new = view_of(v_new, "v", false, new_bf16);
+        kv.rotary_cos = view_of(rotary_cos, "rotary_cos", false);
+        kv.rotary_sin = view_of(rotary_sin, "rotary_sin", false);
+        kv.rotary_interleaved = rotary_interleaved;
+        kv.num_splits = num_splits;
+        const attn::TensorView sl = view_of(cache_seqlens, "cache_seqlens", false);
+        if (q.is_none()) {
+          py::gil_scoped_release release;
+          attn::kvcache_append(cache, sl, kv);
+          return;
+        }
+        attn::AttentionOptions o;
+        o.scale = scale;
+        o.causal = causal == 0 ? attn::Causal::None : causal == 1 ? attn::Causal::TopLeft : attn::Causal::BottomRight;
+        o.window = {window_left, window_right};
+        o.softcap = softcap;
+        o.alibi_slopes = view_of(alibi_slopes, "alibi_slopes", false);
+        const attn::TensorView qv = view_of(q, "q", false, q_bf16), ov = view_of(out, "out", true, q_bf16),
+                               lv = view_of(lse, "lse", true);
+        py::gil_scoped_release release;
+        attn::attention_with_kvcache(qv, cache, sl, ov, o, kv, lv);
+      },
+      py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::kw_only(), py::arg("k_scale") = py::none(),
+      py::arg("v_scale") = py::none(), py::arg("block_table") = py::none(), py::arg("cache_seqlens"),
+      py::arg("k") = py::none(), py::arg("v") = py::none(), py::arg("rotary_cos") = py::none(),
+      py::arg("rotary_sin") = py::none(), py::arg("rotary_interleaved") = true, py::arg("out") = py::none(),
+      py::arg("lse") = py::none(), py::arg("scale") = py::none(), py::arg("causal") = 0,
+      py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("softcap") = 0.0f,
+      py::arg("alibi_slopes") = py::none(), py::arg("num_splits") = 0, py::arg("q_bf16") = false,
+      py::arg("cache_bf16") = false, py::arg("new_bf16") = false,
+      "attention_with_kvcache (q None: kvcache_append only) on FlashAttention's layouts; the cache is written "
+      "in place.");
 
   m.def(
       "cpu_info",

@@ -45,7 +45,7 @@ constexpr int kMaxRows = 64;
 /// Keys per split when the count is automatic: a split's partial result (rows × dv
 /// floats) costs far less than reading this many keys, and a 1k-key split is enough
 /// work to hide a thread's wake-up.
-constexpr int kAutoSplitKeys = 1024;
+constexpr int kAutoSplitKeys = 256;
 constexpr int kAutoMaxSplits = 64;
 
 /// kLanes cache elements at p, as f32.

@@ -8,6 +8,7 @@
 
 #include "attn/attention.hpp"
 #include "baseline.hpp"
+#include "decode_table.hpp"
 #include "commands.hpp"
 #include "forward_table.hpp"
 #include "peak.hpp"
@@ -31,10 +32,57 @@ struct BenchArgs {
   bool quick = false;
   bool no_baseline = false;
   bool backward = false;
-  std::vector<int> sizes, dims, threads;
+  bool decode = false;
+  double max_cache_gb = 6.0;
+  std::vector<int> sizes, dims, threads, batches, pages;
   std::vector<std::string> dtypes;
   std::string markdown, json;
 };
+
+// `attn bench --decode`: the decode table of issue 12.
+template <class Write>
+int run_decode(const BenchArgs& a, int all, const Write& write) {
+  bench::DecodeOptions o;
+  o.threads = {1};
+  if (all > 1) o.threads.push_back(all);
+  if (!a.sizes.empty()) o.lengths = a.sizes;
+  if (!a.threads.empty()) o.threads = a.threads;
+  if (!a.batches.empty()) o.batches = a.batches;
+  if (!a.pages.empty()) o.pages = a.pages;
+  o.max_cache_gb = a.max_cache_gb;
+  if (a.quick) o.lengths = {1024, 8192}, o.batches = {1}, o.min_reps = 3, o.min_seconds = 0.2;
+  if (!a.dtypes.empty()) {
+    o.dtypes.clear();
+    for (const std::string& t : a.dtypes) {
+      o.dtypes.push_back(t == "bf16" ? DType::bf16 : t == "f16" ? DType::f16 : t == "i8" ? DType::i8 : DType::f32);
+    }
+  }
+  std::printf("attn bench --decode on %s (%d cores)\n", cpu_model().c_str(), all);
+  int most = 1;
+  for (int t : o.threads) most = std::max(most, t);
+  std::vector<double> bw(static_cast<size_t>(most) + 1, 0.0);
+  for (int t : o.threads) {
+    bw[t] = bench::measure_read_bandwidth(t);
+    std::printf("  read bandwidth (1 GiB sum), %d thread(s): %.1f GB/s\n", t, bw[t]);
+  }
+  const auto rows = bench::run_decode_table(o, std::cout);
+  const std::string table = bench::format_decode_table(rows, bw);
+  std::printf("\n%s", table.c_str());
+  if (!a.markdown.empty()) write(a.markdown, table);
+  if (!a.json.empty()) {
+    nlohmann::json j;
+    j["cpu"] = cpu_model();
+    j["pass"] = "decode";
+    for (int t : o.threads) j["read_bandwidth_gbps"][std::to_string(t)] = bw[t];
+    for (const auto& r : rows) {
+      j["rows"].push_back({{"cache", dtype_name(r.config.cache)}, {"B", r.config.B}, {"L", r.config.L},
+                           {"page", r.config.page}, {"Hq", r.config.Hq}, {"Hkv", r.config.Hkv}, {"d", r.config.d},
+                           {"threads", r.config.threads}, {"ms", r.ms}, {"bytes", r.bytes}, {"gbps", r.gbps()}});
+    }
+    write(a.json, j.dump(2) + "\n");
+  }
+  return 0;
+}
 }  // namespace
 
 Command add_bench_command(CLI::App& app) {
@@ -51,11 +99,19 @@ Command add_bench_command(CLI::App& app) {
   sub->add_option("--dtype", args->dtypes,
                   "dtypes of q, k, v, out: f32, bf16, f16 (default f32); bf16 runs on AMX tiles where "
                   "the CPU has them (ATTN_ISA forces a path)")
-      ->check(CLI::IsMember({"f32", "bf16", "f16"}));
+      ->check(CLI::IsMember({"f32", "bf16", "f16", "i8"}));
   sub->add_flag("--no-baseline", args->no_baseline, "skip the cblas baseline");
   sub->add_flag("--backward", args->backward,
                 "time attention_backward (GFLOP/s count 2.5× the forward's flops); the baseline "
                 "is the explicit N×N backward with cblas, given the forward's P");
+  sub->add_flag("--decode", args->decode,
+                "the decode table instead: attention_with_kvcache, Lq=1, Hq=32, Hkv=8, d=128, one token "
+                "appended per call; GB/s of cache read beside the measured read bandwidth. --sizes are "
+                "cache lengths (default 1024 8192 32768 131072), --dtype f32/bf16/f16/i8 the cache's");
+  sub->add_option("--batches", args->batches, "decode: batch sizes (default 1 8)")->check(CLI::Range(1, 4096));
+  sub->add_option("--pages", args->pages, "decode: page sizes, 0 = contiguous (default 16 256)")
+      ->check(CLI::Range(0, 1 << 20));
+  sub->add_option("--max-cache-gb", args->max_cache_gb, "decode: skip rows whose cache is larger (default 6)");
   sub->add_option("--markdown", args->markdown, "also write the table to this file");
   sub->add_option("--json", args->json, "also write all figures to this JSON file");
 
@@ -74,6 +130,10 @@ Command add_bench_command(CLI::App& app) {
       std::printf("wrote %s\n", path.c_str());
     };
     const int all = omp_get_num_procs();
+    if (args->decode) return run_decode(*args, all, write);
+    for (const std::string& t : args->dtypes) {
+      if (t == "i8") throw attn::Error("bench: --dtype i8 is a KV cache dtype; use it with --decode");
+    }
     bench::TableOptions o;
     o.threads = {1};
     if (all > 1) o.threads.push_back(all);

@@ -1,0 +1,159 @@
+"""attn.attention_with_kvcache and attn.kvcache_append from Python (issue 12): contiguous
+and paged caches (NumPy float32/float16/int8, torch bfloat16) against the float64
+reference on the logical keys and values, token-by-token decoding equal to causal
+attention over the whole sequence, RoPE on append, and clear errors."""
+import numpy as np
+import pytest
+import torch
+
+import attn
+from conftest import reference
+
+
+def _logical(cache, seqlens, b, block_table=None, scale=None):
+    """Sequence b's keys (or values) [Lk, Hkv, d] as float64, dequantized."""
+    c = cache.float().numpy() if torch.is_tensor(cache) else cache
+    n = int(seqlens[b])
+    if block_table is None:
+        rows = c[b, :n].astype(np.float64)
+        s = None if scale is None else scale[b, :n]
+    else:
+        page = c.shape[1]
+        idx = [(block_table[b, t // page], t % page) for t in range(n)]
+        rows = np.stack([c[p, r] for p, r in idx]).astype(np.float64)
+        s = None if scale is None else np.stack([scale[p, r] for p, r in idx])
+    return rows if s is None else rows * s[..., None]
+
+
+def _check(q, out, lse, k_cache, v_cache, total, block_table=None, k_scale=None, v_scale=None, causal=True, tol=2e-5):
+    qa = q.float().numpy() if torch.is_tensor(q) else q
+    for b in range(qa.shape[0]):
+        k = _logical(k_cache, total, b, block_table, k_scale)
+        v = _logical(v_cache, total, b, block_table, v_scale)
+        ref, ref_lse = reference(qa[b].transpose(1, 0, 2), k.transpose(1, 0, 2), v.transpose(1, 0, 2),
+                                 is_causal=causal, alignment="bottom_right")
+        got = out[b].float().numpy() if torch.is_tensor(out) else out[b]
+        np.testing.assert_allclose(got.transpose(1, 0, 2), ref.numpy(), rtol=tol, atol=tol)
+        if lse is not None:
+            np.testing.assert_allclose(np.asarray(lse[b]), ref_lse.numpy(), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("page", [None, 1, 16, 7])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
+def test_decoding_step_matches_the_reference(rng, page, dtype):
+    B, Hq, Hkv, d, cap = 3, 8, 2, 40, 90
+    seqlens = np.array([0, 33, 80], dtype=np.int32)
+    if page is None:
+        shape, table = (B, cap, Hkv, d), None
+    else:
+        blocks = -(-cap // page)
+        table = rng.permutation(B * blocks).astype(np.int32).reshape(B, blocks)
+        shape = (B * blocks, page, Hkv, d)
+    if dtype == np.int8:
+        k_cache = rng.integers(-127, 128, shape).astype(np.int8)
+        v_cache = rng.integers(-127, 128, shape).astype(np.int8)
+        k_scale = rng.uniform(0.002, 0.01, shape[:3]).astype(np.float32)
+        v_scale = rng.uniform(0.002, 0.01, shape[:3]).astype(np.float32)
+    else:
+        k_cache = rng.uniform(-1, 1, shape).astype(dtype)
+        v_cache = rng.uniform(-1, 1, shape).astype(dtype)
+        k_scale = v_scale = None
+    q = rng.uniform(-1, 1, (B, 1, Hq, d)).astype(np.float32)
+    k = rng.uniform(-1, 1, (B, 1, Hkv, d)).astype(np.float32)
+    v = rng.uniform(-1, 1, (B, 1, Hkv, d)).astype(np.float32)
+    out, lse = attn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table,
+                                           causal=True, return_softmax_lse=True, k_scale=k_scale, v_scale=v_scale)
+    assert out.shape == (B, 1, Hq, d) and out.dtype == np.float32 and lse.shape == (B, Hq, 1)
+    total = seqlens + 1
+    if dtype == np.int8:  # the appended token was quantized: within half a step of k
+        appended = _logical(k_cache, total, 1, table, k_scale)[-1]
+        assert np.abs(appended - k[1, 0]).max() <= np.abs(k[1, 0]).max() / 127 * 0.51
+    _check(q, out, lse, k_cache, v_cache, total, table, k_scale, v_scale)
+
+
+def test_token_by_token_decoding_equals_causal_attention_over_the_sequence(rng):
+    B, H, Hkv, d, n = 2, 4, 4, 16, 23
+    q = rng.uniform(-1, 1, (B, n, H, d)).astype(np.float32)
+    k = rng.uniform(-1, 1, (B, n, Hkv, d)).astype(np.float32)
+    v = rng.uniform(-1, 1, (B, n, Hkv, d)).astype(np.float32)
+    k_cache = np.zeros((4 * B, 8, Hkv, d), np.float32)  # pages of 8, interleaved between sequences
+    v_cache = np.zeros_like(k_cache)
+    table = np.array([[0, 2, 4, 6], [1, 3, 5, 7]], dtype=np.int32)
+    outs = []
+    for t in range(n):
+        outs.append(attn.attention_with_kvcache(q[:, t:t + 1], k_cache, v_cache, k[:, t:t + 1], v[:, t:t + 1],
+                                                cache_seqlens=t, block_table=table, causal=True))
+    stepwise = np.concatenate(outs, axis=1)
+    whole = attn.scaled_dot_product_attention(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
+                                              v.transpose(0, 2, 1, 3), is_causal=True).transpose(0, 2, 1, 3)
+    np.testing.assert_allclose(stepwise, whole, rtol=2e-6, atol=2e-6)
+
+
+def test_torch_bfloat16_cache_with_rope_and_chunked_prefill(rng):
+    B, H, Hkv, d, cap, lq = 2, 4, 2, 32, 64, 5
+    k_cache = torch.zeros(B, cap, Hkv, d, dtype=torch.bfloat16)
+    v_cache = torch.zeros(B, cap, Hkv, d, dtype=torch.bfloat16)
+    k_cache[:, :20] = torch.from_numpy(rng.uniform(-1, 1, (B, 20, Hkv, d)).astype(np.float32)).bfloat16()
+    v_cache[:, :20] = torch.from_numpy(rng.uniform(-1, 1, (B, 20, Hkv, d)).astype(np.float32)).bfloat16()
+    q = torch.from_numpy(rng.uniform(-1, 1, (B, lq, H, d)).astype(np.float32)).bfloat16()
+    k = torch.from_numpy(rng.uniform(-1, 1, (B, lq, Hkv, d)).astype(np.float32)).bfloat16()
+    v = torch.from_numpy(rng.uniform(-1, 1, (B, lq, Hkv, d)).astype(np.float32)).bfloat16()
+    pos = np.arange(cap)[:, None] * (10000.0 ** (-np.arange(d // 2) * 2.0 / d))[None, :]
+    cos, sin = np.cos(pos).astype(np.float32), np.sin(pos).astype(np.float32)
+    out = attn.attention_with_kvcache(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens=20, causal=True,
+                                      rotary_interleaved=False)
+    assert out.dtype == torch.bfloat16 and out.shape == (B, lq, H, d)
+    # The queries rotated the same way (positions 20..24, halves pairing), in float64.
+    qr = q.double().numpy().copy()
+    half = d // 2
+    for i in range(lq):
+        c, s = cos[20 + i].astype(np.float64), sin[20 + i].astype(np.float64)
+        x0, x1 = qr[:, i, :, :half].copy(), qr[:, i, :, half:].copy()
+        qr[:, i, :, :half] = x0 * c - x1 * s
+        qr[:, i, :, half:] = x0 * s + x1 * c
+    _check(qr, out, None, k_cache, v_cache, np.full(B, 20 + lq), tol=1e-2)
+    # The appended keys are the rotated new keys, rounded once to bfloat16.
+    kr = k.double().numpy()
+    c, s = cos[20].astype(np.float64), sin[20].astype(np.float64)
+    want = np.concatenate([kr[:, 0, :, :half] * c - kr[:, 0, :, half:] * s,
+                           kr[:, 0, :, :half] * s + kr[:, 0, :, half:] * c], axis=-1)
+    np.testing.assert_allclose(k_cache[:, 20].double().numpy(), want, rtol=1 / 128, atol=1e-6)
+
+
+def test_kvcache_append_then_decode(rng):
+    B, Hkv, d = 1, 2, 8
+    k_cache = np.zeros((B, 30, Hkv, d), np.int8)
+    v_cache = np.zeros((B, 30, Hkv, d), np.int8)
+    ks = np.zeros((B, 30, Hkv), np.float32)
+    vs = np.zeros((B, 30, Hkv), np.float32)
+    k = rng.uniform(-2, 2, (B, 12, Hkv, d)).astype(np.float32)
+    v = rng.uniform(-2, 2, (B, 12, Hkv, d)).astype(np.float32)
+    attn.kvcache_append(k_cache, v_cache, k, v, cache_seqlens=0, k_scale=ks, v_scale=vs)
+    np.testing.assert_allclose(ks[0, :12], np.abs(k[0]).max(-1) / 127, rtol=1e-6)
+    deq = k_cache[0, :12] * ks[0, :12, :, None]
+    assert np.abs(deq - k[0]).max() <= ks.max() * 0.51
+    q = rng.uniform(-1, 1, (B, 1, 4, d)).astype(np.float32)
+    out = attn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=12, k_scale=ks, v_scale=vs)
+    _check(q, out, None, k_cache, v_cache, np.array([12]), None, ks, vs, causal=False)
+
+
+def test_errors_are_clear(rng):
+    k_cache = np.zeros((4, 8, 2, 16), np.float32)
+    v_cache = np.zeros_like(k_cache)
+    q = np.zeros((2, 1, 4, 16), np.float32)
+    table = np.array([[0, 0], [1, 2]], dtype=np.int32)
+    with pytest.raises(attn.Error, match="repeats a page"):
+        attn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=np.array([12, 3], np.int32),
+                                    block_table=table)
+    with pytest.raises(attn.Error, match="exceeds the cache's capacity"):
+        attn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=np.array([17, 3], np.int32),
+                                    block_table=np.array([[0, 3], [1, 2]], np.int32))
+    with pytest.raises(attn.Error, match="k_scale is required"):
+        attn.attention_with_kvcache(q, k_cache.astype(np.int8), v_cache.astype(np.int8), cache_seqlens=1,
+                                    block_table=np.array([[0, 3], [1, 2]], np.int32))
+    with pytest.raises(TypeError, match="cache_seqlens is required"):
+        attn.attention_with_kvcache(q, k_cache, v_cache)
+    ro = k_cache.copy()
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="writable"):
+        attn.attention_with_kvcache(q, ro, v_cache, cache_seqlens=1, block_table=np.array([[0, 3], [1, 2]], np.int32))
