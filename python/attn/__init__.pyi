@@ -1,4 +1,4 @@
-from typing import Optional, Tuple, TypeVar, Union
+from typing import Any, Optional, Tuple, TypeVar, Union
 
 
 ArrayT = TypeVar("ArrayT")  # numpy.ndarray or torch.Tensor: results have the query's type
