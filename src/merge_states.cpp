@@ -18,23 +18,10 @@ namespace {
 
 std::string shape_string(const TensorView& t) { return detail::shape_string(t.shape()); }
 
-double load(const TensorView& t, int64_t at) {
-  const void* base = t.data();
-  switch (t.dtype()) {
-    case DType::bf16: return detail::bf16_to_f32(static_cast<const uint16_t*>(base)[at]);
-    case DType::f16: return detail::f16_to_f32(static_cast<const uint16_t*>(base)[at]);
-    default: return static_cast<const float*>(base)[at];
-  }
-}
+double load(const TensorView& t, int64_t at) { return detail::load_f32(t.dtype(), t.data(), at); }
 
 void store(const TensorView& t, int64_t at, double x) {
-  void* base = t.data();
-  const float f = static_cast<float>(x);
-  switch (t.dtype()) {
-    case DType::bf16: static_cast<uint16_t*>(base)[at] = detail::f32_to_bf16(f); break;
-    case DType::f16: static_cast<uint16_t*>(base)[at] = detail::f32_to_f16(f); break;
-    default: static_cast<float*>(base)[at] = f; break;
-  }
+  detail::store_f32(t.dtype(), t.data(), at, static_cast<float>(x));
 }
 
 // Checks the arguments; returns the lse shape that goes with out's.

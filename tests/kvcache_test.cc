@@ -405,7 +405,6 @@ TEST(KVCache, ChunkedPrefillAndSpeculativeDecoding) {
     KvConfig c;
     c.B = 2, c.Hq = 4, c.Hkv = 2, c.d = 24, c.dv = 24;
     c.Lq = c.Lnew = lq;
-    c.cached = {100, 0};
     c.page = 16;
     c.rope = Rope::half;
     c.cached = {100, lq};
@@ -458,7 +457,6 @@ TEST(KVCache, GarbageInRemovedKeysAndUnusedSlotsNeverReachTheOutput) {
   KvConfig e = c;
   e.window = {-1, -1};
   e.causal = Causal::TopLeft;  // with Lq = 1, query 0 sees key 0 only
-  e.cached = {0, 0};
   e.Lnew = 0;
   e.cached = {1, 1};
   KvCase ek(e, rng);

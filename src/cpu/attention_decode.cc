@@ -43,8 +43,8 @@ namespace {
 /// Query rows per work item: S is kMaxRows × kBk floats, O kMaxRows × dv.
 constexpr int kMaxRows = 64;
 /// Keys per split when the count is automatic: a split's partial result (rows × dv
-/// floats) costs far less than reading this many keys, and a 1k-key split is enough
-/// work to hide a thread's wake-up.
+/// floats) costs far less than reading this many keys, and 256 keys of every kv head
+/// is enough work to hide a thread's wake-up while a 1k cache still gives 4 splits.
 constexpr int kAutoSplitKeys = 256;
 constexpr int kAutoMaxSplits = 64;
 
@@ -371,14 +371,7 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
 
 void StoreRow(const DecodeProblem& p, int b, int i, int h, const float* o, double inv_l, float lse_value) {
   const int64_t at = b * p.out_b + i * p.out_row + h * p.out_head;
-  for (int x = 0; x < p.dv; ++x) {
-    const float y = static_cast<float>(o[x] * inv_l);
-    switch (p.q_dtype) {
-      case DType::bf16: static_cast<uint16_t*>(p.out)[at + x] = f32_to_bf16(y); break;
-      case DType::f16: static_cast<uint16_t*>(p.out)[at + x] = f32_to_f16(y); break;
-      default: static_cast<float*>(p.out)[at + x] = y; break;
-    }
-  }
+  for (int x = 0; x < p.dv; ++x) store_f32(p.q_dtype, p.out, at + x, static_cast<float>(o[x] * inv_l));
   if (p.lse != nullptr) p.lse[b * p.lse_b + h * p.lse_h + i * p.lse_i] = lse_value;
 }
 

@@ -12,14 +12,6 @@
 namespace attn::detail {
 namespace {
 
-float load(DType dt, const void* base, int64_t at) {
-  switch (dt) {
-    case DType::bf16: return bf16_to_f32(static_cast<const uint16_t*>(base)[at]);
-    case DType::f16: return f16_to_f32(static_cast<const uint16_t*>(base)[at]);
-    default: return static_cast<const float*>(base)[at];
-  }
-}
-
 // Rotates the first rotary_dim entries of x (position pos) by the tables' angles.
 void rotate(const DecodeProblem& p, float* x, int64_t pos) {
   if (p.rot_cos == nullptr) return;
@@ -38,12 +30,10 @@ void rotate(const DecodeProblem& p, float* x, int64_t pos) {
 // Writes one row (n values) into the cache row at `at`, in the cache's dtype.
 void store_row(const DecodeProblem& p, const CacheTensor& c, int64_t at, int64_t scale_at, const float* x, int n) {
   switch (p.cache_dtype) {
-    case DType::f32: std::copy(x, x + n, static_cast<float*>(c.base) + at); break;
+    case DType::f32:
     case DType::bf16:
-      for (int i = 0; i < n; ++i) static_cast<uint16_t*>(c.base)[at + i] = f32_to_bf16(x[i]);
-      break;
     case DType::f16:
-      for (int i = 0; i < n; ++i) static_cast<uint16_t*>(c.base)[at + i] = f32_to_f16(x[i]);
+      for (int i = 0; i < n; ++i) store_f32(p.cache_dtype, c.base, at + i, x[i]);
       break;
     default: {  // i8: symmetric, one scale per row; the checks made x finite
       float amax = 0.0f;
@@ -70,11 +60,11 @@ void append_to_cache(const DecodeProblem& p) {
       const int pos = p.cached[b] + t;
       for (int h = 0; h < p.Hkv; ++h) {
         const int64_t k_at = b * p.kn_b + t * p.kn_row + h * p.kn_head;
-        for (int x = 0; x < p.d; ++x) row[x] = load(p.new_dtype, p.k_new, k_at + x);
+        for (int x = 0; x < p.d; ++x) row[x] = load_f32(p.new_dtype, p.k_new, k_at + x);
         rotate(p, row.data(), pos);
         store_row(p, p.k, p.row_offset(p.k, b, pos, h), p.scale_offset(p.k, b, pos, h), row.data(), p.d);
         const int64_t v_at = b * p.vn_b + t * p.vn_row + h * p.vn_head;
-        for (int x = 0; x < p.dv; ++x) row[x] = load(p.new_dtype, p.v_new, v_at + x);
+        for (int x = 0; x < p.dv; ++x) row[x] = load_f32(p.new_dtype, p.v_new, v_at + x);
         store_row(p, p.v, p.row_offset(p.v, b, pos, h), p.scale_offset(p.v, b, pos, h), row.data(), p.dv);
       }
     }
@@ -89,7 +79,7 @@ std::vector<float> prepare_queries(const DecodeProblem& p, int multiple) {
       for (int i = 0; i < p.Lq; ++i) {
         float* dst = qs.data() + ((static_cast<size_t>(b) * p.Hq + h) * p.Lq + i) * dp;
         const int64_t at = b * p.q_b + i * p.q_row + h * p.q_head;
-        for (int x = 0; x < p.d; ++x) dst[x] = load(p.q_dtype, p.q, at + x);
+        for (int x = 0; x < p.d; ++x) dst[x] = load_f32(p.q_dtype, p.q, at + x);
         rotate(p, dst, int64_t{p.cached[b]} + p.Lnew - p.Lq + i);
         for (int x = 0; x < p.d; ++x) dst[x] *= p.attn.scale;
       }

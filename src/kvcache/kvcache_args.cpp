@@ -26,14 +26,6 @@ void float4(const Checker& c, const TensorView& t, const char* name, const char*
   c.last_contiguous(t, name);
 }
 
-double element(const TensorView& t, int64_t at) {
-  switch (t.dtype()) {
-    case DType::bf16: return bf16_to_f32(t.data_as<const uint16_t>()[at]);
-    case DType::f16: return f16_to_f32(t.data_as<const uint16_t>()[at]);
-    default: return t.data_as<const float>()[at];
-  }
-}
-
 // An i8 cache stores finite values only: a NaN or ±∞ new key or value is an error.
 void require_finite(const Checker& c, const TensorView& t, const char* name) {
   for (int64_t b = 0; b < t.size(0); ++b)
@@ -41,9 +33,9 @@ void require_finite(const Checker& c, const TensorView& t, const char* name) {
       for (int64_t h = 0; h < t.size(2); ++h)
         for (int64_t x = 0; x < t.size(3); ++x) {
           const int64_t at = b * t.stride(0) + r * t.stride(1) + h * t.stride(2) + x * t.stride(3);
-          if (!std::isfinite(element(t, at))) {
+          if (!std::isfinite(load_f32(t.dtype(), t.data(), at))) {
             c.fail(std::string(name) + "[" + str(b) + ", " + str(r) + ", " + str(h) + ", " + str(x) +
-                   "] is " + std::to_string(element(t, at)) + ": an i8 cache holds finite values only");
+                   "] is " + std::to_string(load_f32(t.dtype(), t.data(), at)) + ": an i8 cache holds finite values only");
           }
         }
 }

@@ -17,6 +17,24 @@ uint16_t f32_to_bf16(float f);
 float f16_to_f32(uint16_t h);
 uint16_t f32_to_f16(float f);
 
+/// Element `at` of an f32, bf16 or f16 array, as an f32.
+inline float load_f32(DType dt, const void* base, int64_t at) {
+  switch (dt) {
+    case DType::bf16: return bf16_to_f32(static_cast<const uint16_t*>(base)[at]);
+    case DType::f16: return f16_to_f32(static_cast<const uint16_t*>(base)[at]);
+    default: return static_cast<const float*>(base)[at];
+  }
+}
+
+/// Writes x into element `at` of an f32, bf16 or f16 array, rounding to its dtype.
+inline void store_f32(DType dt, void* base, int64_t at, float x) {
+  switch (dt) {
+    case DType::bf16: static_cast<uint16_t*>(base)[at] = f32_to_bf16(x); break;
+    case DType::f16: static_cast<uint16_t*>(base)[at] = f32_to_f16(x); break;
+    default: static_cast<float*>(base)[at] = x; break;
+  }
+}
+
 /// f rounded to the nearest bf16 (or f16) value, as an f32.
 inline float round_to_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 inline float round_to_f16(float f) { return f16_to_f32(f32_to_f16(f)); }
