@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <string>
 
 #include "decode_table.hpp"
 
@@ -11,7 +12,18 @@ int main(int argc, char** argv) {
   attn::bench::DecodeOptions o;
   if (argc > 1) {
     o.lengths.clear();
-    for (int i = 1; i < argc; ++i) o.lengths.push_back(std::atoi(argv[i]));
+    for (int i = 1; i < argc; ++i) {
+      char* end = nullptr;
+      const long len = std::strtol(argv[i], &end, 10);
+      if (end == argv[i] || *end != '\0' || len < 1 || len > (1L << 24)) {
+        std::fprintf(stderr,
+                     "usage: bench_decode [L ...]  (cache lengths, 1 to 16777216; got '%s')\n"
+                     "       `attn bench --decode --help` has every option\n",
+                     argv[i]);
+        return std::string(argv[i]) == "--help" ? 0 : 2;
+      }
+      o.lengths.push_back(static_cast<int>(len));
+    }
   }
   std::vector<double> bw(3, 0.0);
   for (int t : {1, 2}) {

@@ -289,7 +289,8 @@ HWY_INLINE float RowMaxOrNaN(DF df, const float* HWY_RESTRICT row) {
 /// per row and the running sums l — one vector of kLanes partial sums per row
 /// ([rows][kLanes]), reduced only at the end (RowSum), which saves a horizontal
 /// add per row per tile — and writes alpha = e^(m_old − m_new), the factor the
-/// output rows must be rescaled by. `rows` is a multiple of kLanes. Returns false
+/// output rows must be rescaled by. m, alpha and row_max hold `rows` rounded up to
+/// a multiple of kLanes (the padding lanes are scratch). Returns false
 /// when every score of the tile is −∞ (then m and l are unchanged and alpha is
 /// all 1, so the P·V product may be skipped).
 /// Non-finite scores follow the float64 reference: a NaN score makes the row's
@@ -309,6 +310,8 @@ HWY_INLINE bool SoftmaxTile(float* HWY_RESTRICT s, size_t ld, int rows, float* H
     for (int r = 0; r < rows; ++r) alpha[r] = 1.0f;
     return false;
   }
+  // Rows past `rows` in the last vector are padding: −∞ keeps their lanes inert.
+  for (int r = rows; r < RoundUp(rows, kLanes); ++r) row_max[r] = -HUGE_VALF;
   // Per row, vectorised over rows: the new max (NaN sticks), the max actually
   // subtracted (0 for a row that has seen only −∞, so exp gives 0 rather than
   // NaN) and alpha.
