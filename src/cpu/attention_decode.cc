@@ -72,8 +72,9 @@ HWY_INLINE VF LoadTailF32(DF df, const T* HWY_RESTRICT p, int n) {
   return LoadF32(df, buf);
 }
 
-/// One cache line at p into L2. On x86 an asm statement, because GCC's vectoriser
-/// silently deletes __builtin_prefetch calls from loops it transforms.
+/// One cache line at p into L2. On x86 an asm statement: GCC 12 at -O3 emitted no
+/// prefetch at all for __builtin_prefetch calls in the interleaved loops below
+/// (objdump showed none), silently.
 HWY_INLINE void PrefetchLineL2(const char* p) {
 #if HWY_ARCH_X86
   asm volatile("prefetcht1 %0" : : "m"(*p));
