@@ -25,6 +25,7 @@
 
 #include "kvcache/decode_problem.hpp"
 #include "tensor/convert.hpp"
+#include "traffic.hpp"
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/attention_decode.cc"
@@ -321,8 +322,10 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
   const int64_t v_span = p.v.head_stride == p.dv ? int64_t{it.heads} * p.dv : p.dv;
   const T* keys0[kBk];
   const T* vals0[kBk];
+  int64_t keys_read = 0;
   for (int j0 = first <= last ? t0 + (first - t0) / kBk * kBk : t1; j0 <= last; j0 += kBk) {
     const int cols = std::min(kBk, t1 - j0);
+    keys_read += cols;
     for (int c = 0; c < cols; ++c) {
       keys0[c] = kbase + p.row_offset(p.k, b, j0 + c, it.hk0);
       vals0[c] = vbase + p.row_offset(p.v, b, j0 + c, it.hk0);
@@ -433,6 +436,9 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       }
     }
   }
+  TrafficCounters::add(traffic().cache_read_bytes,
+                       static_cast<uint64_t>(keys_read) * it.heads *
+                           ((p.d + p.dv) * sizeof(T) + (i8 ? 2 * sizeof(float) : 0)));
   for (int hh = 0; hh < it.heads; ++hh) {
     for (int r = 0; r < rows; ++r) {
       const size_t at = static_cast<size_t>(hh) * rows + r;

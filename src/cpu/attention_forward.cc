@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "cpu/workspace.hpp"
+#include "traffic.hpp"
 #include "dropout/philox.hpp"
 
 #undef HWY_TARGET_INCLUDE
@@ -94,6 +95,7 @@ void PackTile(const Problem& p, const PackLayout& pl, float* pack, int b, int hk
   float* v = pl.V(pack, p, b, hk) + static_cast<size_t>(j0) * pl.dvp;
   PackRows(p.v + seq.v_offset + hk * p.v_head + int64_t{j0} * p.v_row, p.v_row, nk, p.dv, pl.dvp, v);
   pl.VNonFinite(p, b, hk, tile) = !AllFinite(v, static_cast<size_t>(kBk) * pl.dvp);
+  TrafficCounters::add(traffic().packed_bytes, static_cast<uint64_t>(nk) * (p.d + p.dv) * sizeof(float));
 }
 
 /// The per-thread tile workspace, carved from one reusable buffer.

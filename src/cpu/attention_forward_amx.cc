@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "cpu/workspace.hpp"
+#include "traffic.hpp"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -193,6 +194,8 @@ ATTN_AMX bool PackKeysValues(const Problem& p, const AmxLayout& l, bf16* pack, i
                       staging + static_cast<size_t>(kPair) * l.dp + static_cast<size_t>(n) * l.dvp);
     bad |= AnyNonFiniteBf16(krow[n], l.dp) || AnyNonFiniteBf16(vrow[n], l.dvp);
   }
+  TrafficCounters::add(traffic().packed_bytes,
+                       static_cast<uint64_t>(std::max(0, std::min(kPair, seq.Lk - t * kPair))) * (p.d + p.dv) * sizeof(bf16));
   // K: tile (group, d chunk c) row kk, column n = the pair K[key n][c·32 + 2kk ..]:
   // a 16×16 transpose of 32-bit pairs.
   uint32_t* kdst = reinterpret_cast<uint32_t*>(l.K(pack, p, b, hk) + static_cast<size_t>(t) * 2 * dc * kTile);

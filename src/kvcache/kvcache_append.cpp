@@ -8,6 +8,7 @@
 
 #include "kvcache/decode_problem.hpp"
 #include "tensor/convert.hpp"
+#include "traffic.hpp"
 
 namespace attn::detail {
 namespace {
@@ -69,6 +70,10 @@ void append_to_cache(const DecodeProblem& p) {
       }
     }
   }
+  const bool i8 = p.cache_dtype == DType::i8;
+  TrafficCounters::add(traffic().cache_written_bytes,
+                       static_cast<uint64_t>(p.B) * p.Lnew * p.Hkv *
+                           ((p.d + p.dv) * dtype_size(p.cache_dtype) + (i8 ? 2 * sizeof(float) : 0)));
 }
 
 std::vector<float> prepare_queries(const DecodeProblem& p, int multiple) {

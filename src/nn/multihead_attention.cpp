@@ -239,60 +239,163 @@ MultiheadAttentionGrads MultiheadAttention::backward(const TensorView& doutput) 
   return g;
 }
 
-KVCache MultiheadAttention::make_cache(int64_t batch, int64_t capacity) const {
-  if (batch < 1 || capacity < 1) throw Error("MultiheadAttention.make_cache: batch and capacity must be ≥ 1");
-  KVCache c;
-  c.k = zeros({batch, capacity, Hkv_, hd_});
-  c.v = zeros({batch, capacity, Hkv_, hd_});
+attn::KVCache KVCache::view() const {
+  attn::KVCache c;
+  c.k = k.view();
+  c.v = v.view();
+  if (!k_scale.shape().empty()) c.k_scale = k_scale.view(), c.v_scale = v_scale.view();
+  if (!block_table.shape().empty()) c.block_table = block_table.view();
   return c;
 }
 
-Tensor MultiheadAttention::forward_cached(const TensorView& x, KVCache& cache) {
-  expect_f32(x, 3, "MultiheadAttention.forward_cached: x");
-  if (kdim_ != E_ || vdim_ != E_)
-    throw Error("MultiheadAttention.forward_cached: self-attention only (kdim and vdim must equal embed_dim)");
+void KVCache::set_length(int64_t n) {
+  length = n;
+  int32_t* lens = seqlens.data_as<int32_t>();
+  for (int64_t b = 0; b < batch; ++b) lens[b] = static_cast<int32_t>(n);
+}
+
+KVCache allocate_kv_cache(int64_t batch, int64_t capacity, int64_t Hkv, int64_t hd, const KVCacheConfig& config) {
+  if (batch < 1 || capacity < 1)
+    throw Error("make_cache: batch and capacity must be ≥ 1, got " + str(batch) + " and " + str(capacity));
+  if (capacity > INT32_MAX) throw Error("make_cache: capacity must fit in int32, got " + str(capacity));
+  const DType dt = config.dtype;
+  if (dt != DType::f32 && dt != DType::bf16 && dt != DType::f16 && dt != DType::i8)
+    throw Error(std::string("make_cache: storage dtype must be f32, bf16, f16 or i8, got ") + dtype_name(dt));
+  if (config.page_size < 0) throw Error("make_cache: page_size must be 0 (contiguous) or ≥ 1, got " + str(config.page_size));
+  KVCache c;
+  c.batch = batch;
+  c.capacity_ = capacity;
+  std::vector<int64_t> rows{batch, capacity};  // the leading two dimensions of k, v and the scales
+  if (config.page_size > 0) {
+    const int64_t pages = (capacity + config.page_size - 1) / config.page_size;
+    rows = {batch * pages, config.page_size};
+    c.block_table = Tensor(DType::i32, {batch, pages});
+    // Sequence b owns pages b, b + batch, b + 2·batch, …: interleaved rather than
+    // adjacent, so the kernel's page-table walk is what the tests exercise.
+    int32_t* table = c.block_table.data_as<int32_t>();
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t i = 0; i < pages; ++i) table[b * pages + i] = static_cast<int32_t>(i * batch + b);
+  }
+  c.k = Tensor(dt, {rows[0], rows[1], Hkv, hd});
+  c.v = Tensor(dt, {rows[0], rows[1], Hkv, hd});
+  if (dt == DType::i8) {
+    c.k_scale = Tensor(DType::f32, {rows[0], rows[1], Hkv});
+    c.v_scale = Tensor(DType::f32, {rows[0], rows[1], Hkv});
+  }
+  c.seqlens = Tensor(DType::i32, {batch});
+  c.set_length(0);
+  return c;
+}
+
+KVCache MultiheadAttention::make_cache(int64_t batch, int64_t capacity, const KVCacheConfig& storage) const {
+  return allocate_kv_cache(batch, capacity, Hkv_, hd_, storage);
+}
+
+TensorView MultiheadAttention::heads_view(const Tensor& rows, int64_t B, int64_t L, int64_t H, bool batch_major) const {
+  const int64_t w = H * hd_;
+  return TensorView(rows.data(), DType::f32, {B, L, H, hd_}, {batch_major ? L * w : w, batch_major ? w : B * w, hd_, 1});
+}
+
+MultiheadAttention::Shapes MultiheadAttention::cached_shapes(const TensorView& x, const char* what) const {
+  const std::string name = std::string("MultiheadAttention.") + what + ": x";
+  expect_f32(x, 3, name.c_str());
+  if (x.size(2) != E_) throw Error(name + "'s last dimension must be " + str(E_) + ", got " + x.describe());
   Shapes s{};
   s.B = cfg_.batch_first ? x.size(0) : x.size(1);
   s.L = cfg_.batch_first ? x.size(1) : x.size(0);
-  if (x.size(2) != E_) throw Error("MultiheadAttention.forward_cached: x's last dimension must be " + str(E_) + ", got " + x.describe());
-  if (cache.capacity() == 0 || cache.k.shape()[0] != s.B)
-    throw Error("MultiheadAttention.forward_cached: cache must come from make_cache(" + str(s.B) + ", …)");
-  if (cache.length + s.L > cache.capacity())
-    throw Error("MultiheadAttention.forward_cached: cache holds " + str(cache.length) + " of " +
-                str(cache.capacity()) + " positions, no room for " + str(s.L) + " more");
-  const Shapes saved = shapes_;
-  shapes_ = s;  // heads_view reads the layout from here
+  return s;
+}
+
+Tensor MultiheadAttention::attend_cached(const TensorView& x, const Shapes& s, const attn::KVCache& cache,
+                                         const Tensor& seqlens, int64_t position, bool append,
+                                         const AttentionOptions& opt) {
   const int64_t H = cfg_.num_heads, ekv = Hkv_ * hd_, n = s.B * s.L;
+  const bool bm = cfg_.batch_first;
   const float* bias = in_proj_bias ? in_proj_bias->value.data() : nullptr;
-  Tensor q(DType::f32, {n, E_}), k(DType::f32, {n, ekv}), v(DType::f32, {n, ekv}), out(DType::f32, {n, E_});
+  Tensor q(DType::f32, {n, E_}), out(DType::f32, {n, E_}), k, v;
   ops::linear_forward(x.data_as<float>(), n, E_, w_q(), bias, E_, q.data_as<float>());
-  ops::linear_forward(x.data_as<float>(), n, E_, w_k(), bias ? bias + E_ : nullptr, ekv, k.data_as<float>());
-  ops::linear_forward(x.data_as<float>(), n, E_, w_v(), bias ? bias + E_ + ekv : nullptr, ekv, v.data_as<float>());
-  const TensorView qv = heads_view(q, s.B, s.L, H);
-  rope_.apply(qv, cache.length);
-  rope_.apply(heads_view(k, s.B, s.L, Hkv_), cache.length);
-  const int64_t cap = cache.capacity();
-  for (int64_t b = 0; b < s.B; ++b)
-    for (int64_t t = 0; t < s.L; ++t) {
-      const int64_t row = cfg_.batch_first ? b * s.L + t : t * s.B + b;
-      const int64_t slot = (b * cap + cache.length + t) * ekv;
-      std::memcpy(cache.k.data_as<float>() + slot, k.data_as<float>() + row * ekv, sizeof(float) * ekv);
-      std::memcpy(cache.v.data_as<float>() + slot, v.data_as<float>() + row * ekv, sizeof(float) * ekv);
-    }
-  const int64_t total = cache.length + s.L;
-  const std::vector<int64_t> cache_strides{cap * ekv, ekv, hd_, 1};
-  AttentionOptions opt;
-  opt.causal = Causal::BottomRight;
-  opt.window = cfg_.window;
-  attention(qv, TensorView(cache.k.data(), DType::f32, {s.B, total, Hkv_, hd_}, cache_strides),
-            TensorView(cache.v.data(), DType::f32, {s.B, total, Hkv_, hd_}, cache_strides),
-            heads_view(out, s.B, s.L, H), opt);
-  cache.length = total;
-  shapes_ = saved;
+  const TensorView qv = heads_view(q, s.B, s.L, H, bm);
+  rope_.apply(qv, position);
+  KVCacheOptions kv;
+  if (append) {
+    k = Tensor(DType::f32, {n, ekv});
+    v = Tensor(DType::f32, {n, ekv});
+    ops::linear_forward(x.data_as<float>(), n, E_, w_k(), bias ? bias + E_ : nullptr, ekv, k.data_as<float>());
+    ops::linear_forward(x.data_as<float>(), n, E_, w_v(), bias ? bias + E_ + ekv : nullptr, ekv, v.data_as<float>());
+    kv.k_new = heads_view(k, s.B, s.L, Hkv_, bm);
+    kv.v_new = heads_view(v, s.B, s.L, Hkv_, bm);
+    rope_.apply(kv.k_new, position);
+  }
+  attention_with_kvcache(qv, cache, seqlens.view(), heads_view(out, s.B, s.L, H, bm), opt, kv);
   Tensor y(DType::f32, x.shape());
   ops::linear_forward(out.data_as<float>(), n, E_, out_proj.weight.value.data(),
                       out_proj.bias ? out_proj.bias->value.data() : nullptr, E_, y.data_as<float>());
   return y;
+}
+
+namespace {
+
+void check_cache_heads(const KVCache& cache, int64_t B, int64_t Hkv, int64_t hd, const char* what) {
+  const std::string name = std::string("MultiheadAttention.") + what + ": cache";
+  if (cache.capacity() == 0 || cache.k.shape().size() != 4 || cache.seqlens.shape().empty())
+    throw Error(name + " must come from make_cache or make_memory_cache");
+  if (cache.batch != B)
+    throw Error(name + " holds " + str(cache.batch) + " sequences, x has " + str(B));
+  if (cache.k.shape()[2] != Hkv || cache.k.shape()[3] != hd)
+    throw Error(name + " has " + str(cache.k.shape()[2]) + " heads of " + str(cache.k.shape()[3]) +
+                " features, this module " + str(Hkv) + " of " + str(hd));
+}
+
+}  // namespace
+
+Tensor MultiheadAttention::forward_cached(const TensorView& x, KVCache& cache) {
+  if (kdim_ != E_ || vdim_ != E_)
+    throw Error("MultiheadAttention.forward_cached: self-attention only (kdim and vdim must equal embed_dim)");
+  const Shapes s = cached_shapes(x, "forward_cached");
+  check_cache_heads(cache, s.B, Hkv_, hd_, "forward_cached");
+  if (cache.length + s.L > cache.capacity())
+    throw Error("MultiheadAttention.forward_cached: cache holds " + str(cache.length) + " of " +
+                str(cache.capacity()) + " positions, no room for " + str(s.L) + " more");
+  AttentionOptions opt;
+  opt.causal = Causal::BottomRight;
+  opt.window = cfg_.window;
+  Tensor y = attend_cached(x, s, cache.view(), cache.seqlens, cache.length, /*append=*/true, opt);
+  cache.set_length(cache.length + s.L);
+  return y;
+}
+
+KVCache MultiheadAttention::make_memory_cache(const TensorView& key, const TensorView& value,
+                                              const KVCacheConfig& storage) const {
+  expect_f32(key, 3, "MultiheadAttention.make_memory_cache: key");
+  expect_f32(value, 3, "MultiheadAttention.make_memory_cache: value");
+  const bool bm = cfg_.batch_first;
+  const int64_t B = bm ? key.size(0) : key.size(1), S = bm ? key.size(1) : key.size(0);
+  if (key.size(2) != kdim_) throw Error("MultiheadAttention.make_memory_cache: key's last dimension must be " + str(kdim_) + ", got " + key.describe());
+  if (value.size(2) != vdim_ || value.size(0) != key.size(0) || value.size(1) != key.size(1))
+    throw Error("MultiheadAttention.make_memory_cache: value must be " + std::string(bm ? "[B, S, " : "[S, B, ") +
+                str(vdim_) + "] with key's B and S, got " + value.describe());
+  const int64_t ekv = Hkv_ * hd_, n = B * S;
+  const float* bias = in_proj_bias ? in_proj_bias->value.data() : nullptr;
+  Tensor k(DType::f32, {n, ekv}), v(DType::f32, {n, ekv});
+  ops::linear_forward(key.data_as<float>(), n, kdim_, w_k(), bias ? bias + E_ : nullptr, ekv, k.data_as<float>());
+  ops::linear_forward(value.data_as<float>(), n, vdim_, w_v(), bias ? bias + E_ + ekv : nullptr, ekv, v.data_as<float>());
+  KVCacheOptions kv;
+  kv.k_new = heads_view(k, B, S, Hkv_, bm);
+  kv.v_new = heads_view(v, B, S, Hkv_, bm);
+  rope_.apply(kv.k_new, 0);
+  KVCache cache = allocate_kv_cache(B, S, Hkv_, hd_, storage);
+  kvcache_append(cache.view(), cache.seqlens.view(), kv);
+  cache.set_length(S);
+  return cache;
+}
+
+Tensor MultiheadAttention::forward_memory_cached(const TensorView& x, const KVCache& memory, int64_t position) {
+  const Shapes s = cached_shapes(x, "forward_memory_cached");
+  check_cache_heads(memory, s.B, Hkv_, hd_, "forward_memory_cached");
+  if (position < 0) throw Error("MultiheadAttention.forward_memory_cached: position must be ≥ 0, got " + str(position));
+  AttentionOptions opt;
+  opt.causal = Causal::None;
+  return attend_cached(x, s, memory.view(), memory.seqlens, position, /*append=*/false, opt);
 }
 
 }  // namespace attn::nn

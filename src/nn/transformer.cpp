@@ -150,6 +150,39 @@ Tensor TransformerDecoderLayer::forward(const TensorView& tgt, const TensorView&
   return norm3.forward(add_into(h3, y2));
 }
 
+DecoderLayerCache TransformerDecoderLayer::make_cache(const TensorView& memory, int64_t capacity,
+                                                     const KVCacheConfig& storage) const {
+  expect_f32(memory, 3, "TransformerDecoderLayer.make_cache: memory");
+  DecoderLayerCache c;
+  c.cross_attn = multihead_attn.make_memory_cache(memory, memory, storage);
+  c.self_attn = self_attn.make_cache(c.cross_attn.batch, capacity, storage);
+  return c;
+}
+
+Tensor TransformerDecoderLayer::forward_cached(const TensorView& tgt, DecoderLayerCache& cache) {
+  if (training())
+    throw Error("TransformerDecoderLayer.forward_cached: decoding is inference; call eval() first (dropout is off there)");
+  expect_f32(tgt, 3, "TransformerDecoderLayer.forward_cached: tgt");
+  const int64_t position = cache.self_attn.length;  // of tgt's first row, before self_attn appends
+  auto cross = [&](const TensorView& x) { return multihead_attn.forward_memory_cached(x, cache.cross_attn, position); };
+  if (cfg_.norm_first) {
+    Tensor a = norm1.forward(tgt);
+    Tensor h1 = self_attn.forward_cached(a, cache.self_attn);
+    add_into(h1, clone(tgt));
+    Tensor h2 = cross(norm2.forward(h1));
+    add_into(h2, h1);
+    Tensor out = ff.forward(norm3.forward(h2));
+    return std::move(add_into(out, h2));
+  }
+  Tensor h1 = self_attn.forward_cached(tgt, cache.self_attn);
+  add_into(h1, clone(tgt));
+  Tensor y1 = norm1.forward(h1);
+  Tensor h2 = cross(y1);
+  Tensor y2 = norm2.forward(add_into(h2, y1));
+  Tensor h3 = ff.forward(y2);
+  return norm3.forward(add_into(h3, y2));
+}
+
 DecoderGrads TransformerDecoderLayer::backward(const TensorView& dout) {
   DecoderGrads out;
   if (cfg_.norm_first) {
@@ -232,6 +265,23 @@ Tensor TransformerDecoder::forward(const TensorView& tgt, const TensorView& memo
   Tensor x = layers[0]->forward(tgt, memory, tgt_mask, memory_mask, tgt_kpm, memory_kpm, tgt_is_causal);
   for (size_t i = 1; i < layers.size(); ++i)
     x = layers[i]->forward(x, memory, tgt_mask, memory_mask, tgt_kpm, memory_kpm, tgt_is_causal);
+  return norm ? norm->forward(x) : std::move(x);
+}
+
+std::vector<DecoderLayerCache> TransformerDecoder::make_cache(const TensorView& memory, int64_t capacity,
+                                                             const KVCacheConfig& storage) const {
+  std::vector<DecoderLayerCache> caches;
+  caches.reserve(layers.size());
+  for (const auto& layer : layers) caches.push_back(layer->make_cache(memory, capacity, storage));
+  return caches;
+}
+
+Tensor TransformerDecoder::forward_cached(const TensorView& tgt, std::vector<DecoderLayerCache>& caches) {
+  if (caches.size() != layers.size())
+    throw Error("TransformerDecoder.forward_cached: caches must hold one cache per layer (" + std::to_string(layers.size()) +
+                "), got " + std::to_string(caches.size()) + "; use make_cache");
+  Tensor x = layers[0]->forward_cached(tgt, caches[0]);
+  for (size_t i = 1; i < layers.size(); ++i) x = layers[i]->forward_cached(x, caches[i]);
   return norm ? norm->forward(x) : std::move(x);
 }
 

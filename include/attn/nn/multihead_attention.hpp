@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "attn/attention.hpp"
+#include "attn/kvcache.hpp"
 #include "attn/nn/layers.hpp"
 #include "attn/nn/positional.hpp"
 
@@ -28,13 +29,37 @@ struct MultiheadAttentionConfig {
   uint64_t seed = 0;          ///< dropout stream
 };
 
-/// Keys and values of the positions decoded so far, per layer: k [B, capacity, Hkv, hd]
-/// and v [B, capacity, Hkv, hd]; positions [0, length) are valid.
+/// How a module's KV cache is stored (see attn/kvcache.hpp for the layouts).
+struct KVCacheConfig {
+  DType dtype = DType::f32;  ///< f32, bf16, f16, or i8 (quantized on append, one scale per token and head)
+  int64_t page_size = 0;     ///< 0: contiguous [B, capacity, Hkv, hd]; ≥ 1: pages of this many positions
+};
+
+/// Keys and values of the positions decoded so far, per layer, in the storage
+/// attn::attention_with_kvcache reads in place: k and v [B, capacity, Hkv, hd]
+/// (contiguous) or [B·⌈capacity / page_size⌉, page_size, Hkv, hd] with block_table
+/// int32 [B, ⌈capacity / page_size⌉] (paged); k_scale and v_scale f32 for i8.
+/// Positions [0, length) of every sequence are valid; seqlens (int32 [B]) holds
+/// length for each sequence, as the kernel wants it.
 struct KVCache {
   Tensor k, v;
+  Tensor k_scale, v_scale;  ///< i8 caches only: [.., Hkv] beside k and v
+  Tensor block_table;       ///< paged caches only
+  Tensor seqlens;
   int64_t length = 0;
-  int64_t capacity() const { return k.shape().empty() ? 0 : k.shape()[1]; }
+  int64_t batch = 0;
+  int64_t capacity() const { return capacity_; }
+  /// The storage as the kernel's view.
+  attn::KVCache view() const;
+  /// Sets length (and seqlens) after positions were appended.
+  void set_length(int64_t n);
+
+  int64_t capacity_ = 0;
 };
+
+/// Allocates an empty cache for `batch` sequences of up to `capacity` positions of
+/// Hkv heads of hd features each.
+KVCache allocate_kv_cache(int64_t batch, int64_t capacity, int64_t Hkv, int64_t hd, const KVCacheConfig& config);
 
 struct MultiheadAttentionOutput {
   Tensor output;   ///< like query: [B, L, E] / [L, B, E] / unbatched [L, E]
@@ -72,12 +97,25 @@ class MultiheadAttention : public Module {
   MultiheadAttentionGrads backward(const TensorView& doutput);
 
   /// An empty cache for `batch` sequences of up to `capacity` positions.
-  KVCache make_cache(int64_t batch, int64_t capacity) const;
-  /// Incremental self-attention for decoding (no backward): x [B, T, E] (or [T, B, E])
-  /// holds the next T positions; their keys and values are appended to `cache`, and
-  /// they attend to every cached position with causal bottom-right alignment (plus the
-  /// window, RoPE at their absolute positions). Returns [B, T, E] / [T, B, E].
+  KVCache make_cache(int64_t batch, int64_t capacity, const KVCacheConfig& storage = {}) const;
+  /// Incremental self-attention for decoding (inference: no backward, no dropout):
+  /// x [B, T, E] (or [T, B, E]) holds the next T positions. Their keys and values
+  /// (RoPE at their absolute positions) are appended to `cache` in place — rounded
+  /// or quantized to its dtype — and they attend to every cached position with
+  /// causal bottom-right alignment and the window, through
+  /// attn::attention_with_kvcache: each step reads the cache once and re-packs
+  /// nothing, so decoding N positions after a prompt of P reads O(N·(P + N)) cache
+  /// rows. Returns [B, T, E] / [T, B, E].
   Tensor forward_cached(const TensorView& x, KVCache& cache);
+
+  /// Cross-attention for decoding, step 1: the keys and values of key [B, S, kdim]
+  /// and value [B, S, vdim] (or [S, B, ·]; RoPE at positions 0 … S−1), projected once
+  /// into a cache of length S.
+  KVCache make_memory_cache(const TensorView& key, const TensorView& value, const KVCacheConfig& storage = {}) const;
+  /// Cross-attention for decoding, step 2: x [B, T, E] (or [T, B, E]) attends to
+  /// every position of `memory` (no mask); its queries rotate at positions
+  /// `position` … position+T−1. Nothing is appended. Returns x's shape.
+  Tensor forward_memory_cached(const TensorView& x, const KVCache& memory, int64_t position);
 
   const MultiheadAttentionConfig& config() const { return cfg_; }
   int64_t head_dim() const { return hd_; }
@@ -101,6 +139,10 @@ class MultiheadAttention : public Module {
   const float* w_v() const;
   float* grad_w(int which);
   TensorView heads_view(const Tensor& rows, int64_t B, int64_t L, int64_t H) const;
+  TensorView heads_view(const Tensor& rows, int64_t B, int64_t L, int64_t H, bool batch_major) const;
+  Shapes cached_shapes(const TensorView& x, const char* what) const;
+  Tensor attend_cached(const TensorView& x, const Shapes& s, const attn::KVCache& cache, const Tensor& seqlens,
+                       int64_t position, bool append, const AttentionOptions& opt);
 
   MultiheadAttentionConfig cfg_;
   int64_t E_, hd_, Hkv_, kdim_, vdim_;

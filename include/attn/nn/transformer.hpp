@@ -55,6 +55,13 @@ struct DecoderGrads {
   Tensor dtgt, dmemory;
 };
 
+/// One decoder layer's state for incremental decoding: the keys and values of the
+/// target positions decoded so far (self-attention) and the memory's keys and values,
+/// projected once (cross-attention).
+struct DecoderLayerCache {
+  KVCache self_attn, cross_attn;
+};
+
 /// tgt [B, T, E], memory [B, S, E] (sequence-first unless batch_first). Post-norm:
 ///   x = norm1(x + dropout1(self_attn(x))); x = norm2(x + dropout2(multihead_attn(x, memory)));
 ///   x = norm3(x + dropout3(ff(x)))
@@ -67,6 +74,17 @@ class TransformerDecoderLayer : public Module {
                  const TensorView& memory_mask = {}, const TensorView& tgt_key_padding_mask = {},
                  const TensorView& memory_key_padding_mask = {}, bool tgt_is_causal = false);
   DecoderGrads backward(const TensorView& doutput);
+
+  /// Incremental decoding, step 1: the caches for `memory` [B, S, E] ([S, B, E]
+  /// unless batch_first) and up to `capacity` target positions.
+  DecoderLayerCache make_cache(const TensorView& memory, int64_t capacity, const KVCacheConfig& storage = {}) const;
+  /// Incremental decoding, step 2 (inference: eval mode; no masks): the next T target
+  /// positions tgt [B, T, E] ([T, B, E]). Equals the last T rows of forward(all
+  /// positions so far, memory, tgt_is_causal = true) up to rounding, at O(T·length)
+  /// attention cost instead of O(length²): the self-attention appends to
+  /// cache.self_attn and reads it in place, the cross-attention reads
+  /// cache.cross_attn (see MultiheadAttention::forward_cached).
+  Tensor forward_cached(const TensorView& tgt, DecoderLayerCache& cache);
 
   /// The cross-attention weights of the last forward, averaged over heads [B, T, S],
   /// or per head [B, H, T, S] when set_keep_cross_weights(true, false) was called.
@@ -107,6 +125,13 @@ class TransformerDecoder : public Module {
                  const TensorView& memory_mask = {}, const TensorView& tgt_key_padding_mask = {},
                  const TensorView& memory_key_padding_mask = {}, bool tgt_is_causal = false);
   DecoderGrads backward(const TensorView& doutput);
+
+  /// Incremental decoding: one cache per layer (TransformerDecoderLayer::make_cache).
+  std::vector<DecoderLayerCache> make_cache(const TensorView& memory, int64_t capacity,
+                                            const KVCacheConfig& storage = {}) const;
+  /// The next T target positions through every layer and the final norm
+  /// (TransformerDecoderLayer::forward_cached); caches.size() must be the layer count.
+  Tensor forward_cached(const TensorView& tgt, std::vector<DecoderLayerCache>& caches);
 
   std::vector<std::unique_ptr<TransformerDecoderLayer>> layers;
   std::unique_ptr<LayerNorm> norm;
