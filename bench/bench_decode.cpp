@@ -13,14 +13,16 @@ int main(int argc, char** argv) {
   if (argc > 1) {
     o.lengths.clear();
     for (int i = 1; i < argc; ++i) {
+      const std::string arg = argv[i];
       char* end = nullptr;
       const long len = std::strtol(argv[i], &end, 10);
-      if (end == argv[i] || *end != '\0' || len < 1 || len > (1L << 24)) {
+      const bool valid = end != argv[i] && *end == '\0' && len >= 1 && len <= (1L << 24);
+      if (!valid) {
+        if (arg != "--help" && arg != "-h") std::fprintf(stderr, "bench_decode: bad cache length '%s'\n", argv[i]);
         std::fprintf(stderr,
-                     "usage: bench_decode [L ...]  (cache lengths, 1 to 16777216; got '%s')\n"
-                     "       `attn bench --decode --help` has every option\n",
-                     argv[i]);
-        return std::string(argv[i]) == "--help" ? 0 : 2;
+                     "usage: bench_decode [L ...]  (cache lengths, 1 to 16777216)\n"
+                     "       `attn bench --decode --help` has every option\n");
+        return arg == "--help" || arg == "-h" ? 0 : 2;
       }
       o.lengths.push_back(static_cast<int>(len));
     }

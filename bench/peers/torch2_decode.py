@@ -13,39 +13,14 @@ read (K and V bytes / time) and attn's speed-up.
       [--sizes 8192,32768] [--batches 1,8] [--threads 1,2] [--dtypes f32,bf16] [--markdown FILE]
 """
 import argparse
-import platform
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 import attn
+from peer_timing import cpu_model, median_time
 
 HQ, HKV, D = 32, 8, 128
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def median_time(fn, repeats=7, min_seconds=1.0):
-    fn()  # warm-up: workspaces, thread pools, first touches
-    times = []
-    while len(times) < repeats or sum(times) < min_seconds:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        if len(times) >= 200:
-            break
-    return statistics.median(times)
 
 
 def main():
@@ -86,8 +61,8 @@ def main():
                         ref = run_torch().transpose(1, 2).float()
                         got = run_attn().float()
                         err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
-                        t_torch = median_time(run_torch)
-                        t_attn = median_time(run_attn)
+                        t_torch = median_time(run_torch, 7, 1.0, max_calls=200)
+                        t_attn = median_time(run_attn, 7, 1.0, max_calls=200)
                     row = (name, B, L, threads, t_torch * 1e3, cache_bytes / t_torch * 1e-9, t_attn * 1e3,
                            cache_bytes / t_attn * 1e-9, t_torch / t_attn, err)
                     rows.append(row)

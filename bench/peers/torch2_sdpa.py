@@ -11,37 +11,13 @@ which path attn's bf16 took (cpu_info).
       [--sizes 2048] [--dims 64,128] [--threads 1,2] [--dtypes f32,bf16] [--markdown FILE]
 """
 import argparse
-import platform
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
 import attn
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def median_time(fn, repeats, min_seconds):
-    fn()  # warm-up: workspaces, thread pools, first touches
-    times = []
-    while len(times) < repeats or sum(times) < min_seconds:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        if len(times) >= 50:
-            break
-    return statistics.median(times)
+from peer_timing import cpu_model, median_time
 
 
 def main():

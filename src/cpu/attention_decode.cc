@@ -2,20 +2,21 @@
 // online softmax, reading the cache in place in its own dtype (f32, bf16, f16, i8),
 // with Highway SIMD and OpenMP threads.
 //
-// Work item = (sequence b, kv head, row chunk, split). A row chunk is every query row
-// that reads this kv head — the Lq queries of each of the group's query heads — up to
-// kMaxRows, so each cached key and value row is read once for all of them (GQA/MQA
-// decoding is bound by reading the cache, not by arithmetic). A split is a range of
-// whole key blocks; for each block of kBk keys:
-//   S = (scale·Q)·Kᵀ        one dot product per (row, key), the key row converted
-//                           to f32 once for all rows (i8: times the key's scale)
+// Work item = (sequence b, every kv head of a token range, row chunk, split). A row
+// chunk is every query row that reads a kv head — the Lq queries of each of the
+// group's query heads — up to kMaxRows, so each cached key and value row is read once
+// for all of them (GQA/MQA decoding is bound by reading the cache, not by arithmetic),
+// and taking all kv heads reads whole token rows. A split is a range of whole key
+// blocks; for each block of kBk keys:
+//   S = (scale·Q)·Kᵀ        4 rows × 4 keys per pass, the key rows converted to f32
+//                           once for all rows (i8: times the key's scale)
 //   S = modifiers (S)       ApplyScoreMods, shared with attention()
 //   P = e^(S − m_new) …     SoftmaxTile, shared with attention()
-//   O = α·O + P·V           V rows converted once per block and chunk of dv
+//   O = α·O + P·V           8 keys per pass, V rows converted once per chunk of dv
 // Splits are combined in split order as merge_attention_states does. The automatic
 // split count depends on the key count only, so no result depends on the threads.
-// Removed keys never contribute, even where the cache holds NaN or ±∞ there: a
-// chunk of P·V that comes out non-finite is recomputed skipping p = 0.
+// Removed keys never contribute, even where the cache holds NaN or ±∞ there: P·V
+// skips every p = 0.
 #include <omp.h>
 
 #include <algorithm>
@@ -93,36 +94,6 @@ HWY_INLINE void PrefetchRow(const T* p, int n) {
   PrefetchLineL2(bytes + len - 1);  // a row that straddles one more line
 }
 
-/// s[r·ld + c] = Σ_x q[r][x]·k_c[x] for NR rows (q: rows of dp floats, zero past d)
-/// and NK keys.
-template <typename T, int NR, int NK>
-HWY_INLINE void DotRows(const float* HWY_RESTRICT q, size_t dp, const T* const* keys, int d,
-                        float* HWY_RESTRICT s, size_t ld) {
-  const DF df;
-  VF acc[NR][NK];
-  for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < NK; ++c) acc[r][c] = hn::Zero(df);
-  int x = 0;
-  for (; x + kLanes <= d; x += kLanes) {
-    VF kv[NK];
-    for (int c = 0; c < NK; ++c) kv[c] = LoadF32(df, keys[c] + x);
-    for (int r = 0; r < NR; ++r) {
-      const VF qv = hn::Load(df, q + r * dp + x);
-      for (int c = 0; c < NK; ++c) acc[r][c] = hn::MulAdd(qv, kv[c], acc[r][c]);
-    }
-  }
-  if (x < d) {
-    VF kv[NK];
-    for (int c = 0; c < NK; ++c) kv[c] = LoadTailF32(df, keys[c] + x, d - x);
-    for (int r = 0; r < NR; ++r) {
-      const VF qv = hn::Load(df, q + r * dp + x);
-      for (int c = 0; c < NK; ++c) acc[r][c] = hn::MulAdd(qv, kv[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < NK; ++c) s[r * ld + c] = hn::GetLane(hn::SumOfLanes(df, acc[r][c]));
-}
-
 #if HWY_TARGET != HWY_SCALAR
 /// Lane i of the result is the sum of the lanes of x[i], for kLanes vectors x:
 /// log₂(kLanes) rounds of pairwise sums, each halving the vector count while the
@@ -134,46 +105,49 @@ HWY_INLINE VF TransposedSums(DF df, VF* x) {
       x[i] = hn::Add(hn::ConcatEven(df, x[2 * i + 1], x[2 * i]), hn::ConcatOdd(df, x[2 * i + 1], x[2 * i]));
   return x[0];
 }
+#endif
 
-/// DotRows for 4 rows × 4 keys when a vector has 16 lanes: the 16 dot products
-/// leave the accumulators through one TransposedSums.
-template <typename T>
-HWY_INLINE void DotRows4x4(const float* HWY_RESTRICT q, size_t dp, const T* const* keys, int d,
-                           float* HWY_RESTRICT s, size_t ld) {
+/// s[r·ld + c] = Σ_x q[r][x]·k_c[x] for NR rows (q: rows of dp floats, zero past d)
+/// and NK keys. When NR·NK is a vector's lane count the NR·NK dot products leave
+/// their accumulators through one TransposedSums, else one SumOfLanes each.
+template <typename T, int NR, int NK>
+HWY_INLINE void DotRows(const float* HWY_RESTRICT q, size_t dp, const T* const* keys, int d,
+                        float* HWY_RESTRICT s, size_t ld) {
   const DF df;
-  VF acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = hn::Zero(df);
+  VF acc[NR * NK];  // [r][c]
+  for (int i = 0; i < NR * NK; ++i) acc[i] = hn::Zero(df);
+  auto accumulate = [&](const VF* kv, int x) {
+    for (int r = 0; r < NR; ++r) {
+      const VF qv = hn::Load(df, q + r * dp + x);
+      for (int c = 0; c < NK; ++c) acc[r * NK + c] = hn::MulAdd(qv, kv[c], acc[r * NK + c]);
+    }
+  };
   int x = 0;
   for (; x + kLanes <= d; x += kLanes) {
-    VF kv[4];
-    for (int c = 0; c < 4; ++c) kv[c] = LoadF32(df, keys[c] + x);
-    for (int r = 0; r < 4; ++r) {
-      const VF qv = hn::Load(df, q + r * dp + x);
-      for (int c = 0; c < 4; ++c) acc[r * 4 + c] = hn::MulAdd(qv, kv[c], acc[r * 4 + c]);
-    }
+    VF kv[NK];
+    for (int c = 0; c < NK; ++c) kv[c] = LoadF32(df, keys[c] + x);
+    accumulate(kv, x);
   }
   if (x < d) {
-    VF kv[4];
-    for (int c = 0; c < 4; ++c) kv[c] = LoadTailF32(df, keys[c] + x, d - x);
-    for (int r = 0; r < 4; ++r) {
-      const VF qv = hn::Load(df, q + r * dp + x);
-      for (int c = 0; c < 4; ++c) acc[r * 4 + c] = hn::MulAdd(qv, kv[c], acc[r * 4 + c]);
-    }
+    VF kv[NK];
+    for (int c = 0; c < NK; ++c) kv[c] = LoadTailF32(df, keys[c] + x, d - x);
+    accumulate(kv, x);
   }
-  HWY_ALIGN float sums[16];
-  hn::Store(TransposedSums(df, acc), df, sums);
-  for (int r = 0; r < 4; ++r) std::memcpy(s + r * ld, sums + r * 4, 4 * sizeof(float));
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (NR * NK == kLanes) {
+    HWY_ALIGN float sums[kLanes];
+    hn::Store(TransposedSums(df, acc), df, sums);
+    for (int r = 0; r < NR; ++r) std::memcpy(s + r * ld, sums + r * NK, NK * sizeof(float));
+    return;
+  }
+#endif
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NK; ++c) s[r * ld + c] = hn::GetLane(hn::SumOfLanes(df, acc[r * NK + c]));
 }
-#endif  // HWY_TARGET != HWY_SCALAR
 
 template <typename T, int NK>
 HWY_INLINE void DotRowGroups(const float* q, size_t dp, int rows, const T* const* keys, int d, float* s, size_t ld) {
   int r = 0;
-#if HWY_TARGET != HWY_SCALAR
-  if constexpr (NK == 4 && kLanes == 16) {
-    for (; r + 4 <= rows; r += 4) DotRows4x4<T>(q + r * dp, dp, keys, d, s + r * ld, ld);
-  }
-#endif
   for (; r + 4 <= rows; r += 4) DotRows<T, 4, NK>(q + r * dp, dp, keys, d, s + r * ld, ld);
   switch (rows - r) {
     case 3: DotRows<T, 3, NK>(q + r * dp, dp, keys, d, s + r * ld, ld); break;
@@ -368,7 +342,7 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       for (int k = 0; k < nk; ++k) out_keys[k] = keys0[c + k] + hh * p.k.head_stride;
     };
     {
-      // 4 keys per pass where a vector has 16 lanes (DotRows4x4), else 2; then the rest.
+      // 4 keys per pass where a vector has 16 lanes (4 rows × 4 keys: one TransposedSums), else 2; then the rest.
       constexpr int kKeysPerPass = kLanes == 16 ? 4 : 2;
       const T* kk[kKeysPerPass];
       auto scores = [&](auto nk_tag, int c) {

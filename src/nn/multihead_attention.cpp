@@ -66,10 +66,7 @@ float* MultiheadAttention::grad_w(int which) {
 
 // Rows (b, l) of a projection, in the input's order, seen as [B, L, H, hd].
 TensorView MultiheadAttention::heads_view(const Tensor& rows, int64_t B, int64_t L, int64_t H) const {
-  const int64_t w = H * hd_;
-  const bool bf = cfg_.batch_first || shapes_.unbatched;
-  return TensorView(rows.data(), DType::f32, {B, L, H, hd_},
-                    {bf ? L * w : w, bf ? w : B * w, hd_, 1});
+  return heads_view(rows, B, L, H, cfg_.batch_first || shapes_.unbatched);
 }
 
 MultiheadAttention::Shapes MultiheadAttention::check_inputs(const TensorView& q, const TensorView& k,
