@@ -118,6 +118,7 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
   Problem p;
   p.B = varlen ? static_cast<int>(opt.cu_seqlens_q.size(0) - 1) : static_cast<int>(q.size(0));
   p.Hq = static_cast<int>(Hq);
+  p.heads_total = p.Hq;
   p.Hkv = static_cast<int>(Hkv);
   p.d = static_cast<int>(d);
   p.dv = static_cast<int>(dv);
@@ -212,6 +213,7 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
       }
       s.Lk = kl;
     }
+    s.align = int64_t{s.Lk} - s.Lq;
     max_lq = std::max(max_lq, s.Lq);
     max_lk = std::max(max_lk, varlen ? cu_k[b + 1] - cu_k[b] : static_cast<int>(Lk));
   }

@@ -17,6 +17,10 @@ namespace attn::detail {
 /// with Precision::bf16.
 bool needs_widening(const Problem& p, const AttentionOptions& options);
 
+/// True when a call that needs widening runs on AMX tiles instead (bf16, or f32 with
+/// Precision::bf16, on a CPU with AMX, without explicit probabilities).
+bool takes_amx_path(const Problem& p, const AttentionOptions& options);
+
 /// Bytes of the f32 copies that the widening path allocates for this call (0 if none).
 size_t widening_bytes(const Problem& p, const TensorView& q, const TensorView& k, const TensorView& v,
                       const TensorView& out, const AttentionOptions& options);

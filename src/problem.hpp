@@ -27,6 +27,10 @@ struct Sequence {
   int Lk_rows = 0;           // rows of k (and v) this sequence spans (≥ Lk)
   int64_t q_token0 = 0;      // varlen: index of the first query / key token in the
   int64_t k_token0 = 0;      // packed tensors (0 for a padded batch)
+  // Bottom-right alignment: query i sits on the diagonal of key i + align
+  // (Problem.q_pos0/k_pos0 added). Lk − Lq, except for a call placed inside a longer
+  // sequence (placed_attention.hpp), where it is that sequence's Lk − Lq.
+  int64_t align = 0;
   // Backward only: offsets of row 0, head 0 in dout, dq, dk, dv.
   int64_t dout_offset = 0, dq_offset = 0, dk_offset = 0, dv_offset = 0;
 };
@@ -73,8 +77,19 @@ struct Problem {
 
   const UserMods* mods = nullptr;  // user score_mod / mask_mod, or nullptr
 
+  // Placement in a longer sequence (ring and head-parallel attention, src/dist/):
+  // query row i is position i + q_pos0 and key row j position j + k_pos0 of the
+  // whole sequence, and query head h is head h + h0 of heads_total. The band,
+  // ALiBi and dropout read these global positions. 0, 0, 0, Hq for an ordinary call.
+  int64_t q_pos0 = 0, k_pos0 = 0;
+  int h0 = 0, heads_total = 0;
+  // out is f32 although dtype is bf16 (a placed call's partial result on the AMX
+  // path, merged before it is rounded). The portable path never sets it.
+  bool out_f32 = false;
+
   // Dropout on the probabilities (0 = off): keep with probability 1 − p, scale
-  // kept ones by 1/(1 − p); decisions from DropoutRng(p, seed, offset, Hq).
+  // kept ones by 1/(1 − p); decisions from DropoutRng(p, seed, offset, heads_total)
+  // at the global positions (cpu/dropout_tile-inl.h).
   float dropout_p = 0.0f;
   uint64_t seed = 0, offset = 0;
 

@@ -38,7 +38,7 @@
 #include <vector>
 
 #include "cpu/workspace.hpp"
-#include "dropout/philox.hpp"
+#include "dropout/dropout_at.hpp"
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/attention_backward.cc"
@@ -245,12 +245,12 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
   const bool dropout = p.dropout_p > 0.0f;
   const float* pd = w.s;
   if (dropout) {
-    const DropoutRng rng(p.dropout_p, p.seed, p.offset, p.Hq);
+    const DropoutRng rng = dropout_rng(p);
     const float inv_keep = 1.0f / (1.0f - p.dropout_p);
     std::fill(w.drop, w.drop + size_t{kBq} * kBk, 0.0f);
     for (int r = 0; r < rows; ++r) {
       for (int j = 0; j < kBk; j += 4) {
-        const unsigned keep = rng.keep4(b, h, i0 + r, (j0 + j) / 4);
+        const unsigned keep = keep4_at(rng, p, b, h, i0 + r, j0 + j);
         for (int n = 0; n < 4; ++n) w.drop[r * kBk + j + n] = (keep >> n) & 1u ? inv_keep : 0.0f;
       }
     }

@@ -635,8 +635,9 @@ ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, i
     const bool nan = std::isnan(w.m[r]) || std::isnan(sum);
     const float inv = none ? 0.0f : nan ? NAN : 1.0f / sum;
     float* acc = w.o + static_cast<size_t>(r) * dvp;
-    WriteOutputRow(acc, p.dv, inv, nan, p.dtype == DType::bf16, p.out + (p.dtype == DType::bf16 ? 0 : at),
-                   reinterpret_cast<bf16*>(p.out) + (p.dtype == DType::bf16 ? at : 0));
+    const bool out_bf16 = p.dtype == DType::bf16 && !p.out_f32;
+    WriteOutputRow(acc, p.dv, inv, nan, out_bf16, p.out + (out_bf16 ? 0 : at),
+                   reinterpret_cast<bf16*>(p.out) + (out_bf16 ? at : 0));
     if (p.lse != nullptr) {
       p.lse[seq.lse_offset + h * p.lse_h + int64_t{i0 + r} * p.lse_i] =
           none ? -HUGE_VALF : static_cast<float>(double{w.m[r]} + std::log(double{sum}));

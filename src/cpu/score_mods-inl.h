@@ -40,14 +40,18 @@ struct TilePlace {
 };
 
 /// The band of query i: keys lo..hi (inclusive) survive causal, window and key
-/// length. lo > hi means none.
+/// length. lo > hi means none. The rules are those of the whole sequence when the
+/// call is placed inside one (Problem.q_pos0, k_pos0; Sequence.align), so the band
+/// is worked out in global positions and then clipped to this call's keys.
 HWY_INLINE void BandOfRow(const Problem& p, const Sequence& seq, int i, int* lo, int* hi) {
-  const int64_t shifted = int64_t{i} + seq.Lk - seq.Lq;  // bottom-right aligned i
-  int64_t first = 0, last = int64_t{seq.Lk} - 1;
-  if (p.causal == Causal::TopLeft) last = std::min<int64_t>(last, i);
+  const int64_t at = int64_t{i} + p.q_pos0;       // global query position
+  const int64_t shifted = at + seq.align;          // bottom-right aligned
+  int64_t first = p.k_pos0, last = p.k_pos0 + seq.Lk - 1;
+  if (p.causal == Causal::TopLeft) last = std::min(last, at);
   if (p.causal == Causal::BottomRight) last = std::min(last, shifted);
   if (p.window_left >= 0) first = std::max(first, shifted - p.window_left);
   if (p.window_right >= 0) last = std::min(last, shifted + p.window_right);
+  first -= p.k_pos0, last -= p.k_pos0;
   if (first > last) first = 1, last = 0;  // empty; keep the values in int range
   *lo = static_cast<int>(first);
   *hi = static_cast<int>(last);
@@ -136,15 +140,16 @@ HWY_INLINE void ApplyScoreMods(const Problem& p, const Sequence& seq, const Tile
     }
   }
   if (p.alibi != nullptr) {
-    // s −= slope·|i' − j| with i' = i + Lk − Lq (bottom-right aligned). Distances
-    // are below 2^24, so they are exact in f32.
+    // s −= slope·|i' − j| with i' = i + Lk − Lq (bottom-right aligned), in the
+    // positions of the whole sequence for a placed call. The distance from the
+    // tile's first key is formed in integers; distances below 2^24 are exact in f32.
     const VF slope = hn::Set(df, p.alibi[t.b * p.alibi_b + t.h * p.alibi_h]);
     for (int r = 0; r < t.rows; ++r) {
       float* row = s + r * ld;
-      const float shifted = static_cast<float>(t.i0 + r + seq.Lk - seq.Lq);
+      const float base = static_cast<float>(t.i0 + r + p.q_pos0 + seq.align - (t.j0 + p.k_pos0));
       for (int n = 0; n < kKeyVectors; ++n) {
-        const VF j = hn::Add(iota, hn::Set(df, static_cast<float>(t.j0 + n * kLanes)));
-        const VF dist = hn::Abs(hn::Sub(hn::Set(df, shifted), j));
+        const VF j = hn::Add(iota, hn::Set(df, static_cast<float>(n * kLanes)));
+        const VF dist = hn::Abs(hn::Sub(hn::Set(df, base), j));
         hn::Store(hn::NegMulAdd(slope, dist, hn::Load(df, row + n * kLanes)), df,
                   row + n * kLanes);
       }

@@ -342,6 +342,7 @@ DecodeProblem make_decode_problem(const char* fn, const TensorView& q, const KVC
   if (attend) {
     p.attn.B = p.B;
     p.attn.Hq = p.Hq;
+    p.attn.heads_total = p.Hq;
     p.attn.Hkv = p.Hkv;
     p.attn.d = p.d;
     p.attn.dv = p.dv;
@@ -350,6 +351,7 @@ DecodeProblem make_decode_problem(const char* fn, const TensorView& q, const KVC
       p.attn.seqs[b].Lq = p.Lq;
       p.attn.seqs[b].Lk = p.cached[b] + p.Lnew;
       p.attn.seqs[b].Lk_rows = p.attn.seqs[b].Lk;
+      p.attn.seqs[b].align = int64_t{p.attn.seqs[b].Lk} - p.Lq;
     }
   }
   return p;

@@ -1,0 +1,110 @@
+// Attention over a block of a longer sequence (see placed_attention.hpp): the checks
+// and dispatch of attention(), with the placement written into the Problem that the
+// kernels read (Problem.q_pos0, k_pos0, h0, heads_total; Sequence.Lk, align).
+#include "placed_attention.hpp"
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "attention_lowp.hpp"
+#include "cpu/attention_backward.hpp"
+#include "cpu/attention_forward.hpp"
+#include "cpu/attention_forward_amx.hpp"
+#include "problem.hpp"
+#include "tensor/convert.hpp"
+
+namespace attn::detail {
+namespace {
+
+void check_options(const char* fn, const AttentionOptions& o) {
+  auto fail = [fn](const char* what) { throw Error(std::string(fn) + ": " + what); };
+  if (!o.key_lengths.empty()) fail("key_lengths belong in the Placement, not in the options");
+  if (!o.cu_seqlens_q.empty() || !o.cu_seqlens_k.empty()) fail("packed sequences (cu_seqlens) cannot be placed");
+  if (!o.mask.empty()) fail("a mask cannot be placed (its columns are those of one call)");
+}
+
+// Writes the placement into the problem: global positions for the band, ALiBi and
+// dropout, and per sequence the keys of this block in use and the alignment.
+void place(Problem& p, const Placement& w, const char* fn) {
+  if (!w.key_lengths.empty() && static_cast<int>(w.key_lengths.size()) != p.B) {
+    throw Error(std::string(fn) + ": the placement has " + std::to_string(w.key_lengths.size()) +
+                " key lengths for a batch of " + std::to_string(p.B));
+  }
+  p.q_pos0 = w.q_pos0;
+  p.k_pos0 = w.k_pos0;
+  p.h0 = w.h0;
+  p.heads_total = w.heads_total > 0 ? w.heads_total : p.Hq;
+  for (int b = 0; b < p.B; ++b) {
+    Sequence& s = p.seqs[static_cast<size_t>(b)];
+    const int64_t keys = w.key_lengths.empty() ? w.Lk_total : w.key_lengths[static_cast<size_t>(b)];
+    s.Lk = static_cast<int>(std::clamp<int64_t>(keys - w.k_pos0, 0, s.Lk_rows));
+    s.align = keys - w.Lq_total;
+  }
+}
+
+// An f32 copy of a tensor (rounded to bf16 first when asked) and its view.
+struct F32Copy {
+  std::vector<float> data;
+  TensorView view;
+  F32Copy(const TensorView& t, bool round_bf16) : data(to_f32_contiguous(t, round_bf16)) {
+    view = contiguous_f32_view(data.data(), t);
+  }
+};
+
+bool is_lowp(DType t) { return t == DType::bf16 || t == DType::f16; }
+
+}  // namespace
+
+void attention_placed(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                      const TensorView& lse, const AttentionOptions& options, const Placement& where) {
+  const char* fn = "attention_placed";
+  check_options(fn, options);
+  if (out.empty() || out.dtype() != DType::f32) throw Error(std::string(fn) + ": out must be f32");
+  if (lse.empty()) throw Error(std::string(fn) + ": lse is required");
+  // make_problem checks out against the inputs' dtype: show it a twin of out in that
+  // dtype (same shape and strides) and point the problem at the f32 data afterwards.
+  const TensorView out_twin(out.data(), q.dtype(), out.shape(), out.strides());
+  Problem p = make_problem(fn, q, k, v, is_lowp(q.dtype()) ? out_twin : out, options, lse, {}, nullptr);
+  place(p, where, fn);
+  if (needs_widening(p, options)) {
+    if (takes_amx_path(p, options)) {
+      p.out_f32 = true;
+      if (attention_forward_amx(p, num_threads())) return;
+      // Declined (a NaN or ±∞ in q, k or v): the portable path's exact semantics.
+    }
+    const bool round = q.dtype() == DType::f32 && options.precision == Precision::bf16;
+    const F32Copy q32(q, round), k32(k, round), v32(v, round);
+    AttentionOptions o = options;
+    o.precision = Precision::f32;
+    attention_placed(q32.view, k32.view, v32.view, out, lse, o, where);
+    return;
+  }
+  attention_forward_cpu(p, num_threads());
+}
+
+void attention_backward_placed(const TensorView& q, const TensorView& k, const TensorView& v,
+                               const TensorView& out, const TensorView& lse, const TensorView& dout,
+                               const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                               const AttentionOptions& options, const Placement& where) {
+  const char* fn = "attention_backward_placed";
+  check_options(fn, options);
+  for (const TensorView* g : {&dq, &dk, &dv}) {
+    if (g->empty() || g->dtype() != DType::f32) throw Error(std::string(fn) + ": dq, dk and dv must be f32");
+  }
+  const bool round = q.dtype() == DType::f32 && options.precision == Precision::bf16;
+  if (is_lowp(q.dtype()) || round) {
+    // The backward computes in f32 on widened copies in every case (as
+    // attention_backward's portable path); here the gradients stay f32.
+    const F32Copy q32(q, round), k32(k, round), v32(v, round), out32(out, false), dout32(dout, false);
+    AttentionOptions o = options;
+    o.precision = Precision::f32;
+    attention_backward_placed(q32.view, k32.view, v32.view, out32.view, lse, dout32.view, dq, dk, dv, o, where);
+    return;
+  }
+  BackwardProblem bp = make_backward_problem(fn, q, k, v, out, lse, dout, dq, dk, dv, options, {}, nullptr);
+  place(bp.fwd, where, fn);
+  attention_backward_cpu(bp, num_threads());
+}
+
+}  // namespace attn::detail

@@ -1,0 +1,307 @@
+// Attention over blocks of a sequence placed at their positions (src/placed_attention,
+// the building block of ring and head-parallel attention): cut q and k into uneven
+// blocks, attend each pair with the whole sequence's rules, merge by log-sum-exp, and
+// the result must be one call over the whole sequence — causal (both alignments),
+// windows, ALiBi, softcap, dropout at odd key offsets, key lengths, GQA, head slices,
+// bf16 — and the blocks' gradients must sum to the whole call's gradients.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attention_harness.hpp"
+#include "attn/attention.hpp"
+#include "placed_attention.hpp"
+#include "tensor/convert.hpp"
+
+namespace attn::testing {
+namespace {
+
+struct Case {
+  std::string name;
+  int B = 1, Lq = 67, Lk = 67, Hq = 4, Hkv = 2, d = 16, dv = 12;
+  std::vector<int> q_cuts, k_cuts;  // block boundaries, 0 … L
+  AttentionOptions opt;
+  bool alibi = false, key_lengths = false;
+  int head_slice = 0;  // > 0: also run heads [head_slice, Hq) as a separate slice
+  DType dtype = DType::f32;
+};
+
+// Whole-sequence tensors, and views of their blocks (rows [a, b) of dimension 1).
+struct Inputs {
+  const Case& c;
+  std::vector<float> q, k, v, dout, alibi;
+  std::vector<int32_t> key_lengths;
+  std::vector<uint16_t> q16, k16, v16;  // bf16 copies when c.dtype is bf16
+  Inputs(const Case& cs, std::mt19937_64& rng) : c(cs) {
+    std::uniform_real_distribution<float> u(-1.5f, 1.5f);
+    q.resize(size_t(c.B) * c.Lq * c.Hq * c.d);
+    k.resize(size_t(c.B) * c.Lk * c.Hkv * c.d);
+    v.resize(size_t(c.B) * c.Lk * c.Hkv * c.dv);
+    dout.resize(size_t(c.B) * c.Lq * c.Hq * c.dv);
+    for (auto* t : {&q, &k, &v, &dout})
+      for (float& x : *t) x = u(rng);
+    if (c.dtype == DType::bf16) {
+      for (auto [src, dst] : {std::pair{&q, &q16}, {&k, &k16}, {&v, &v16}}) {
+        for (float& x : *src) x = detail::round_to_bf16(x), dst->push_back(detail::f32_to_bf16(x));
+      }
+    }
+    if (c.alibi)
+      for (int h = 0; h < c.Hq; ++h) alibi.push_back(0.05f + 0.3f * float(rng() % 100) / 100.0f);
+    if (c.key_lengths)
+      for (int b = 0; b < c.B; ++b) key_lengths.push_back(int32_t(rng() % (c.Lk + 1)));
+  }
+  TensorView view(const std::vector<float>& f32, const std::vector<uint16_t>& b16, int L, int H, int D, int a,
+                  int b, int h0 = 0, int h1 = -1) const {
+    if (h1 < 0) h1 = H;
+    const std::vector<int64_t> strides{int64_t(L) * H * D, int64_t(H) * D, D, 1};
+    const int64_t at = int64_t(a) * H * D + int64_t(h0) * D;
+    if (c.dtype == DType::bf16) return TensorView(b16.data() + at, DType::bf16, {c.B, b - a, h1 - h0, D}, strides);
+    return TensorView(f32.data() + at, DType::f32, {c.B, b - a, h1 - h0, D}, strides);
+  }
+  TensorView qv(int a, int b, int h0 = 0, int h1 = -1) const { return view(q, q16, c.Lq, c.Hq, c.d, a, b, h0, h1); }
+  TensorView kv(int a, int b, int h0 = 0, int h1 = -1) const { return view(k, k16, c.Lk, c.Hkv, c.d, a, b, h0, h1); }
+  TensorView vv(int a, int b, int h0 = 0, int h1 = -1) const { return view(v, v16, c.Lk, c.Hkv, c.dv, a, b, h0, h1); }
+  AttentionOptions options(int h0 = 0, int h1 = -1) const {
+    AttentionOptions o = c.opt;
+    if (h1 < 0) h1 = c.Hq;
+    if (c.alibi) o.alibi_slopes = TensorView(alibi.data() + h0, DType::f32, {h1 - h0});
+    return o;
+  }
+};
+
+// The whole call (out, lse in f32; out rounded to the inputs' dtype) and its gradients.
+struct Whole {
+  std::vector<float> out, lse, dq, dk, dv;
+};
+
+Whole run_whole(const Inputs& in) {
+  const Case& c = in.c;
+  Whole w;
+  w.out.resize(size_t(c.B) * c.Lq * c.Hq * c.dv);
+  w.lse.resize(size_t(c.B) * c.Hq * c.Lq);
+  w.dq.resize(in.q.size()), w.dk.resize(in.k.size()), w.dv.resize(in.v.size());
+  AttentionOptions o = in.options();
+  if (c.key_lengths) o.key_lengths = TensorView(in.key_lengths.data(), DType::i32, {c.B});
+  const TensorView lse(w.lse.data(), DType::f32, {c.B, c.Hq, c.Lq});
+  const TensorView out(w.out.data(), DType::f32, {c.B, c.Lq, c.Hq, c.dv});
+  if (c.dtype == DType::bf16) {
+    // Outputs in bf16 as attention() gives them, widened for comparison.
+    std::vector<uint16_t> o16(w.out.size()), dout16(in.dout.size()), g[3];
+    for (size_t i = 0; i < in.dout.size(); ++i) dout16[i] = detail::f32_to_bf16(in.dout[i]);
+    const TensorView ov(o16.data(), DType::bf16, {c.B, c.Lq, c.Hq, c.dv});
+    attention(in.qv(0, c.Lq), in.kv(0, c.Lk), in.vv(0, c.Lk), ov, o, lse);
+    g[0].resize(w.dq.size()), g[1].resize(w.dk.size()), g[2].resize(w.dv.size());
+    attention_backward(in.qv(0, c.Lq), in.kv(0, c.Lk), in.vv(0, c.Lk), ov, lse,
+                       TensorView(dout16.data(), DType::bf16, {c.B, c.Lq, c.Hq, c.dv}),
+                       TensorView(g[0].data(), DType::bf16, {c.B, c.Lq, c.Hq, c.d}),
+                       TensorView(g[1].data(), DType::bf16, {c.B, c.Lk, c.Hkv, c.d}),
+                       TensorView(g[2].data(), DType::bf16, {c.B, c.Lk, c.Hkv, c.dv}), o);
+    for (size_t i = 0; i < o16.size(); ++i) w.out[i] = detail::bf16_to_f32(o16[i]);
+    for (auto [src, dst] : {std::pair{&g[0], &w.dq}, {&g[1], &w.dk}, {&g[2], &w.dv}})
+      for (size_t i = 0; i < src->size(); ++i) (*dst)[i] = detail::bf16_to_f32((*src)[i]);
+    return w;
+  }
+  attention(in.qv(0, c.Lq), in.kv(0, c.Lk), in.vv(0, c.Lk), out, o, lse);
+  attention_backward(in.qv(0, c.Lq), in.kv(0, c.Lk), in.vv(0, c.Lk), out, lse,
+                     TensorView(in.dout.data(), DType::f32, {c.B, c.Lq, c.Hq, c.dv}),
+                     TensorView(w.dq.data(), DType::f32, {c.B, c.Lq, c.Hq, c.d}),
+                     TensorView(w.dk.data(), DType::f32, {c.B, c.Lk, c.Hkv, c.d}),
+                     TensorView(w.dv.data(), DType::f32, {c.B, c.Lk, c.Hkv, c.dv}), o);
+  return w;
+}
+
+// The same through blocks, for heads [h0, h1) (kv heads follow: h1 − h0 must be a
+// multiple of the group size), written into the whole-shaped outputs of `w`.
+void run_blocks(const Inputs& in, const Whole& whole, Whole& w, int h0, int h1) {
+  const Case& c = in.c;
+  const int group = c.Hq / c.Hkv, H = h1 - h0, kh0 = h0 / group, kh1 = h1 / group, Hk = kh1 - kh0;
+  detail::Placement where;
+  where.Lq_total = c.Lq, where.Lk_total = c.Lk;
+  where.key_lengths = in.key_lengths;
+  where.h0 = h0, where.heads_total = c.Hq;
+  const AttentionOptions o = in.options(h0, h1);
+  // Whole-call out (in the inputs' dtype) and lse for the backward's blocks.
+  std::vector<uint16_t> out16, dout16;
+  for (float x : whole.out) out16.push_back(detail::f32_to_bf16(x));
+  for (float x : in.dout) dout16.push_back(detail::f32_to_bf16(x));
+  const std::vector<float> no_f32;
+  const std::vector<uint16_t> no_b16;
+  for (size_t qb = 0; qb + 1 < c.q_cuts.size(); ++qb) {
+    const int qa = c.q_cuts[qb], qe = c.q_cuts[qb + 1], n = qe - qa;
+    std::vector<float> acc(size_t(c.B) * n * H * c.dv, 0.0f), acc_lse(size_t(c.B) * H * n, -INFINITY);
+    std::vector<float> part(acc.size()), part_lse(acc_lse.size());
+    const TensorView accv(acc.data(), DType::f32, {c.B, n, H, c.dv}), acc_lv(acc_lse.data(), DType::f32, {c.B, H, n});
+    const TensorView partv(part.data(), DType::f32, {c.B, n, H, c.dv}), part_lv(part_lse.data(), DType::f32, {c.B, H, n});
+    // This q block's rows of the whole out, lse, dout.
+    std::vector<float> lse_rows(size_t(c.B) * H * n);
+    for (int b = 0; b < c.B; ++b)
+      for (int h = 0; h < H; ++h)
+        for (int i = 0; i < n; ++i)
+          lse_rows[(size_t(b) * H + h) * n + i] = whole.lse[(size_t(b) * c.Hq + h0 + h) * c.Lq + qa + i];
+    const TensorView lse_rows_v(lse_rows.data(), DType::f32, {c.B, H, n});
+    std::vector<float> dq(size_t(c.B) * n * H * c.d);
+    for (size_t kb = 0; kb + 1 < c.k_cuts.size(); ++kb) {
+      const int ka = c.k_cuts[kb], ke = c.k_cuts[kb + 1], m = ke - ka;
+      where.q_pos0 = qa, where.k_pos0 = ka;
+      detail::attention_placed(in.qv(qa, qe, h0, h1), in.kv(ka, ke, kh0, kh1), in.vv(ka, ke, kh0, kh1), partv, part_lv, o,
+                               where);
+      merge_attention_states(accv, acc_lv, partv, part_lv, accv, acc_lv);
+      // Backward of the block: dq contribution, and the block's dk, dv.
+      std::vector<float> dk(size_t(c.B) * m * Hk * c.d), dv(size_t(c.B) * m * Hk * c.dv);
+      const TensorView outv = c.dtype == DType::bf16
+                                  ? in.view(no_f32, out16, c.Lq, c.Hq, c.dv, qa, qe, h0, h1)
+                                  : in.view(whole.out, no_b16, c.Lq, c.Hq, c.dv, qa, qe, h0, h1);
+      const TensorView doutv = c.dtype == DType::bf16
+                                   ? in.view(no_f32, dout16, c.Lq, c.Hq, c.dv, qa, qe, h0, h1)
+                                   : in.view(in.dout, no_b16, c.Lq, c.Hq, c.dv, qa, qe, h0, h1);
+      detail::attention_backward_placed(in.qv(qa, qe, h0, h1), in.kv(ka, ke, kh0, kh1), in.vv(ka, ke, kh0, kh1), outv,
+                                        lse_rows_v, doutv, TensorView(dq.data(), DType::f32, {c.B, n, H, c.d}),
+                                        TensorView(dk.data(), DType::f32, {c.B, m, Hk, c.d}),
+                                        TensorView(dv.data(), DType::f32, {c.B, m, Hk, c.dv}), o, where);
+      for (int b = 0; b < c.B; ++b)
+        for (int i = 0; i < n; ++i)
+          for (int h = 0; h < H; ++h)
+            for (int x = 0; x < c.d; ++x)
+              w.dq[((size_t(b) * c.Lq + qa + i) * c.Hq + h0 + h) * c.d + x] += dq[((size_t(b) * n + i) * H + h) * c.d + x];
+      for (int b = 0; b < c.B; ++b)
+        for (int j = 0; j < m; ++j)
+          for (int h = 0; h < Hk; ++h) {
+            for (int x = 0; x < c.d; ++x)
+              w.dk[((size_t(b) * c.Lk + ka + j) * c.Hkv + kh0 + h) * c.d + x] += dk[((size_t(b) * m + j) * Hk + h) * c.d + x];
+            for (int x = 0; x < c.dv; ++x)
+              w.dv[((size_t(b) * c.Lk + ka + j) * c.Hkv + kh0 + h) * c.dv + x] +=
+                  dv[((size_t(b) * m + j) * Hk + h) * c.dv + x];
+          }
+    }
+    for (int b = 0; b < c.B; ++b)
+      for (int i = 0; i < n; ++i)
+        for (int h = 0; h < H; ++h) {
+          for (int x = 0; x < c.dv; ++x)
+            w.out[((size_t(b) * c.Lq + qa + i) * c.Hq + h0 + h) * c.dv + x] = acc[((size_t(b) * n + i) * H + h) * c.dv + x];
+          w.lse[(size_t(b) * c.Hq + h0 + h) * c.Lq + qa + i] = acc_lse[(size_t(b) * H + h) * n + i];
+        }
+  }
+}
+
+// ‖a − b‖ / max(‖b‖, floor·√n)
+double rel(const std::vector<float>& a, const std::vector<float>& b, double floor) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::isinf(a[i]) || std::isinf(b[i])) continue;  // lse of rows with no key: checked apart
+    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]), den += double(b[i]) * b[i];
+  }
+  return std::sqrt(num) / std::max(std::sqrt(den), floor * std::sqrt(double(a.size())));
+}
+
+void check(const Case& c, uint64_t salt) {
+  SCOPED_TRACE(c.name);
+  std::mt19937_64 rng = make_rng(salt);
+  const Inputs in(c, rng);
+  const Whole whole = run_whole(in);
+  Whole blocks{std::vector<float>(whole.out.size()), std::vector<float>(whole.lse.size()),
+               std::vector<float>(whole.dq.size()), std::vector<float>(whole.dk.size()),
+               std::vector<float>(whole.dv.size())};
+  if (c.head_slice > 0) {
+    run_blocks(in, whole, blocks, 0, c.head_slice);
+    run_blocks(in, whole, blocks, c.head_slice, c.Hq);
+  } else {
+    run_blocks(in, whole, blocks, 0, c.Hq);
+  }
+  // f32: the same arithmetic up to the merge's roundings. bf16: whole-call outputs are
+  // rounded to bf16, the blocks' stay f32 until compared (and the AMX path rounds P).
+  const double bar = c.dtype == DType::bf16 ? 1e-2 : 2e-6;
+  EXPECT_LE(rel(blocks.out, whole.out, 1e-3), bar);
+  EXPECT_LE(rel(blocks.lse, whole.lse, 1e-3), c.dtype == DType::bf16 ? 1e-3 : 2e-6);
+  for (size_t i = 0; i < whole.lse.size(); ++i) {
+    ASSERT_EQ(std::isinf(whole.lse[i]), std::isinf(blocks.lse[i])) << "lse " << i;
+  }
+  EXPECT_LE(rel(blocks.dq, whole.dq, 1e-2), bar * 5);
+  EXPECT_LE(rel(blocks.dk, whole.dk, 1e-2), bar * 5);
+  EXPECT_LE(rel(blocks.dv, whole.dv, 1e-2), bar * 5);
+}
+
+Case base(const char* name) {
+  Case c;
+  c.name = name;
+  c.q_cuts = {0, 13, 40, 67};
+  c.k_cuts = {0, 5, 30, 31, 67};
+  return c;
+}
+
+TEST(PlacedAttention, CausalTopLeftBlocksEqualTheWholeCall) {
+  Case c = base("causal top-left");
+  c.opt.causal = Causal::TopLeft;
+  check(c, 1);
+}
+
+TEST(PlacedAttention, CausalBottomRightWithMoreKeysThanQueries) {
+  Case c = base("causal bottom-right, Lq 23, Lk 61");
+  c.B = 2, c.Lq = 23, c.Lk = 61;
+  c.q_cuts = {0, 9, 23};
+  c.k_cuts = {0, 17, 18, 50, 61};
+  c.opt.causal = Causal::BottomRight;
+  check(c, 2);
+}
+
+TEST(PlacedAttention, SlidingWindowBothSides) {
+  Case c = base("window 7/3");
+  c.opt.window = {7, 3};
+  check(c, 3);
+}
+
+TEST(PlacedAttention, AlibiAndSoftcapWithCausal) {
+  Case c = base("alibi, softcap 5, causal");
+  c.alibi = true;
+  c.opt.softcap = 5.0f;
+  c.opt.causal = Causal::BottomRight;
+  check(c, 4);
+}
+
+TEST(PlacedAttention, DropoutAtKeyOffsetsThatAreNotMultiplesOfFour) {
+  Case c = base("dropout 0.3 at odd offsets");
+  c.opt.dropout_p = 0.3f, c.opt.seed = 1234, c.opt.offset = 77;
+  c.opt.causal = Causal::TopLeft;
+  check(c, 5);
+}
+
+TEST(PlacedAttention, KeyLengthsAlignTheBandToEachSequence) {
+  Case c = base("key lengths, causal bottom-right, window");
+  c.B = 3;
+  c.key_lengths = true;
+  c.opt.causal = Causal::BottomRight;
+  c.opt.window = {20, -1};
+  check(c, 6);
+}
+
+TEST(PlacedAttention, HeadSlicesDrawTheirOwnHeadsDropoutAndSlopes) {
+  Case c = base("head slices [0, 2) and [2, 4), dropout, alibi");
+  c.head_slice = 2;
+  c.alibi = true;
+  c.opt.dropout_p = 0.2f, c.opt.seed = 9;
+  check(c, 7);
+}
+
+TEST(PlacedAttention, Bf16BlocksKeepF32PartialResults) {
+  Case c = base("bf16, causal, window");
+  c.dtype = DType::bf16;
+  c.d = 32, c.dv = 32;
+  c.opt.causal = Causal::TopLeft;
+  c.opt.window = {30, 0};
+  check(c, 8);
+}
+
+TEST(PlacedAttention, LongerBlocksThanOneTile) {
+  Case c = base("Lq = Lk = 300, causal, GQA 3");
+  c.Lq = c.Lk = 300, c.Hq = 3, c.Hkv = 1, c.d = 64, c.dv = 64;
+  c.q_cuts = {0, 130, 300};
+  c.k_cuts = {0, 67, 201, 300};
+  c.opt.causal = Causal::TopLeft;
+  check(c, 9);
+}
+
+}  // namespace
+}  // namespace attn::testing
