@@ -14,6 +14,7 @@ PACKAGES=(
   python3-torch python3-numpy   # the PyTorch parity oracle (tests/parity), for /usr/bin/python3
   pybind11-dev python3-dev python3-pytest   # the Python package and its tests
   python3-venv                  # `pip install .` into a fresh venv (scripts/wheel-smoke.sh)
+  libopenmpi-dev openmpi-bin    # attn::dist: ring attention over MPI, tested under mpirun
 )
 
 missing=()
