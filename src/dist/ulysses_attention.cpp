@@ -7,6 +7,7 @@
 // dk, dv contributions are summed in rank order at the owner, in f32.
 #include <mpi.h>
 
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -311,12 +312,15 @@ void ulysses_attention_backward(MPI_Comm comm, const TensorView& q, const Tensor
     copy_view(TensorView(at, dt, {B, Lr, hs.Hr, d}), narrow(dq, 2, hs.h0, hs.Hr));
     at += bytes_of({B, Lr, hs.Hr, d}, dt);
     for (auto [acc, D] : {std::pair{&dk_acc, d}, {&dv_acc, Dv}}) {
-      const float* part = reinterpret_cast<const float*>(at);
+      // Copied out: after bf16/f16 dq the f32 part may not be 4-byte aligned.
+      std::vector<float> part(static_cast<size_t>(B * Lr * hs.Hk * D));
+      std::memcpy(part.data(), at, part.size() * sizeof(float));
       for (int64_t b = 0; b < B; ++b)
         for (int64_t i = 0; i < Lr; ++i)
           for (int64_t h = 0; h < hs.Hk; ++h)
             for (int64_t x = 0; x < D; ++x)
-              (*acc)[static_cast<size_t>(((b * Lr + i) * Hkv + hs.kh0 + h) * D + x)] += part[((b * Lr + i) * hs.Hk + h) * D + x];
+              (*acc)[static_cast<size_t>(((b * Lr + i) * Hkv + hs.kh0 + h) * D + x)] +=
+                  part[static_cast<size_t>(((b * Lr + i) * hs.Hk + h) * D + x)];
       at += bytes_of({B, Lr, hs.Hk, D}, DType::f32);
     }
   }
