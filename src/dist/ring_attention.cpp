@@ -21,6 +21,7 @@
 #include "attn/dist.hpp"
 #include "dist/agreement.hpp"
 #include "dist/ring_schedule.hpp"
+#include "dist/scratch.hpp"
 #include "dist/transfer.hpp"
 #include "dist/views.hpp"
 #include "placed_attention.hpp"
@@ -59,14 +60,13 @@ void add_into(float* dst, const float* src, int64_t n) {
 }
 
 // Adds a contiguous f32 [B, n, H, D] block into rows [row, row + n) of an f32 view.
-void add_rows(const TensorView& dst_whole, int64_t row, const std::vector<float>& part) {
+void add_rows(const TensorView& dst_whole, int64_t row, int64_t n, const float* part) {
   const int64_t B = dst_whole.size(0), H = dst_whole.size(2), D = dst_whole.size(3);
-  const int64_t n = static_cast<int64_t>(part.size()) / (B * H * D);
   float* base = dst_whole.data_as<float>();
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t i = 0; i < n; ++i) {
       float* out = base + b * dst_whole.stride(0) + (row + i) * dst_whole.stride(1);
-      const float* in = part.data() + (b * n + i) * H * D;
+      const float* in = part + (b * n + i) * H * D;
       for (int64_t h = 0; h < H; ++h) add_into(out + h * dst_whole.stride(2), in + h * D, D);
     }
   }
@@ -92,19 +92,24 @@ void ring_attention(MPI_Comm comm, const TensorView& q, const TensorView& k, con
   const int64_t Lr = q.size(1);
   const detail::RingSchedule plan(w, options);
 
-  // Accumulators for this rank's rows, and a partial result of the largest segment.
-  std::vector<float> acc(static_cast<size_t>(sh.B * Lr * sh.Hq * sh.dv), 0.0f);
-  std::vector<float> acc_lse(static_cast<size_t>(sh.B * sh.Hq * Lr), -INFINITY);
-  const TensorView acc_v(acc.data(), DType::f32, {sh.B, Lr, sh.Hq, sh.dv});
-  const TensorView acc_lse_v(acc_lse.data(), DType::f32, {sh.B, sh.Hq, Lr});
-  std::vector<float> part(acc.size()), part_lse(acc_lse.size());
+  // Accumulators for this rank's rows, and a partial result of the largest segment
+  // (scratch.hpp: reused across calls).
+  const size_t n_out = static_cast<size_t>(sh.B * Lr * sh.Hq * sh.dv), n_lse = static_cast<size_t>(sh.B * sh.Hq * Lr);
+  float* acc = detail::scratch<float>(2, n_out);
+  float* acc_lse = detail::scratch<float>(3, n_lse);
+  std::fill(acc, acc + n_out, 0.0f);
+  std::fill(acc_lse, acc_lse + n_lse, -INFINITY);
+  const TensorView acc_v(acc, DType::f32, {sh.B, Lr, sh.Hq, sh.dv});
+  const TensorView acc_lse_v(acc_lse, DType::f32, {sh.B, sh.Hq, Lr});
+  float* part = detail::scratch<float>(4, n_out);
+  float* part_lse = detail::scratch<float>(5, n_lse);
 
   // Two block buffers: the one being computed on and the one arriving.
   const int64_t max_L = *std::max_element(w.local_lengths.begin(), w.local_lengths.end());
-  std::vector<char> buf[2];
-  for (auto& b : buf) b.resize(static_cast<size_t>(sh.kv_elems(max_L) * sh.es));
-  detail::copy_view(k, sh.k_of(buf[0].data(), Lr, sh.dtype));
-  detail::copy_view(v, sh.v_of(buf[0].data(), Lr, sh.dtype));
+  char* buf[2] = {detail::scratch<char>(0, static_cast<size_t>(sh.kv_elems(max_L) * sh.es)),
+                  detail::scratch<char>(1, static_cast<size_t>(sh.kv_elems(max_L) * sh.es))};
+  detail::copy_view(k, sh.k_of(buf[0], Lr, sh.dtype));
+  detail::copy_view(v, sh.v_of(buf[0], Lr, sh.dtype));
 
   ::attn::detail::Placement where;
   where.Lq_total = where.Lk_total = w.length;
@@ -115,20 +120,20 @@ void ring_attention(MPI_Comm comm, const TensorView& q, const TensorView& k, con
     detail::Transfers kv;
     if (t < plan.last_step) {
       const int incoming = (src + R - 1) % R;
-      kv.recv(buf[1 - cur].data(), sh.kv_elems(w.local_lengths[static_cast<size_t>(incoming)]) * sh.es, prev,
+      kv.recv(buf[1 - cur], sh.kv_elems(w.local_lengths[static_cast<size_t>(incoming)]) * sh.es, prev,
               kTagKV, comm);
-      st.bytes_sent += kv.send(buf[cur].data(), sh.kv_elems(Ls) * sh.es, next, kTagKV, comm);
+      st.bytes_sent += kv.send(buf[cur], sh.kv_elems(Ls) * sh.es, next, kTagKV, comm);
     }
     const double c0 = now();
-    const TensorView kb = sh.k_of(buf[cur].data(), Ls, sh.dtype), vb = sh.v_of(buf[cur].data(), Ls, sh.dtype);
+    const TensorView kb = sh.k_of(buf[cur], Ls, sh.dtype), vb = sh.v_of(buf[cur], Ls, sh.dtype);
     bool any = false;
     for (const Segment& qs : w.segments(r)) {
       for (const Segment& ks : w.segments(src)) {
         if (!plan.may_attend(qs, ks)) continue;
         any = true;
         where.q_pos0 = qs.position, where.k_pos0 = ks.position;
-        const TensorView pv(part.data(), DType::f32, {sh.B, qs.length, sh.Hq, sh.dv});
-        const TensorView plv(part_lse.data(), DType::f32, {sh.B, sh.Hq, qs.length});
+        const TensorView pv(part, DType::f32, {sh.B, qs.length, sh.Hq, sh.dv});
+        const TensorView plv(part_lse, DType::f32, {sh.B, sh.Hq, qs.length});
         ::attn::detail::attention_placed(narrow(q, 1, qs.local_row, qs.length), narrow(kb, 1, ks.local_row, ks.length),
                                          narrow(vb, 1, ks.local_row, ks.length), pv, plv, local, where);
         const TensorView av = narrow(acc_v, 1, qs.local_row, qs.length);
@@ -143,7 +148,7 @@ void ring_attention(MPI_Comm comm, const TensorView& q, const TensorView& k, con
     kv.wait();
     st.wait_s += now() - w0;
   }
-  ::attn::detail::from_f32_contiguous(acc.data(), out);
+  ::attn::detail::from_f32_contiguous(acc, out);
   if (!lse.empty()) detail::copy_view(acc_lse_v, lse);
   st.steps_skipped = R - 1 - plan.last_step;
   st.total_s = now() - start;
@@ -167,19 +172,24 @@ void ring_attention_backward(MPI_Comm comm, const TensorView& q, const TensorVie
   const int64_t Lr = q.size(1);
   const detail::RingSchedule plan(w, options);
 
-  std::vector<float> dq_acc(static_cast<size_t>(sh.B * Lr * sh.Hq * sh.d), 0.0f);
-  const TensorView dq_acc_v(dq_acc.data(), DType::f32, {sh.B, Lr, sh.Hq, sh.d});
+  // Buffers from scratch.hpp (reused across calls, so no page is touched first here).
+  const size_t n_dq = static_cast<size_t>(sh.B * Lr * sh.Hq * sh.d);
+  float* dq_acc = detail::scratch<float>(2, n_dq);
+  std::fill(dq_acc, dq_acc + n_dq, 0.0f);
+  const TensorView dq_acc_v(dq_acc, DType::f32, {sh.B, Lr, sh.Hq, sh.d});
   const int64_t max_L = *std::max_element(w.local_lengths.begin(), w.local_lengths.end());
-  std::vector<char> buf[2];
-  for (auto& b : buf) b.resize(static_cast<size_t>(sh.kv_elems(max_L) * sh.es));
-  detail::copy_view(k, sh.k_of(buf[0].data(), Lr, sh.dtype));
-  detail::copy_view(v, sh.v_of(buf[0].data(), Lr, sh.dtype));
+  char* buf[2] = {detail::scratch<char>(0, static_cast<size_t>(sh.kv_elems(max_L) * sh.es)),
+                  detail::scratch<char>(1, static_cast<size_t>(sh.kv_elems(max_L) * sh.es))};
+  detail::copy_view(k, sh.k_of(buf[0], Lr, sh.dtype));
+  detail::copy_view(v, sh.v_of(buf[0], Lr, sh.dtype));
   // f32 gradient accumulators of the travelling blocks ([dk | dv] as the blocks),
-  // this step's contribution, and per-pair scratch.
-  std::vector<float> grad[2], contrib(static_cast<size_t>(sh.kv_elems(max_L)));
-  for (auto& g : grad) g.resize(contrib.size());
-  std::vector<float> dq_part(dq_acc.size()), dk_part(static_cast<size_t>(sh.k_elems(max_L))),
-      dv_part(static_cast<size_t>(sh.B * max_L * sh.Hkv * sh.dv));
+  // this step's contribution, and per-pair results.
+  const size_t n_grad = static_cast<size_t>(sh.kv_elems(max_L));
+  float* grad[2] = {detail::scratch<float>(3, n_grad), detail::scratch<float>(4, n_grad)};
+  float* contrib = detail::scratch<float>(5, n_grad);
+  float* dq_part = detail::scratch<float>(6, n_dq);
+  float* dk_part = detail::scratch<float>(7, static_cast<size_t>(sh.k_elems(max_L)));
+  float* dv_part = detail::scratch<float>(8, static_cast<size_t>(sh.B * max_L * sh.Hkv * sh.dv));
   detail::Transfers grad_sent[2];
 
   ::attn::detail::Placement where;
@@ -191,18 +201,18 @@ void ring_attention_backward(MPI_Comm comm, const TensorView& q, const TensorVie
     detail::Transfers kv, grad_in;
     if (t < plan.last_step) {
       const int incoming = (src + R - 1) % R;
-      kv.recv(buf[1 - cur].data(), sh.kv_elems(w.local_lengths[static_cast<size_t>(incoming)]) * sh.es, prev,
+      kv.recv(buf[1 - cur], sh.kv_elems(w.local_lengths[static_cast<size_t>(incoming)]) * sh.es, prev,
               kTagKV, comm);
-      st.bytes_sent += kv.send(buf[cur].data(), sh.kv_elems(Ls) * sh.es, next, kTagKV, comm);
+      st.bytes_sent += kv.send(buf[cur], sh.kv_elems(Ls) * sh.es, next, kTagKV, comm);
     }
     if (t > 0) {  // block src's accumulator, from the rank that held the block last step
       grad_sent[cur].wait();  // the send of two steps ago used this buffer
-      grad_in.recv(grad[cur].data(), sh.kv_elems(Ls) * 4, prev, kTagGrad, comm);
+      grad_in.recv(grad[cur], sh.kv_elems(Ls) * 4, prev, kTagGrad, comm);
     }
     const double c0 = now();
-    std::fill(contrib.begin(), contrib.begin() + sh.kv_elems(Ls), 0.0f);
-    const TensorView kb = sh.k_of(buf[cur].data(), Ls, sh.dtype), vb = sh.v_of(buf[cur].data(), Ls, sh.dtype);
-    const TensorView ck = sh.k_of(contrib.data(), Ls, DType::f32), cv = sh.v_of(contrib.data(), Ls, DType::f32);
+    std::fill(contrib, contrib + sh.kv_elems(Ls), 0.0f);
+    const TensorView kb = sh.k_of(buf[cur], Ls, sh.dtype), vb = sh.v_of(buf[cur], Ls, sh.dtype);
+    const TensorView ck = sh.k_of(contrib, Ls, DType::f32), cv = sh.v_of(contrib, Ls, DType::f32);
     bool any = false;
     for (const Segment& qs : w.segments(r)) {
       for (const Segment& ks : w.segments(src)) {
@@ -210,18 +220,15 @@ void ring_attention_backward(MPI_Comm comm, const TensorView& q, const TensorVie
         any = true;
         where.q_pos0 = qs.position, where.k_pos0 = ks.position;
         const int64_t n = qs.length, m = ks.length;
-        dq_part.resize(static_cast<size_t>(sh.B * n * sh.Hq * sh.d));
-        dk_part.resize(static_cast<size_t>(sh.B * m * sh.Hkv * sh.d));
-        dv_part.resize(static_cast<size_t>(sh.B * m * sh.Hkv * sh.dv));
         ::attn::detail::attention_backward_placed(
             narrow(q, 1, qs.local_row, n), narrow(kb, 1, ks.local_row, m), narrow(vb, 1, ks.local_row, m),
             narrow(out, 1, qs.local_row, n), narrow(lse, 2, qs.local_row, n), narrow(dout, 1, qs.local_row, n),
-            TensorView(dq_part.data(), DType::f32, {sh.B, n, sh.Hq, sh.d}),
-            TensorView(dk_part.data(), DType::f32, {sh.B, m, sh.Hkv, sh.d}),
-            TensorView(dv_part.data(), DType::f32, {sh.B, m, sh.Hkv, sh.dv}), local, where);
-        add_rows(dq_acc_v, qs.local_row, dq_part);
-        add_rows(ck, ks.local_row, dk_part);
-        add_rows(cv, ks.local_row, dv_part);
+            TensorView(dq_part, DType::f32, {sh.B, n, sh.Hq, sh.d}),
+            TensorView(dk_part, DType::f32, {sh.B, m, sh.Hkv, sh.d}),
+            TensorView(dv_part, DType::f32, {sh.B, m, sh.Hkv, sh.dv}), local, where);
+        add_rows(dq_acc_v, qs.local_row, n, dq_part);
+        add_rows(ck, ks.local_row, m, dk_part);
+        add_rows(cv, ks.local_row, m, dv_part);
         kv.progress();
         grad_in.progress();
       }
@@ -231,11 +238,11 @@ void ring_attention_backward(MPI_Comm comm, const TensorView& q, const TensorVie
     const double w0 = now();
     if (t > 0) {
       grad_in.wait();
-      add_into(grad[cur].data(), contrib.data(), sh.kv_elems(Ls));
+      add_into(grad[cur], contrib, sh.kv_elems(Ls));
     } else {
-      std::copy(contrib.begin(), contrib.begin() + sh.kv_elems(Ls), grad[cur].begin());
+      std::copy(contrib, contrib + sh.kv_elems(Ls), grad[cur]);
     }
-    if (t < plan.last_step) st.bytes_sent += grad_sent[cur].send(grad[cur].data(), sh.kv_elems(Ls) * 4, next, kTagGrad, comm);
+    if (t < plan.last_step) st.bytes_sent += grad_sent[cur].send(grad[cur], sh.kv_elems(Ls) * 4, next, kTagGrad, comm);
     kv.wait();
     st.wait_s += now() - w0;
   }
@@ -243,21 +250,20 @@ void ring_attention_backward(MPI_Comm comm, const TensorView& q, const TensorVie
   // this rank's own from the rank that held it last.
   const double w0 = now();
   const int last = plan.last_step, held = (r - last + R) % R, mine_at = (r + last) % R;
-  std::vector<float> home;
-  const std::vector<float>* own = &grad[last % 2];
+  const float* own = grad[last % 2];
   if (last > 0) {
-    home.resize(static_cast<size_t>(sh.kv_elems(Lr)));
+    float* home = detail::scratch<float>(9, static_cast<size_t>(sh.kv_elems(Lr)));
     detail::Transfers back;
-    back.recv(home.data(), sh.kv_elems(Lr) * 4, mine_at, kTagHome, comm);
-    st.bytes_sent += back.send(grad[last % 2].data(),
+    back.recv(home, sh.kv_elems(Lr) * 4, mine_at, kTagHome, comm);
+    st.bytes_sent += back.send(grad[last % 2],
                                sh.kv_elems(w.local_lengths[static_cast<size_t>(held)]) * 4, held, kTagHome, comm);
     back.wait();
-    own = &home;
+    own = home;
   }
   for (auto& g : grad_sent) g.wait();
   st.wait_s += now() - w0;
-  ::attn::detail::from_f32_contiguous(dq_acc.data(), dq);
-  float* base = const_cast<float*>(own->data());
+  ::attn::detail::from_f32_contiguous(dq_acc, dq);
+  float* base = const_cast<float*>(own);
   ::attn::detail::from_f32_contiguous(sh.k_of(base, Lr, DType::f32).data_as<float>(), dk);
   ::attn::detail::from_f32_contiguous(sh.v_of(base, Lr, DType::f32).data_as<float>(), dv);
   st.steps_skipped = R - 1 - plan.last_step;

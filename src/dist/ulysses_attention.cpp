@@ -7,12 +7,15 @@
 // dk, dv contributions are summed in rank order at the owner, in f32.
 #include <mpi.h>
 
+#include <algorithm>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "attn/dist.hpp"
 #include "dist/agreement.hpp"
+#include "dist/scratch.hpp"
 #include "dist/views.hpp"
 #include "placed_attention.hpp"
 #include "problem.hpp"
@@ -39,63 +42,75 @@ struct Heads {
   }
 };
 
-// Byte buffers, one per peer rank, exchanged with one MPI_Alltoallv.
-using PerRank = std::vector<std::vector<char>>;
-
-PerRank all_to_all(const char* fn, MPI_Comm comm, const PerRank& send, const std::vector<int64_t>& recv_bytes,
-                   double* bytes_sent) {
-  const size_t R = send.size();
-  std::vector<int> scount(R), sdispl(R), rcount(R), rdispl(R);
-  int64_t stotal = 0, rtotal = 0;
-  for (size_t s = 0; s < R; ++s) {
-    if (stotal + static_cast<int64_t>(send[s].size()) > INT32_MAX || rtotal + recv_bytes[s] > INT32_MAX) {
-      throw Error(std::string(fn) + ": more than 2 GiB per all-to-all; use ring_attention for this size");
+// One all-to-all: rank s's region of the send buffer and rank p's region of the
+// receive buffer, in scratch slots 0 and 1 (scratch.hpp: no fresh pages per call).
+// Both sides compute every size from the shapes, so no counts are exchanged.
+class Exchange {
+ public:
+  Exchange(const std::vector<int64_t>& send_bytes, const std::vector<int64_t>& recv_bytes)
+      : send_bytes_(send_bytes), recv_bytes_(recv_bytes), send_at_(offsets(send_bytes)), recv_at_(offsets(recv_bytes)) {
+    send_ = detail::scratch<char>(0, static_cast<size_t>(send_at_.back()));
+    recv_ = detail::scratch<char>(1, static_cast<size_t>(recv_at_.back()));
+  }
+  /// Where the data for rank s goes.
+  char* to(int s) const { return send_ + send_at_[static_cast<size_t>(s)]; }
+  /// Where rank p's data arrives.
+  const char* from(int p) const { return recv_ + recv_at_[static_cast<size_t>(p)]; }
+  /// Checks that rank s's region was filled exactly (the sizes are computed twice).
+  void filled(int s, const char* end) const {
+    if (end != to(s) + send_bytes_[static_cast<size_t>(s)]) throw std::logic_error("ulysses: packed size mismatch");
+  }
+  void run(const char* fn, MPI_Comm comm, double* bytes_sent) const {
+    if (send_at_.back() > INT32_MAX || recv_at_.back() > INT32_MAX) {
+      throw Error(std::string(fn) + ": more than 2 GiB per all-to-all on one rank; use ring_attention for this size");
     }
-    scount[s] = static_cast<int>(send[s].size()), sdispl[s] = static_cast<int>(stotal);
-    rcount[s] = static_cast<int>(recv_bytes[s]), rdispl[s] = static_cast<int>(rtotal);
-    stotal += scount[s], rtotal += rcount[s];
+    auto ints = [](const std::vector<int64_t>& v) { return std::vector<int>(v.begin(), v.end()); };
+    const std::vector<int> sc = ints(send_bytes_), sd = ints(send_at_), rc = ints(recv_bytes_), rd = ints(recv_at_);
+    MPI_Alltoallv(send_, sc.data(), sd.data(), MPI_BYTE, recv_, rc.data(), rd.data(), MPI_BYTE, comm);
+    *bytes_sent += static_cast<double>(send_at_.back());
   }
-  std::vector<char> sbuf(static_cast<size_t>(stotal)), rbuf(static_cast<size_t>(rtotal));
-  for (size_t s = 0; s < R; ++s) std::copy(send[s].begin(), send[s].end(), sbuf.begin() + sdispl[s]);
-  MPI_Alltoallv(sbuf.data(), scount.data(), sdispl.data(), MPI_BYTE, rbuf.data(), rcount.data(), rdispl.data(),
-                MPI_BYTE, comm);
-  *bytes_sent += static_cast<double>(stotal);
-  PerRank out(R);
-  for (size_t s = 0; s < R; ++s) out[s].assign(rbuf.begin() + rdispl[s], rbuf.begin() + rdispl[s] + rcount[s]);
-  return out;
-}
 
-// Scatter side: this rank's rows of the given heads of `t` ([B, L_r, H, D]), packed.
-void append_heads(std::vector<char>& buf, const TensorView& t, int64_t h0, int64_t H) {
-  const size_t at = buf.size();
-  buf.resize(at + static_cast<size_t>(t.size(0) * t.size(1) * H * t.size(3)) * dtype_size(t.dtype()));
-  copy_view(narrow(t, 2, h0, H), TensorView(buf.data() + at, t.dtype(), {t.size(0), t.size(1), H, t.size(3)}));
-}
-
-// Gather side: the rows rank p sent (packed [B, L_p, H, D] at `at` in buf) into their
-// positions of the whole-sequence tensor `whole` [B, L, H, D]. Returns the bytes read.
-size_t place_rows(const World& w, int p, const char* buf, const TensorView& whole) {
-  const int64_t Lp = w.local_lengths[static_cast<size_t>(p)];
-  const TensorView packed(buf, whole.dtype(), {whole.size(0), Lp, whole.size(2), whole.size(3)});
-  for (const Segment& s : w.segments(p)) {
-    copy_view(narrow(packed, 1, s.local_row, s.length), narrow(whole, 1, s.position, s.length));
+ private:
+  static std::vector<int64_t> offsets(const std::vector<int64_t>& bytes) {
+    std::vector<int64_t> at(bytes.size() + 1, 0);
+    for (size_t i = 0; i < bytes.size(); ++i) at[i + 1] = at[i] + bytes[i];
+    return at;
   }
-  return static_cast<size_t>(packed.numel()) * dtype_size(whole.dtype());
+  std::vector<int64_t> send_bytes_, recv_bytes_, send_at_, recv_at_;
+  char* send_ = nullptr;
+  char* recv_ = nullptr;
+};
+
+// Scatter side: this rank's rows of the given heads of `t` ([B, L_r, H, D]), packed
+// at `at`, which advances past them.
+void pack_heads(char*& at, const TensorView& t, int64_t h0, int64_t H) {
+  const TensorView packed(at, t.dtype(), {t.size(0), t.size(1), H, t.size(3)});
+  copy_view(narrow(t, 2, h0, H), packed);
+  at += packed.numel() * static_cast<int64_t>(dtype_size(t.dtype()));
 }
 
-// Return side: the rows of `whole` [B, L, H, D] (or lse [B, H, L], seq_dim 2) that
-// rank p holds, packed in p's local order, appended to buf.
-void append_rows(std::vector<char>& buf, const World& w, int p, const TensorView& whole, int seq_dim = 1) {
+// Gather side: the rows rank p sent (packed [B, L_p, H, D], or lse [B, H, L_p] with
+// seq_dim 2, at `at`, which advances) into their positions of `whole`.
+void unpack_rows(const char*& at, const World& w, int p, const TensorView& whole, int seq_dim = 1) {
   std::vector<int64_t> shape = whole.shape();
   shape[static_cast<size_t>(seq_dim)] = w.local_lengths[static_cast<size_t>(p)];
-  const size_t at = buf.size();
-  int64_t n = 1;
-  for (int64_t x : shape) n *= x;
-  buf.resize(at + static_cast<size_t>(n) * dtype_size(whole.dtype()));
-  const TensorView packed(buf.data() + at, whole.dtype(), shape);
+  const TensorView packed(at, whole.dtype(), shape);
+  for (const Segment& s : w.segments(p)) {
+    copy_view(narrow(packed, seq_dim, s.local_row, s.length), narrow(whole, seq_dim, s.position, s.length));
+  }
+  at += packed.numel() * static_cast<int64_t>(dtype_size(whole.dtype()));
+}
+
+// Return side: the rows of `whole` that rank p holds, packed in p's local order at
+// `at`, which advances.
+void pack_rows(char*& at, const World& w, int p, const TensorView& whole, int seq_dim = 1) {
+  std::vector<int64_t> shape = whole.shape();
+  shape[static_cast<size_t>(seq_dim)] = w.local_lengths[static_cast<size_t>(p)];
+  const TensorView packed(at, whole.dtype(), shape);
   for (const Segment& s : w.segments(p)) {
     copy_view(narrow(whole, seq_dim, s.position, s.length), narrow(packed, seq_dim, s.local_row, s.length));
   }
+  at += packed.numel() * static_cast<int64_t>(dtype_size(whole.dtype()));
 }
 
 int64_t bytes_of(std::vector<int64_t> shape, DType t) {
@@ -145,69 +160,81 @@ void ulysses_attention(MPI_Comm comm, const TensorView& q, const TensorView& k, 
   Stats st;
   const int R = w.ranks, r = w.rank;
   const int64_t B = q.size(0), Hq = q.size(2), Hkv = k.size(2), d = q.size(3), dv = v.size(3), L = w.length;
+  const int64_t Lr = q.size(1);
   const DType dt = q.dtype();
   const Heads mine(Hq, Hkv, r, R);
+  auto length = [&w](int p) { return w.local_lengths[static_cast<size_t>(p)]; };
 
-  // Sequence slices → head slices.
-  PerRank send(static_cast<size_t>(R));
-  std::vector<int64_t> recv(static_cast<size_t>(R));
+  // Sequence slices → head slices: rank s gets my rows of its q heads and kv heads.
+  std::vector<int64_t> send(static_cast<size_t>(R)), recv(static_cast<size_t>(R));
   for (int s = 0; s < R; ++s) {
     const Heads hs(Hq, Hkv, s, R);
-    append_heads(send[static_cast<size_t>(s)], q, hs.h0, hs.Hr);
-    append_heads(send[static_cast<size_t>(s)], k, hs.kh0, hs.Hk);
-    append_heads(send[static_cast<size_t>(s)], v, hs.kh0, hs.Hk);
-    const int64_t Lp = w.local_lengths[static_cast<size_t>(s)];
-    recv[static_cast<size_t>(s)] = bytes_of({B, Lp, mine.Hr, d}, dt) + bytes_of({B, Lp, mine.Hk, d + dv}, dt);
+    send[static_cast<size_t>(s)] = bytes_of({B, Lr, hs.Hr, d}, dt) + bytes_of({B, Lr, hs.Hk, d + dv}, dt);
+    recv[static_cast<size_t>(s)] = bytes_of({B, length(s), mine.Hr, d}, dt) + bytes_of({B, length(s), mine.Hk, d + dv}, dt);
   }
   double c0 = now();
-  const PerRank got = all_to_all(fn, comm, send, recv, &st.bytes_sent);
-  st.wait_s += now() - c0;
+  {
+    const Exchange ex(send, recv);
+    for (int s = 0; s < R; ++s) {
+      const Heads hs(Hq, Hkv, s, R);
+      char* at = ex.to(s);
+      pack_heads(at, q, hs.h0, hs.Hr);
+      pack_heads(at, k, hs.kh0, hs.Hk);
+      pack_heads(at, v, hs.kh0, hs.Hk);
+      ex.filled(s, at);
+    }
+    ex.run(fn, comm, &st.bytes_sent);
+    st.wait_s += now() - c0;
 
-  c0 = now();
-  const size_t es = dtype_size(dt);
-  std::vector<char> qw(static_cast<size_t>(B * L * mine.Hr * d) * es), kw(static_cast<size_t>(B * L * mine.Hk * d) * es),
-      vw(static_cast<size_t>(B * L * mine.Hk * dv) * es);
-  const TensorView qv(qw.data(), dt, {B, L, mine.Hr, d}), kv(kw.data(), dt, {B, L, mine.Hk, d}),
-      vv(vw.data(), dt, {B, L, mine.Hk, dv});
-  for (int p = 0; p < R; ++p) {
-    const char* at = got[static_cast<size_t>(p)].data();
-    at += place_rows(w, p, at, qv);
-    at += place_rows(w, p, at, kv);
-    place_rows(w, p, at, vv);
-  }
-  std::vector<float> ow(static_cast<size_t>(B * L * mine.Hr * dv)), lw(static_cast<size_t>(B * mine.Hr * L));
-  const TensorView ov(ow.data(), DType::f32, {B, L, mine.Hr, dv}), lv(lw.data(), DType::f32, {B, mine.Hr, L});
-  ::attn::detail::Placement where;
-  where.Lq_total = where.Lk_total = L;
-  where.key_lengths = w.key_lengths;
-  where.h0 = static_cast<int>(mine.h0), where.heads_total = static_cast<int>(Hq);
-  ::attn::detail::attention_placed(qv, kv, vv, ov, lv, slice_options(options, mine), where);
-  // Rounded once here, to the output dtype: the owner only copies.
-  std::vector<char> ow_dt(static_cast<size_t>(B * L * mine.Hr * dv) * es);
-  const TensorView ov_dt(ow_dt.data(), dt, {B, L, mine.Hr, dv});
-  ::attn::detail::from_f32_contiguous(ow.data(), ov_dt);
-  st.compute_s += now() - c0;
-  st.steps = 1;
+    c0 = now();
+    const size_t es = dtype_size(dt);
+    const TensorView qv(detail::scratch<char>(2, static_cast<size_t>(B * L * mine.Hr * d) * es), dt, {B, L, mine.Hr, d});
+    const TensorView kv(detail::scratch<char>(3, static_cast<size_t>(B * L * mine.Hk * d) * es), dt, {B, L, mine.Hk, d});
+    const TensorView vv(detail::scratch<char>(4, static_cast<size_t>(B * L * mine.Hk * dv) * es), dt, {B, L, mine.Hk, dv});
+    for (int p = 0; p < R; ++p) {
+      const char* at = ex.from(p);
+      unpack_rows(at, w, p, qv);
+      unpack_rows(at, w, p, kv);
+      unpack_rows(at, w, p, vv);
+    }
+    const TensorView ov(detail::scratch<float>(5, static_cast<size_t>(B * L * mine.Hr * dv)), DType::f32, {B, L, mine.Hr, dv});
+    const TensorView lv(detail::scratch<float>(6, static_cast<size_t>(B * mine.Hr * L)), DType::f32, {B, mine.Hr, L});
+    ::attn::detail::Placement where;
+    where.Lq_total = where.Lk_total = L;
+    where.key_lengths = w.key_lengths;
+    where.h0 = static_cast<int>(mine.h0), where.heads_total = static_cast<int>(Hq);
+    ::attn::detail::attention_placed(qv, kv, vv, ov, lv, slice_options(options, mine), where);
+    // Rounded once here, to the output dtype: the owner only copies.
+    const TensorView ov_dt(detail::scratch<char>(7, static_cast<size_t>(B * L * mine.Hr * dv) * es), dt,
+                           {B, L, mine.Hr, dv});
+    ::attn::detail::from_f32_contiguous(ov.data_as<float>(), ov_dt);
+    st.compute_s += now() - c0;
+    st.steps = 1;
 
-  // Head slices → sequence slices.
-  PerRank back(static_cast<size_t>(R));
-  for (int p = 0; p < R; ++p) {
-    append_rows(back[static_cast<size_t>(p)], w, p, ov_dt);
-    append_rows(back[static_cast<size_t>(p)], w, p, lv, 2);
-    recv[static_cast<size_t>(p)] = bytes_of({B, q.size(1), mine.Hr, dv}, dt) + bytes_of({B, mine.Hr, q.size(1)}, DType::f32);
-  }
-  c0 = now();
-  const PerRank ret = all_to_all(fn, comm, back, recv, &st.bytes_sent);
-  st.wait_s += now() - c0;
-  const int64_t Lr = q.size(1);
-  for (int s = 0; s < R; ++s) {
-    const Heads hs(Hq, Hkv, s, R);
-    const char* at = ret[static_cast<size_t>(s)].data();
-    const TensorView o_part(at, dt, {B, Lr, hs.Hr, dv});
-    copy_view(o_part, narrow(out, 2, hs.h0, hs.Hr));
-    if (!lse.empty()) {
-      const TensorView l_part(at + bytes_of({B, Lr, hs.Hr, dv}, dt), DType::f32, {B, hs.Hr, Lr});
-      copy_view(l_part, narrow(lse, 1, hs.h0, hs.Hr));
+    // Head slices → sequence slices: rank p gets its rows of my heads' out and lse.
+    for (int p = 0; p < R; ++p) {
+      send[static_cast<size_t>(p)] = bytes_of({B, length(p), mine.Hr, dv}, dt) + bytes_of({B, mine.Hr, length(p)}, DType::f32);
+      const Heads hs(Hq, Hkv, p, R);
+      recv[static_cast<size_t>(p)] = bytes_of({B, Lr, hs.Hr, dv}, dt) + bytes_of({B, hs.Hr, Lr}, DType::f32);
+    }
+    c0 = now();
+    const Exchange back(send, recv);
+    for (int p = 0; p < R; ++p) {
+      char* at = back.to(p);
+      pack_rows(at, w, p, ov_dt);
+      pack_rows(at, w, p, lv, 2);
+      back.filled(p, at);
+    }
+    back.run(fn, comm, &st.bytes_sent);
+    st.wait_s += now() - c0;
+    for (int s = 0; s < R; ++s) {
+      const Heads hs(Hq, Hkv, s, R);
+      const char* at = back.from(s);
+      copy_view(TensorView(at, dt, {B, Lr, hs.Hr, dv}), narrow(out, 2, hs.h0, hs.Hr));
+      if (!lse.empty()) {
+        copy_view(TensorView(at + bytes_of({B, Lr, hs.Hr, dv}, dt), DType::f32, {B, hs.Hr, Lr}),
+                  narrow(lse, 1, hs.h0, hs.Hr));
+      }
     }
   }
   st.total_s = now() - start;
@@ -232,100 +259,105 @@ void ulysses_attention_backward(MPI_Comm comm, const TensorView& q, const Tensor
   const int64_t Lr = q.size(1);
   const DType dt = q.dtype();
   const Heads mine(Hq, Hkv, r, R);
+  auto length = [&w](int p) { return w.local_lengths[static_cast<size_t>(p)]; };
 
-  PerRank send(static_cast<size_t>(R));
-  std::vector<int64_t> recv(static_cast<size_t>(R));
+  // Sequence slices → head slices: q, k, v, out, dout and lse of rank s's heads.
+  std::vector<int64_t> send(static_cast<size_t>(R)), recv(static_cast<size_t>(R));
   for (int s = 0; s < R; ++s) {
     const Heads hs(Hq, Hkv, s, R);
-    std::vector<char>& b = send[static_cast<size_t>(s)];
-    append_heads(b, q, hs.h0, hs.Hr);
-    append_heads(b, k, hs.kh0, hs.Hk);
-    append_heads(b, v, hs.kh0, hs.Hk);
-    append_heads(b, out, hs.h0, hs.Hr);
-    append_heads(b, dout, hs.h0, hs.Hr);
-    const size_t at = b.size();  // lse [B, Hr, L_r] of these heads
-    b.resize(at + static_cast<size_t>(bytes_of({B, hs.Hr, Lr}, DType::f32)));
-    copy_view(narrow(lse, 1, hs.h0, hs.Hr), TensorView(b.data() + at, DType::f32, {B, hs.Hr, Lr}));
-    const int64_t Lp = w.local_lengths[static_cast<size_t>(s)];
-    recv[static_cast<size_t>(s)] = bytes_of({B, Lp, mine.Hr, d + 2 * Dv}, dt) + bytes_of({B, Lp, mine.Hk, d + Dv}, dt) +
-                                   bytes_of({B, mine.Hr, Lp}, DType::f32);
+    send[static_cast<size_t>(s)] = bytes_of({B, Lr, hs.Hr, d + 2 * Dv}, dt) + bytes_of({B, Lr, hs.Hk, d + Dv}, dt) +
+                                   bytes_of({B, hs.Hr, Lr}, DType::f32);
+    recv[static_cast<size_t>(s)] = bytes_of({B, length(s), mine.Hr, d + 2 * Dv}, dt) +
+                                   bytes_of({B, length(s), mine.Hk, d + Dv}, dt) +
+                                   bytes_of({B, mine.Hr, length(s)}, DType::f32);
   }
   double c0 = now();
-  const PerRank got = all_to_all(fn, comm, send, recv, &st.bytes_sent);
+  const Exchange ex(send, recv);
+  for (int s = 0; s < R; ++s) {
+    const Heads hs(Hq, Hkv, s, R);
+    char* at = ex.to(s);
+    pack_heads(at, q, hs.h0, hs.Hr);
+    pack_heads(at, k, hs.kh0, hs.Hk);
+    pack_heads(at, v, hs.kh0, hs.Hk);
+    pack_heads(at, out, hs.h0, hs.Hr);
+    pack_heads(at, dout, hs.h0, hs.Hr);
+    const TensorView lse_part(at, DType::f32, {B, hs.Hr, Lr});
+    copy_view(narrow(lse, 1, hs.h0, hs.Hr), lse_part);
+    at += bytes_of({B, hs.Hr, Lr}, DType::f32);
+    ex.filled(s, at);
+  }
+  ex.run(fn, comm, &st.bytes_sent);
   st.wait_s += now() - c0;
 
   c0 = now();
-  auto buffer = [&](std::vector<int64_t> shape, DType t) {
-    return std::vector<char>(static_cast<size_t>(bytes_of(shape, t)));
+  auto buffer = [&](int slot, std::vector<int64_t> shape, DType t) {
+    return TensorView(detail::scratch<char>(slot, static_cast<size_t>(bytes_of(shape, t))), t, shape);
   };
-  std::vector<char> qw = buffer({B, L, mine.Hr, d}, dt), kw = buffer({B, L, mine.Hk, d}, dt),
-                    vw = buffer({B, L, mine.Hk, Dv}, dt), ow = buffer({B, L, mine.Hr, Dv}, dt),
-                    dow = buffer({B, L, mine.Hr, Dv}, dt), lw = buffer({B, mine.Hr, L}, DType::f32);
-  const TensorView qv(qw.data(), dt, {B, L, mine.Hr, d}), kv(kw.data(), dt, {B, L, mine.Hk, d}),
-      vv(vw.data(), dt, {B, L, mine.Hk, Dv}), ov(ow.data(), dt, {B, L, mine.Hr, Dv}),
-      dov(dow.data(), dt, {B, L, mine.Hr, Dv}), lv(lw.data(), DType::f32, {B, mine.Hr, L});
+  const TensorView qv = buffer(2, {B, L, mine.Hr, d}, dt), kv = buffer(3, {B, L, mine.Hk, d}, dt),
+                   vv = buffer(4, {B, L, mine.Hk, Dv}, dt), ov = buffer(5, {B, L, mine.Hr, Dv}, dt),
+                   dov = buffer(6, {B, L, mine.Hr, Dv}, dt), lv = buffer(7, {B, mine.Hr, L}, DType::f32);
   for (int p = 0; p < R; ++p) {
-    const char* at = got[static_cast<size_t>(p)].data();
-    for (const TensorView* t : {&qv, &kv, &vv, &ov, &dov}) at += place_rows(w, p, at, *t);
-    const int64_t Lp = w.local_lengths[static_cast<size_t>(p)];
-    const TensorView l_part(at, DType::f32, {B, mine.Hr, Lp});
-    for (const Segment& s : w.segments(p)) {
-      copy_view(narrow(l_part, 2, s.local_row, s.length), narrow(lv, 2, s.position, s.length));
-    }
+    const char* at = ex.from(p);
+    for (const TensorView* t : {&qv, &kv, &vv, &ov, &dov}) unpack_rows(at, w, p, *t);
+    unpack_rows(at, w, p, lv, 2);
   }
-  std::vector<float> gq(static_cast<size_t>(B * L * mine.Hr * d)), gk(static_cast<size_t>(B * L * mine.Hk * d)),
-      gv(static_cast<size_t>(B * L * mine.Hk * Dv));
-  const TensorView gqv(gq.data(), DType::f32, {B, L, mine.Hr, d}), gkv(gk.data(), DType::f32, {B, L, mine.Hk, d}),
-      gvv(gv.data(), DType::f32, {B, L, mine.Hk, Dv});
+  const TensorView gq = buffer(8, {B, L, mine.Hr, d}, DType::f32), gk = buffer(9, {B, L, mine.Hk, d}, DType::f32),
+                   gv = buffer(10, {B, L, mine.Hk, Dv}, DType::f32);
   ::attn::detail::Placement where;
   where.Lq_total = where.Lk_total = L;
   where.key_lengths = w.key_lengths;
   where.h0 = static_cast<int>(mine.h0), where.heads_total = static_cast<int>(Hq);
-  ::attn::detail::attention_backward_placed(qv, kv, vv, ov, lv, dov, gqv, gkv, gvv, slice_options(options, mine),
-                                            where);
+  ::attn::detail::attention_backward_placed(qv, kv, vv, ov, lv, dov, gq, gk, gv, slice_options(options, mine), where);
   // dq of a head is complete here: round it once to the dtype. dk, dv may be partial
   // (kv heads shared between ranks): they travel in f32.
-  std::vector<char> gq_dt = buffer({B, L, mine.Hr, d}, dt);
-  const TensorView gq_dtv(gq_dt.data(), dt, {B, L, mine.Hr, d});
-  ::attn::detail::from_f32_contiguous(gq.data(), gq_dtv);
+  const TensorView gq_dt = buffer(11, {B, L, mine.Hr, d}, dt);
+  ::attn::detail::from_f32_contiguous(gq.data_as<float>(), gq_dt);
   st.compute_s += now() - c0;
   st.steps = 1;
 
-  PerRank back(static_cast<size_t>(R));
   for (int p = 0; p < R; ++p) {
-    append_rows(back[static_cast<size_t>(p)], w, p, gq_dtv);
-    append_rows(back[static_cast<size_t>(p)], w, p, gkv);
-    append_rows(back[static_cast<size_t>(p)], w, p, gvv);
-    recv[static_cast<size_t>(p)] = 0;
-  }
-  for (int s = 0; s < R; ++s) {
-    const Heads hs(Hq, Hkv, s, R);
-    recv[static_cast<size_t>(s)] = bytes_of({B, Lr, hs.Hr, d}, dt) + bytes_of({B, Lr, hs.Hk, d + Dv}, DType::f32);
+    send[static_cast<size_t>(p)] = bytes_of({B, length(p), mine.Hr, d}, dt) +
+                                   bytes_of({B, length(p), mine.Hk, d + Dv}, DType::f32);
+    const Heads hs(Hq, Hkv, p, R);
+    recv[static_cast<size_t>(p)] = bytes_of({B, Lr, hs.Hr, d}, dt) + bytes_of({B, Lr, hs.Hk, d + Dv}, DType::f32);
   }
   c0 = now();
-  const PerRank ret = all_to_all(fn, comm, back, recv, &st.bytes_sent);
+  // The first exchange's buffers are no longer needed: the same slots serve again.
+  const Exchange back(send, recv);
+  for (int p = 0; p < R; ++p) {
+    char* at = back.to(p);
+    pack_rows(at, w, p, gq_dt);
+    pack_rows(at, w, p, gk);
+    pack_rows(at, w, p, gv);
+    back.filled(p, at);
+  }
+  back.run(fn, comm, &st.bytes_sent);
   st.wait_s += now() - c0;
-  std::vector<float> dk_acc(static_cast<size_t>(B * Lr * Hkv * d), 0.0f), dv_acc(static_cast<size_t>(B * Lr * Hkv * Dv), 0.0f);
+  const TensorView dk_acc = buffer(12, {B, Lr, Hkv, d}, DType::f32), dv_acc = buffer(13, {B, Lr, Hkv, Dv}, DType::f32);
+  std::fill_n(dk_acc.data_as<float>(), dk_acc.numel(), 0.0f);
+  std::fill_n(dv_acc.data_as<float>(), dv_acc.numel(), 0.0f);
+  std::vector<float> part;
   for (int s = 0; s < R; ++s) {  // in rank order: the sum is the same on every run
     const Heads hs(Hq, Hkv, s, R);
-    const char* at = ret[static_cast<size_t>(s)].data();
+    const char* at = back.from(s);
     copy_view(TensorView(at, dt, {B, Lr, hs.Hr, d}), narrow(dq, 2, hs.h0, hs.Hr));
     at += bytes_of({B, Lr, hs.Hr, d}, dt);
-    for (auto [acc, D] : {std::pair{&dk_acc, d}, {&dv_acc, Dv}}) {
+    for (const TensorView* acc : {&dk_acc, &dv_acc}) {
+      const int64_t D = acc->size(3);
       // Copied out: after bf16/f16 dq the f32 part may not be 4-byte aligned.
-      std::vector<float> part(static_cast<size_t>(B * Lr * hs.Hk * D));
+      part.resize(static_cast<size_t>(B * Lr * hs.Hk * D));
       std::memcpy(part.data(), at, part.size() * sizeof(float));
+      float* a = acc->data_as<float>();
       for (int64_t b = 0; b < B; ++b)
         for (int64_t i = 0; i < Lr; ++i)
           for (int64_t h = 0; h < hs.Hk; ++h)
             for (int64_t x = 0; x < D; ++x)
-              (*acc)[static_cast<size_t>(((b * Lr + i) * Hkv + hs.kh0 + h) * D + x)] +=
-                  part[static_cast<size_t>(((b * Lr + i) * hs.Hk + h) * D + x)];
+              a[((b * Lr + i) * Hkv + hs.kh0 + h) * D + x] += part[static_cast<size_t>(((b * Lr + i) * hs.Hk + h) * D + x)];
       at += bytes_of({B, Lr, hs.Hk, D}, DType::f32);
     }
   }
-  ::attn::detail::from_f32_contiguous(dk_acc.data(), dk);
-  ::attn::detail::from_f32_contiguous(dv_acc.data(), dv);
+  ::attn::detail::from_f32_contiguous(dk_acc.data_as<float>(), dk);
+  ::attn::detail::from_f32_contiguous(dv_acc.data_as<float>(), dv);
   st.total_s = now() - start;
   if (stats != nullptr) *stats = st;
 }
