@@ -150,10 +150,11 @@ int main(int argc, char** argv) {
                 "medians of %d calls\n\n",
                 R, c.threads, static_cast<long long>(c.batch), static_cast<long long>(c.length), c.heads, c.kv_heads,
                 c.dim, c.dtype.c_str(), c.causal ? "causal" : "non-causal", c.layout.c_str(), c.reps);
-    std::printf("| strategy | pass | ms / call | GFLOP/s | compute ms | waited ms | transfers alone ms | hidden |\n");
-    std::printf("|---|---|---|---|---|---|---|---|\n");
+    std::printf("| strategy | pass | ms / call | ms / step | GFLOP/s | compute ms | waited ms | transfers alone ms | hidden |\n");
+    std::printf("|---|---|---|---|---|---|---|---|---|\n");
   }
-  auto report = [&](const char* strategy, const char* pass, const std::vector<Timing>& runs, double work) {
+  // Ring: R steps (or fewer with windows); Ulysses: one step between its all-to-alls.
+  auto report = [&](const char* strategy, const char* pass, const std::vector<Timing>& runs, double work, int steps) {
     std::vector<double> total, compute, wait, alone;
     for (const Timing& t : runs) {
       total.push_back(t.total), compute.push_back(t.compute), wait.push_back(t.wait), alone.push_back(t.alone);
@@ -161,8 +162,8 @@ int main(int argc, char** argv) {
     const double tm = median(total), wm = median(wait), am = median(alone);
     const double hidden = am > 0 ? std::clamp(1.0 - wm / am, 0.0, 1.0) : 1.0;
     if (rank == 0) {
-      std::printf("| %s | %s | %.1f | %.1f | %.1f | %.2f | %.2f | %.0f%% |\n", strategy, pass, tm * 1e3,
-                  work / tm * 1e-9, median(compute) * 1e3, wm * 1e3, am * 1e3, hidden * 100);
+      std::printf("| %s | %s | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.0f%% |\n", strategy, pass, tm * 1e3,
+                  tm * 1e3 / steps, work / tm * 1e-9, median(compute) * 1e3, wm * 1e3, am * 1e3, hidden * 100);
     }
     return tm;
   };
@@ -183,6 +184,7 @@ int main(int argc, char** argv) {
     if (!ring && c.heads % R != 0) continue;
     for (int pass = 0; pass < (c.backward ? 2 : 1); ++pass) {
       std::vector<Timing> runs;
+      int steps = 1;
       for (int rep = 0; rep <= c.reps; ++rep) {  // rep 0 warms up
         attn::dist::Stats st;
         MPI_Barrier(MPI_COMM_WORLD);
@@ -197,6 +199,7 @@ int main(int argc, char** argv) {
         }
         Timing t;
         t.total = MPI_Wtime() - t0;
+        steps = ring ? R - st.steps_skipped : 1;
         t.compute = st.compute_s, t.wait = st.wait_s;
         // The slowest rank sets the time; waits and compute are the slowest rank's too.
         MPI_Allreduce(MPI_IN_PLACE, &t.total, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
@@ -211,7 +214,7 @@ int main(int argc, char** argv) {
         if (rep > 0) runs.push_back(t);
       }
       const double ms = report(ring ? "ring" : "ulysses", pass == 0 ? "forward" : "backward", runs,
-                               pass == 0 ? flops : 2.5 * flops) * 1e3;
+                               pass == 0 ? flops : 2.5 * flops, steps) * 1e3;
       if (ring && pass == 0) ring_forward_ms = ms;
     }
   }
