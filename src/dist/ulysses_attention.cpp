@@ -346,7 +346,7 @@ void ulysses_attention_backward(MPI_Comm comm, const TensorView& q, const Tensor
       const int64_t D = acc->size(3);
       // Copied out: after bf16/f16 dq the f32 part may not be 4-byte aligned.
       part.resize(static_cast<size_t>(B * Lr * hs.Hk * D));
-      std::memcpy(part.data(), at, part.size() * sizeof(float));
+      if (!part.empty()) std::memcpy(part.data(), at, part.size() * sizeof(float));
       float* a = acc->data_as<float>();
       for (int64_t b = 0; b < B; ++b)
         for (int64_t i = 0; i < Lr; ++i)
