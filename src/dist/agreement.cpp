@@ -10,13 +10,25 @@
 namespace attn::dist::detail {
 namespace {
 
+// How a compared value is printed in the error message.
+enum class Kind { integer, dtype, layout, real, scale, checksum };
+
 // Shapes and options every rank must share, in the order they are compared.
-const char* const kFieldNames[] = {
-    "the batch size B (q dimension 0)", "the query heads Hq", "the kv heads Hkv", "the head dimension d",
-    "the value dimension dv", "the dtype", "the layout", "options.causal", "options.window.left",
-    "options.window.right", "options.scale", "options.softcap", "options.dropout_p", "options.seed",
-    "options.offset", "options.precision", "options.alibi_slopes", "options.key_lengths"};
-constexpr int kFields = sizeof(kFieldNames) / sizeof(kFieldNames[0]);
+struct Field {
+  const char* name;
+  Kind kind;
+};
+constexpr Field kFieldTable[] = {
+    {"the batch size B (q dimension 0)", Kind::integer}, {"the query heads Hq", Kind::integer},
+    {"the kv heads Hkv", Kind::integer},                 {"the head dimension d", Kind::integer},
+    {"the value dimension dv", Kind::integer},           {"the dtype", Kind::dtype},
+    {"the layout", Kind::layout},                        {"options.causal", Kind::integer},
+    {"options.window.left", Kind::integer},              {"options.window.right", Kind::integer},
+    {"options.scale", Kind::scale},                      {"options.softcap", Kind::real},
+    {"options.dropout_p", Kind::real},                   {"options.seed", Kind::integer},
+    {"options.offset", Kind::integer},                   {"options.precision", Kind::integer},
+    {"options.alibi_slopes", Kind::checksum},            {"options.key_lengths", Kind::checksum}};
+constexpr int kFields = sizeof(kFieldTable) / sizeof(kFieldTable[0]);
 
 struct Summary {
   int32_t failed = 0;
@@ -51,17 +63,22 @@ int64_t float_bits(float f) {
   return u;
 }
 
-std::string field_value(int i, int64_t x) {
-  if (i == 5) return dtype_name(static_cast<DType>(x));
-  if (i == 6) return x == 0 ? "contiguous" : "zigzag";
-  if (i == 10 || i == 11 || i == 12) {
-    if (i == 10 && x < 0) return "unset (1/sqrt(d))";
-    float f;
-    const uint32_t u = static_cast<uint32_t>(x);
-    std::memcpy(&f, &u, 4);
-    return std::to_string(f);
+std::string field_value(Kind kind, int64_t x) {
+  switch (kind) {
+    case Kind::dtype: return dtype_name(static_cast<DType>(x));
+    case Kind::layout: return x == static_cast<int64_t>(Layout::contiguous) ? "contiguous" : "zigzag";
+    case Kind::checksum: return x == 0 ? "none" : "checksum " + std::to_string(x);
+    case Kind::scale:
+      if (x < 0) return "unset (1/sqrt(d))";
+      [[fallthrough]];
+    case Kind::real: {
+      float f;
+      const uint32_t u = static_cast<uint32_t>(x);
+      std::memcpy(&f, &u, 4);
+      return std::to_string(f);
+    }
+    case Kind::integer: break;
   }
-  if (i == 16 || i == 17) return x == 0 ? "none" : "checksum " + std::to_string(x);
   return std::to_string(x);
 }
 
@@ -154,8 +171,9 @@ World agree(const char* fn, MPI_Comm comm, const TensorView& q, const TensorView
     for (int i = 0; i < kFields; ++i) {
       const int64_t a = all[0].field[i], b = all[static_cast<size_t>(r)].field[i];
       if (a != b) {
-        throw Error(prefix + "the ranks disagree on " + kFieldNames[i] + ": rank 0 has " + field_value(i, a) +
-                    ", rank " + std::to_string(r) + " has " + field_value(i, b));
+        const Field& f = kFieldTable[i];
+        throw Error(prefix + "the ranks disagree on " + f.name + ": rank 0 has " + field_value(f.kind, a) + ", rank " +
+                    std::to_string(r) + " has " + field_value(f.kind, b));
       }
     }
   }
