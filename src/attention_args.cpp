@@ -9,6 +9,7 @@
 #include <string>
 
 #include "arg_checker.hpp"
+#include "block_mask_args.hpp"
 #include "problem.hpp"
 #include "tensor/overlap.hpp"
 
@@ -276,6 +277,8 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
     }
   }
 
+  bind_block_mask(c, opt.block_mask, p.B, static_cast<int>(Hq), max_lq, max_lk, varlen, &p);
+
   // --- optional outputs ---
   if (!lse.empty()) {
     if (varlen) {
@@ -327,7 +330,8 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
   const std::pair<const TensorView*, const char*> inputs[] = {
       {&q, "q"}, {&k, "k"}, {&v, "v"}, {&opt.mask, "mask"}, {&opt.alibi_slopes, "alibi_slopes"},
       {&opt.key_lengths, "key_lengths"}, {&opt.cu_seqlens_q, "cu_seqlens_q"},
-      {&opt.cu_seqlens_k, "cu_seqlens_k"}};
+      {&opt.cu_seqlens_k, "cu_seqlens_k"}, {&opt.block_mask.blocks, "options.block_mask.blocks"},
+      {&opt.block_mask.tiles, "options.block_mask.tiles"}};
   for (const auto& [t, name] : inputs) {
     const bool qkv = t == &q || t == &k || t == &v;
     c.disjoint(out, "out", *t, name, /*exact_alias_ok=*/qkv);

@@ -22,6 +22,7 @@ void check_options(const char* fn, const AttentionOptions& o) {
   if (!o.key_lengths.empty()) fail("key_lengths belong in the Placement, not in the options");
   if (!o.cu_seqlens_q.empty() || !o.cu_seqlens_k.empty()) fail("packed sequences (cu_seqlens) cannot be placed");
   if (!o.mask.empty()) fail("a mask cannot be placed (its columns are those of one call)");
+  if (!o.block_mask.empty()) fail("a block_mask cannot be placed (its blocks are those of one call)");
 }
 
 // Writes the placement into the problem: global positions for the band, ALiBi and

@@ -66,6 +66,20 @@ struct Problem {
   DType mask_dtype = DType::f32;
   int64_t mask_b = 0, mask_h = 0, mask_i = 0, mask_j = 0;
 
+  // Block-sparse mask (AttentionOptions::block_mask; nullptr = none). The entry of
+  // block (qb, kb) of (b, h) is bm_blocks[b·bm_b + h·bm_h + qb·bm_qb + kb·bm_kb]
+  // (stride 0 on broadcast dimensions): BlockMask::kEmpty, kFull, or the index t of
+  // a partial block whose element (r, c) is bm_tiles[t·bm_t + r·bm_r + c].
+  const int32_t* bm_blocks = nullptr;
+  int64_t bm_b = 0, bm_h = 0, bm_qb = 0, bm_kb = 0;
+  const uint8_t* bm_tiles = nullptr;
+  int64_t bm_t = 0, bm_r = 0;
+  int bm_bq = 0, bm_bk = 0;
+  /// The entry of the block holding (i, j) for (b, h); positions within the sequence.
+  int32_t BlockEntry(int b, int h, int i, int j) const {
+    return bm_blocks[b * bm_b + h * bm_h + (i / bm_bq) * bm_qb + (j / bm_bk) * bm_kb];
+  }
+
   // Optional outputs (nullptr = not wanted). lse(b,h,i) at seq.lse_offset +
   // h·lse_h + i·lse_i; probs(b,h,i,j) at seq.probs_offset + h·probs_h + i·probs_i + j,
   // with probs_cols columns per row (columns ≥ seq.Lk are written 0).

@@ -68,6 +68,33 @@ struct Window {
   int right = -1;
 };
 
+/// A block-sparse boolean mask (FlexAttention's BlockMask, built without a compiler).
+/// The [Lq, Lk] plane of each (batch, head) is cut into blocks of block_q × block_k
+/// positions (the last row and column of blocks clipped to the plane), and each block is
+///   BlockMask::kEmpty  every key removed: the kernels skip the block's score tiles;
+///   BlockMask::kFull   every key kept: no mask work at all;
+///   t ≥ 0              partial: tiles[t][r][c] says whether query i0 + r may attend to
+///                      key j0 + c (true = attend, PyTorch's convention).
+/// It means the boolean mask M[b][h][i][j] = entry is kFull, or entry is t ≥ 0 and
+/// tiles[t][i mod block_q][j mod block_k], and combines with every other option (it
+/// removes keys in addition to them). Positions are within the sequence, also with
+/// cu_seqlens. From Python, attn.block_mask() builds one from a predicate.
+///   blocks  i32 [Bm, Hm, ceil(Lq/block_q), ceil(Lk/block_k)] with Bm ∈ {1, B} and
+///           Hm ∈ {1, Hq} (1 broadcasts). With cu_seqlens, Lq and Lk are the longest
+///           sequence's, and more blocks are accepted (as for mask).
+///   tiles   boolean [T, block_q, block_k], last dimension contiguous; every t in
+///           blocks must be < T. May be absent when no block is partial.
+/// Block sizes are free (≥ 1); multiples of 64, the kernels' tile, skip the most work.
+struct BlockMask {
+  static constexpr int32_t kEmpty = -1;
+  static constexpr int32_t kFull = -2;
+  int block_q = 0;
+  int block_k = 0;
+  TensorView blocks;
+  TensorView tiles;
+  bool empty() const { return blocks.empty(); }
+};
+
 /// Every option of the operator; all optional and combinable.
 struct AttentionOptions {
   /// Multiplies q·k. Default (unset): 1/√d. Must be finite and > 0.
@@ -79,6 +106,9 @@ struct AttentionOptions {
   /// aligned to the right, size-1 dimensions broadcast). With cu_seqlens the last
   /// two dimensions are indexed by sequence-local positions (sizes ≥ max lengths).
   TensorView mask;
+  /// Block-sparse boolean mask (see BlockMask): empty blocks cost nothing, full
+  /// blocks no mask work; combinable with mask and every other option.
+  BlockMask block_mask;
   /// f32 [Hq] or [B, Hq]: adds −slope·|i' − j| to each score (ALiBi).
   TensorView alibi_slopes;
   /// Gemma-2 soft-capping: s ← softcap·tanh(s/softcap). 0 = off; else > 0.

@@ -167,6 +167,18 @@ struct BwdShared {
   const std::vector<std::vector<int>>& qt_last;
 };
 
+/// Waits until it is key tile kt's turn to add into dQ of (sequence b, head h, query
+/// tile qt); the caller stores kt + 1 into the returned counter when done.
+std::atomic<int>& WaitTurn(const BwdShared& sh, int b, int h, int kt, int qt) {
+  std::atomic<int>& turn = sh.turns[sh.turn_base[b] + size_t(h) * QueryTiles(sh.bp.fwd.seqs[b].Lq) + qt];
+  while (turn.load(std::memory_order_acquire) != kt) {
+#if HWY_ARCH_X86
+    __builtin_ia32_pause();
+#endif
+  }
+  return turn;
+}
+
 /// One (sequence b, kv head hk, key tile kt) item's work for query head h, tile qt.
 void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, int kt, int qt) {
   const BackwardProblem& bp = sh.bp;
@@ -334,12 +346,7 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
   }
 
   // Add this tile's dQ when it is this key tile's turn for (h, qt).
-  std::atomic<int>& turn = sh.turns[sh.turn_base[b] + size_t(h) * QueryTiles(seq.Lq) + qt];
-  while (turn.load(std::memory_order_acquire) != kt) {
-#if HWY_ARCH_X86
-    __builtin_ia32_pause();
-#endif
-  }
+  std::atomic<int>& turn = WaitTurn(sh, b, h, kt, qt);
   for (int r = 0; r < rows; ++r) {
     float* dst = bp.dq + seq.dq_offset + h * bp.dq_head + int64_t{i0 + r} * bp.dq_row;
     const float* src = w.dq + size_t(r) * dp;
@@ -382,6 +389,7 @@ void RowStats(const BwdShared& sh, int b, int h, int qt) {
   for (int kt = sh.qt_first[b][qt]; kt <= sh.qt_last[b][qt]; ++kt) {
     const int j0 = kt * kBk;
     const TilePlace place{b, h, i0, rows, j0, std::min(kBk, seq.Lk - j0), w.lo, w.hi};
+    if (BlockMaskCover(p, b, h, i0, rows, j0, place.cols) == Cover::kEmpty) continue;
     const float* kpanel = sh.pack_layout.Tile(sh.pack, p, b, h / p.group(), kt);
     for (int r = 0, blk = 0; r < kBq; r += kRowsPerBlock, ++blk) {
       BlockKeyVectors(w.lo, w.hi, r, rows, j0, &w.first[blk], &w.count[blk]);
@@ -413,6 +421,13 @@ void BackwardItem(const BwdShared& sh, int b, int hk, int kt) {
   for (int h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
     for (int qt = 0; qt < nqt; ++qt) {
       if (kt < sh.qt_first[b][qt] || kt > sh.qt_last[b][qt]) continue;
+      const int i0 = qt * kBq, j0 = kt * kBk;
+      if (BlockMaskCover(p, b, h, i0, std::min(kBq, seq.Lq - i0), j0, std::min(kBk, seq.Lk - j0)) ==
+          Cover::kEmpty) {
+        // Nothing to add, but dQ's order of additions must not depend on it.
+        WaitTurn(sh, b, h, kt, qt).store(kt + 1, std::memory_order_release);
+        continue;
+      }
       BackwardTilePair(sh, w, b, h, hk, kt, qt);
     }
   }

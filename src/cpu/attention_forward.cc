@@ -187,6 +187,8 @@ void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int
   for (int t = t_first; t <= t_last; ++t) {
     const int j0 = t * kBk;
     const TilePlace place{b, h, i0, rows, j0, std::min(kBk, seq.Lk - j0), w.lo, w.hi};
+    // A tile the block mask removes whole adds nothing (as a tile of −∞ would not).
+    if (BlockMaskCover(p, b, h, i0, rows, j0, place.cols) == Cover::kEmpty) continue;
     ScoreTile(p, seq, w, kpack + static_cast<size_t>(t) * kBk * p.d, place);
     const bool careful = pl.VNonFinite(p, b, hk, t) != 0;
     if (careful) std::memcpy(w.kept, w.s, sizeof(float) * kBq * kBk);
@@ -241,6 +243,7 @@ void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int
     for (int t = t_first; t <= t_last; ++t) {
       const int j0 = t * kBk, cols = std::min(kBk, seq.Lk - j0);
       const TilePlace place{b, h, i0, rows, j0, cols, w.lo, w.hi};
+      if (BlockMaskCover(p, b, h, i0, rows, j0, cols) == Cover::kEmpty) continue;
       ScoreTile(p, seq, w, kpack + static_cast<size_t>(t) * kBk * p.d, place);
       for (int r = 0; r < rows; ++r) {
         if (w.m[r] == -HUGE_VALF) continue;  // no visible key: the row stays 0

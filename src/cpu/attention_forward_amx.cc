@@ -526,7 +526,7 @@ struct AmxScratch {
 /// True when any score modifier or mask other than the band is on.
 bool HasScoreMods(const Problem& p) {
   return p.softcap > 0.0f || p.alibi != nullptr || p.add_mask != nullptr || p.bool_mask != nullptr ||
-         p.mods != nullptr;
+         p.bm_blocks != nullptr || p.mods != nullptr;
 }
 
 /// One work item: sequence b, query head h, query block qt. Blocks of keys go
@@ -556,9 +556,21 @@ ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, i
   const bool mods = HasScoreMods(p), dropout = p.dropout_p > 0.0f;
   const int dc = lay.dp / kPair, vc = dvp / 16;
   const int first = jmax < 0 ? 0 : jmin / kPair * kPair;
-  const int blocks = jmax < 0 ? 0 : (jmax - first) / kW + 1;
-  auto block_start = [&](int t) { return first + t * kW; };
-  auto block_width = [&](int t) { return std::min(kW, RoundUp(jmax + 1, kPair) - block_start(t)); };
+  const int spans = jmax < 0 ? 0 : (jmax - first) / kW + 1;
+  auto span_width = [&](int u) { return std::min(kW, RoundUp(jmax + 1, kPair) - first - u * kW); };
+  // The key blocks to visit: every span of kW keys but those options.block_mask
+  // removes whole (thread-local, reused: an item may see thousands of spans).
+  thread_local std::vector<int> live;
+  live.clear();
+  for (int u = 0; u < spans; ++u) {
+    const int j0 = first + u * kW;
+    if (BlockMaskCover(p, b, h, i0, rows, j0, std::min(span_width(u), seq.Lk - j0)) != Cover::kEmpty) {
+      live.push_back(u);
+    }
+  }
+  const int blocks = static_cast<int>(live.size());
+  auto block_start = [&](int t) { return first + live[t] * kW; };
+  auto block_width = [&](int t) { return span_width(live[t]); };
   auto qk_job = [&](TileJob& job, int t) {
     job.q = q, job.dp = lay.dp, job.s = w.s[t % 2];
     job.k = k + static_cast<size_t>(block_start(t) / 16) * dc * kTile;

@@ -1,6 +1,6 @@
 // The built-in score modifiers and mask predicates, applied to one score tile
 // between S = Q·Kᵀ and the softmax (DESIGN.md's order of operations):
-//   softcap → ALiBi → additive mask → boolean mask → band (causal, window, key
+//   softcap → ALiBi → additive mask → boolean mask → block mask → band (causal, window, key
 //   length) → the user's mask_mod / score_mod.
 // Each is a per-tile runtime branch around a vector loop: the branch costs one
 // test per 6×64-score tile, far below the 2·d FMAs each score needs, so the
@@ -82,6 +82,70 @@ HWY_INLINE bool TileNeedsBand(const TilePlace& t) {
     if (t.lo[r] > t.j0 || t.hi[r] < t.j0 + kBk - 1) return true;
   }
   return false;
+}
+
+/// How options.block_mask covers a score tile.
+enum class Cover { kEmpty, kFull, kPartial };
+
+/// The cover of rows [i0, i0 + rows) × keys [j0, j0 + cols) of (b, h): kEmpty when
+/// every block it touches is empty (the kernels skip the tile), kFull when every one
+/// is full or there is no block mask, else kPartial. One lookup per block touched.
+HWY_INLINE Cover BlockMaskCover(const Problem& p, int b, int h, int i0, int rows, int j0, int cols) {
+  if (p.bm_blocks == nullptr) return Cover::kFull;
+  if (rows <= 0 || cols <= 0) return Cover::kEmpty;
+  bool kept = false, removed = false;
+  const int64_t base = b * p.bm_b + h * p.bm_h;
+  for (int qb = i0 / p.bm_bq; qb <= (i0 + rows - 1) / p.bm_bq; ++qb) {
+    const int32_t* row = p.bm_blocks + base + qb * p.bm_qb;
+    for (int kb = j0 / p.bm_bk; kb <= (j0 + cols - 1) / p.bm_bk; ++kb) {
+      const int32_t e = row[kb * p.bm_kb];
+      kept |= e != BlockMask::kEmpty;
+      removed |= e != BlockMask::kFull;
+      if (kept && removed) return Cover::kPartial;
+    }
+  }
+  return kept ? Cover::kFull : Cover::kEmpty;
+}
+
+/// Removes (−∞) the scores of tile t that options.block_mask removes: whole runs of
+/// an empty block, the false elements of a partial block's boolean tile (uint8
+/// vectors widened to a lane mask, as the dense boolean mask).
+HWY_INLINE void ApplyBlockMask(const Problem& p, const TilePlace& t, float* HWY_RESTRICT s, size_t ld) {
+  if (t.rows <= 0 || t.cols <= 0) return;
+  const DF df;
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<uint8_t, DF> du8;
+  const VF neg_inf = hn::Set(df, -HUGE_VALF);
+  const int64_t base = t.b * p.bm_b + t.h * p.bm_h;
+  for (int qb = t.i0 / p.bm_bq; qb <= (t.i0 + t.rows - 1) / p.bm_bq; ++qb) {
+    const int r_lo = std::max(qb * p.bm_bq, t.i0) - t.i0;
+    const int r_hi = std::min((qb + 1) * p.bm_bq, t.i0 + t.rows) - t.i0;
+    const int32_t* entries = p.bm_blocks + base + qb * p.bm_qb;
+    for (int kb = t.j0 / p.bm_bk; kb <= (t.j0 + t.cols - 1) / p.bm_bk; ++kb) {
+      const int32_t e = entries[kb * p.bm_kb];
+      if (e == BlockMask::kFull) continue;
+      const int c_lo = std::max(kb * p.bm_bk, t.j0) - t.j0;
+      const int c_hi = std::min((kb + 1) * p.bm_bk, t.j0 + t.cols) - t.j0;
+      for (int r = r_lo; r < r_hi; ++r) {
+        float* row = s + r * ld;
+        if (e == BlockMask::kEmpty) {
+          std::fill(row + c_lo, row + c_hi, -HUGE_VALF);
+          continue;
+        }
+        const uint8_t* bits = p.bm_tiles + e * p.bm_t + (t.i0 + r - qb * p.bm_bq) * p.bm_r +
+                              (t.j0 + c_lo - kb * p.bm_bk);
+        int c = c_lo;
+        for (; c + static_cast<int>(kLanes) <= c_hi; c += kLanes) {
+          const auto wide = hn::PromoteTo(di, hn::LoadU(du8, bits + (c - c_lo)));
+          const auto drop = hn::RebindMask(df, hn::Eq(wide, hn::Zero(di)));
+          hn::StoreU(hn::IfThenElse(drop, neg_inf, hn::LoadU(df, row + c)), df, row + c);
+        }
+        for (; c < c_hi; ++c) {
+          if (bits[c - c_lo] == 0) row[c] = -HUGE_VALF;
+        }
+      }
+    }
+  }
 }
 
 /// Applies f (a function of a float64 vector) to each lane of x in float64 and
@@ -189,6 +253,7 @@ HWY_INLINE void ApplyScoreMods(const Problem& p, const Sequence& seq, const Tile
       }
     }
   }
+  if (p.bm_blocks != nullptr) ApplyBlockMask(p, t, s, ld);
   if (band) {
     for (int r = 0; r < t.rows; ++r) {
       float* row = s + r * ld;

@@ -106,6 +106,10 @@ void check_common(const char* fn, const TensorView& q, const TensorView& k, cons
     fail("options.mask is not supported (an Lq × Lk mask defeats splitting the sequence); use causal, window, "
          "key_lengths or alibi_slopes");
   }
+  if (!o.block_mask.empty()) {
+    fail("options.block_mask is not supported (its blocks index one call's Lq × Lk plane); use causal, window, "
+         "key_lengths or alibi_slopes");
+  }
   if (!o.cu_seqlens_q.empty() || !o.cu_seqlens_k.empty()) {
     fail("packed sequences (options.cu_seqlens_q/k) are not supported; pass one [B, L_r, H, d] slice per rank");
   }

@@ -223,6 +223,8 @@ void check_append(const Checker& c, const KVCacheOptions& kv, const KVCache& cac
 
 void check_options(const Checker& c, const AttentionOptions& o, DecodeProblem& p) {
   c.require(o.mask.empty(), "options.mask is not supported with a KV cache (use causal, window or ALiBi)");
+  c.require(o.block_mask.empty(),
+            "options.block_mask is not supported with a KV cache (use causal, window or ALiBi)");
   c.require(o.cu_seqlens_q.empty() && o.cu_seqlens_k.empty(),
             "options.cu_seqlens_q/k are not supported with a KV cache (cache_seqlens gives the lengths)");
   c.require(o.key_lengths.empty(), "options.key_lengths is not supported with a KV cache (cache_seqlens gives them)");

@@ -22,6 +22,11 @@ bool reference_visible(const Problem& p, int b, int h, int i, int j) {
     const int64_t at = b * p.mask_b + h * p.mask_h + i * p.mask_i + j * p.mask_j;
     if (p.bool_mask[at] == 0) return false;
   }
+  if (p.bm_blocks != nullptr) {
+    const int32_t e = p.BlockEntry(b, h, i, j);
+    if (e == BlockMask::kEmpty) return false;
+    if (e >= 0 && p.bm_tiles[e * p.bm_t + (i % p.bm_bq) * p.bm_r + j % p.bm_bk] == 0) return false;
+  }
   return true;
 }
 
