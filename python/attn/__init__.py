@@ -24,9 +24,11 @@ import numpy as _np
 
 from . import _attn
 from ._attn import Error, num_threads, set_num_threads
+from .masks import BlockMask, and_masks, block_mask, or_masks
 
 __all__ = ["scaled_dot_product_attention", "varlen_attention", "attention_backward", "merge_attention_states",
            "attention_with_kvcache", "kvcache_append",
+           "block_mask", "BlockMask", "and_masks", "or_masks",
            "last_dropout_seed", "set_num_threads", "num_threads", "cpu_info", "Error", "copies_made"]
 from ._version import __version__
 
@@ -149,6 +151,24 @@ def _mask(attn_mask, batch, hq, lq, lk):
     return m
 
 
+def _block_mask(block_mask, batch, hq, lq, lk):
+    """The kernel arguments for a BlockMask (its batch merged like the inputs')."""
+    if block_mask is None:
+        return {}
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError("block_mask must be an attn.BlockMask (from attn.block_mask()), got %r" % (type(block_mask),))
+    B, H, mlq, mlk = block_mask.shape
+    nb = int(_np.prod(batch)) if len(batch) else 1
+    if (mlq, mlk) != (lq, lk):
+        raise ValueError("block_mask was built for Lq=%d, Lk=%d; query and key have L=%d, S=%d" % (mlq, mlk, lq, lk))
+    if B is not None and B != nb:
+        raise ValueError("block_mask was built for B=%d; the inputs have a batch of %d" % (B, nb))
+    if H is not None and H != hq:
+        raise ValueError("block_mask was built for H=%d; query has %d heads" % (H, hq))
+    return dict(block_q=block_mask.block_size[0], block_k=block_mask.block_size[1], block_table=block_mask.blocks,
+                block_tiles=block_mask.tiles if block_mask.tiles.shape[0] else None)
+
+
 def _alibi(alibi_slopes, batch, hq):
     s = _array(alibi_slopes, "alibi_slopes", allow_none=True)
     if s is not None and s.ndim == len(batch) + 1 and len(batch) > 1:
@@ -198,7 +218,7 @@ def _is_bf16(x):
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, causal_alignment="top_left", window=None, softcap=None,
-                                 alibi_slopes=None, seed=None, return_lse=False, return_seed=False):
+                                 alibi_slopes=None, seed=None, return_lse=False, return_seed=False, block_mask=None):
     """softmax(query·keyᵀ·scale + mask)·value, fused (never forms the L×S matrix).
 
     Shapes follow PyTorch: query [..., Hq, L, d], key [..., Hkv, S, d], value [..., Hkv, S, dv];
@@ -222,6 +242,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         i' = i + S - L; -1 means unbounded.
     softcap: Gemma-2 soft-capping, score <- softcap·tanh(score/softcap).
     alibi_slopes: float32 [Hq] or [..., Hq]: adds -slope·|i' - j| to each score.
+    block_mask: an ``attn.BlockMask`` (``attn.block_mask(mask_mod, ...)``): blocks it
+        leaves empty are skipped, full ones need no mask work, partial ones apply their
+        stored tile. Combines with attn_mask and every other option.
     return_lse: also return the natural-log log-sum-exp of the scores, [..., Hq, L].
     return_seed: also return the dropout seed used (an int; drawn at random when
         ``seed`` is None), last in the returned tuple. ``attn.last_dropout_seed()``
@@ -247,7 +270,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                   causal=_causal_code(is_causal, causal_alignment), window_left=left, window_right=right,
                   mask=_mask(attn_mask, batch, hq, lq, lk), alibi_slopes=_alibi(alibi_slopes, batch, hq),
                   softcap=float(softcap or 0.0), dropout_p=float(dropout_p), seed=_seed(seed, dropout_p),
-                  lse=None if lse is None else lse.reshape((q4.shape[0], hq, lq)), bf16=_is_bf16(query))
+                  lse=None if lse is None else lse.reshape((q4.shape[0], hq, lq)), bf16=_is_bf16(query),
+                  **_block_mask(block_mask, batch, hq, lq, lk))
     result = (_like(out, query),) + ((_like(lse, query),) if return_lse else ())
     if return_seed:
         result += (last_dropout_seed(),)
@@ -256,7 +280,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 def attention_backward(grad_out, query, key, value, out, lse, attn_mask=None, dropout_p=0.0, is_causal=False,
                        scale=None, enable_gqa=False, *, causal_alignment="top_left", window=None, softcap=None,
-                       alibi_slopes=None, seed=None, return_mask_grad=False):
+                       alibi_slopes=None, seed=None, return_mask_grad=False, block_mask=None):
     """Gradients of ``scaled_dot_product_attention`` (FlashAttention-2's backward).
 
     Takes grad_out (d loss / d out, shaped like out), the forward's inputs, its ``out`` and
@@ -299,7 +323,7 @@ def attention_backward(grad_out, query, key, value, out, lse, attn_mask=None, dr
                    scale=None if scale is None else float(scale), causal=_causal_code(is_causal, causal_alignment),
                    window_left=left, window_right=right, mask=mask, alibi_slopes=_alibi(alibi_slopes, batch, hq),
                    softcap=float(softcap or 0.0), dropout_p=float(dropout_p), seed=seed, dbias=dmask,
-                   bf16=_is_bf16(query))
+                   bf16=_is_bf16(query), **_block_mask(block_mask, batch, hq, lq, lk))
     grads = (_like(dq, query), _like(dk, query), _like(dvv, query))
     if return_mask_grad:
         m = _array(attn_mask, "attn_mask")

@@ -1,9 +1,27 @@
-from typing import Any, Optional, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, Optional, Tuple, TypeVar, Union
 
 
 ArrayT = TypeVar("ArrayT")  # numpy.ndarray or torch.Tensor: results have the query's type
 
 class Error(ValueError): ...
+
+MaskMod = Callable[[Any, Any, Any, Any], Any]  # (b, h, q_idx, kv_idx) -> bool array
+
+class BlockMask:
+    blocks: Any  # numpy int32 [B or 1, H or 1, q blocks, kv blocks]
+    tiles: Any  # numpy bool [T, block_q, block_k]
+    block_size: Tuple[int, int]
+    shape: Tuple[Optional[int], Optional[int], int, int]
+    def __init__(self, blocks: Any, tiles: Any, block_size: Tuple[int, int],
+                 shape: Tuple[Optional[int], Optional[int], int, int]) -> None: ...
+    def counts(self) -> Dict[str, int]: ...
+    def sparsity(self) -> float: ...
+    def to_dense(self) -> Any: ...
+
+def block_mask(mask_mod: MaskMod, B: Optional[int], H: Optional[int], Lq: int, Lk: int,
+               block_size: Union[int, Tuple[int, int]] = ..., *, probe: str = ...) -> BlockMask: ...
+def and_masks(*mask_mods: MaskMod) -> MaskMod: ...
+def or_masks(*mask_mods: MaskMod) -> MaskMod: ...
 
 def scaled_dot_product_attention(
     query: ArrayT,
@@ -22,6 +40,7 @@ def scaled_dot_product_attention(
     seed: Optional[int] = ...,
     return_lse: bool = ...,
     return_seed: bool = ...,
+    block_mask: Optional["BlockMask"] = ...,
 ) -> Union[ArrayT, Tuple[Union[ArrayT, int], ...]]: ...
 def attention_backward(
     grad_out: ArrayT,
@@ -42,6 +61,7 @@ def attention_backward(
     alibi_slopes: Optional[ArrayT] = ...,
     seed: Optional[int] = ...,
     return_mask_grad: bool = ...,
+    block_mask: Optional["BlockMask"] = ...,
 ) -> Tuple[ArrayT, ...]: ...
 def varlen_attention(
     q: ArrayT,

@@ -57,7 +57,9 @@ attn::TensorView view_of(const py::object& obj, const char* name, bool writable,
 attn::AttentionOptions make_options(std::optional<float> scale, int causal, int window_left, int window_right,
                                     const py::object& mask, const py::object& alibi_slopes, float softcap,
                                     const py::object& cu_seqlens_q, const py::object& cu_seqlens_k,
-                                    const py::object& key_lengths, float dropout_p, uint64_t seed, uint64_t offset, bool bf16) {
+                                    const py::object& key_lengths, float dropout_p, uint64_t seed, uint64_t offset, bool bf16,
+                                    int block_q, int block_k, const py::object& block_table,
+                                    const py::object& block_tiles) {
   attn::AttentionOptions o;
   o.scale = scale;
   o.causal = causal == 0 ? attn::Causal::None : causal == 1 ? attn::Causal::TopLeft : attn::Causal::BottomRight;
@@ -71,6 +73,10 @@ attn::AttentionOptions make_options(std::optional<float> scale, int causal, int 
   o.dropout_p = dropout_p;
   o.seed = seed;
   o.offset = offset;
+  o.block_mask.block_q = block_q;
+  o.block_mask.block_k = block_k;
+  o.block_mask.blocks = view_of(block_table, "block_mask.blocks", false);
+  o.block_mask.tiles = view_of(block_tiles, "block_mask.tiles", false);
   return o;
 }
 
@@ -86,10 +92,11 @@ PYBIND11_MODULE(_attn, m) {
          std::optional<float> scale, int causal, int window_left, int window_right, const py::object& mask,
          const py::object& alibi_slopes, float softcap, const py::object& cu_seqlens_q,
          const py::object& cu_seqlens_k, const py::object& key_lengths, float dropout_p, uint64_t seed,
-         uint64_t offset, const py::object& lse, const py::object& probs, bool bf16) {
+         uint64_t offset, const py::object& lse, const py::object& probs, bool bf16, int block_q, int block_k,
+         const py::object& block_table, const py::object& block_tiles) {
         const attn::AttentionOptions o = make_options(scale, causal, window_left, window_right, mask, alibi_slopes,
                                                 softcap, cu_seqlens_q, cu_seqlens_k, key_lengths, dropout_p,
-                                                seed, offset, bf16);
+                                                seed, offset, bf16, block_q, block_k, block_table, block_tiles);
         const attn::TensorView qv = view_of(q, "query", false, bf16), kv = view_of(k, "key", false, bf16),
                                vv = view_of(v, "value", false, bf16), ov = view_of(out, "out", true, bf16),
                                lv = view_of(lse, "lse", true), pv = view_of(probs, "probs", true);
@@ -102,6 +109,8 @@ PYBIND11_MODULE(_attn, m) {
       py::arg("cu_seqlens_q") = py::none(), py::arg("cu_seqlens_k") = py::none(),
       py::arg("key_lengths") = py::none(), py::arg("dropout_p") = 0.0f, py::arg("seed") = 0,
       py::arg("offset") = 0, py::arg("lse") = py::none(), py::arg("probs") = py::none(), py::arg("bf16") = false,
+      py::arg("block_q") = 0, py::arg("block_k") = 0, py::arg("block_table") = py::none(),
+      py::arg("block_tiles") = py::none(),
       "Fused attention forward on BSHD views (or packed [total, H, d] with cu_seqlens); writes out, lse, probs.");
 
   m.def(
@@ -111,10 +120,11 @@ PYBIND11_MODULE(_attn, m) {
          const py::object& dv, std::optional<float> scale, int causal, int window_left, int window_right,
          const py::object& mask, const py::object& alibi_slopes, float softcap, const py::object& cu_seqlens_q,
          const py::object& cu_seqlens_k, const py::object& key_lengths, float dropout_p, uint64_t seed,
-         uint64_t offset, const py::object& dbias, bool bf16) {
+         uint64_t offset, const py::object& dbias, bool bf16, int block_q, int block_k, const py::object& block_table,
+         const py::object& block_tiles) {
         const attn::AttentionOptions o = make_options(scale, causal, window_left, window_right, mask, alibi_slopes,
                                                 softcap, cu_seqlens_q, cu_seqlens_k, key_lengths, dropout_p,
-                                                seed, offset, bf16);
+                                                seed, offset, bf16, block_q, block_k, block_table, block_tiles);
         const attn::TensorView qv = view_of(q, "query", false, bf16), kv = view_of(k, "key", false, bf16),
                                vv = view_of(v, "value", false, bf16), ov = view_of(out, "out", false, bf16),
                                lv = view_of(lse, "lse", false), gv = view_of(dout, "grad_out", false, bf16),
@@ -129,6 +139,8 @@ PYBIND11_MODULE(_attn, m) {
       py::arg("alibi_slopes") = py::none(), py::arg("softcap") = 0.0f, py::arg("cu_seqlens_q") = py::none(),
       py::arg("cu_seqlens_k") = py::none(), py::arg("key_lengths") = py::none(), py::arg("dropout_p") = 0.0f,
       py::arg("seed") = 0, py::arg("offset") = 0, py::arg("dbias") = py::none(), py::arg("bf16") = false,
+      py::arg("block_q") = 0, py::arg("block_k") = 0, py::arg("block_table") = py::none(),
+      py::arg("block_tiles") = py::none(),
       "Gradients of forward (FlashAttention-2's backward); writes dq, dk, dv and optionally dbias.");
 
   m.def(
