@@ -20,6 +20,7 @@ With PyTorch 2.4 or later the forward and backward are also registered as
 
 import secrets
 
+import numpy as _np
 import torch as _torch
 from torch.autograd.function import once_differentiable as _once_differentiable
 
@@ -58,25 +59,34 @@ _HAS_CUSTOM_OP = hasattr(_torch, "library") and hasattr(_torch.library, "custom_
 if _HAS_CUSTOM_OP:
     from typing import Optional as _Optional, Tuple as _Tuple
 
-    def _call_options(dropout_p, is_causal, scale, enable_gqa, bottom_right, window_left, window_right, softcap, seed):
+    def _call_options(dropout_p, is_causal, scale, enable_gqa, bottom_right, window_left, window_right, softcap, seed,
+                      block_table, block_tiles, block_q, block_k, query, key):
+        bm = None
+        if block_table is not None:
+            # The BlockMask again, from the tensors the operator carries (zero-copy).
+            tiles = (block_tiles.numpy() if block_tiles is not None
+                     else _np.zeros((0, block_q, block_k), _np.bool_))
+            bm = _attn.BlockMask(block_table.numpy(), tiles, (block_q, block_k),
+                                 (None, None, query.shape[-2], key.shape[-2]))
         return dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                     causal_alignment="bottom_right" if bottom_right else "top_left",
-                    window=(window_left, window_right), softcap=softcap or None, seed=seed)
+                    window=(window_left, window_right), softcap=softcap or None, seed=seed, block_mask=bm)
 
     @_torch.library.custom_op("attn::sdpa", mutates_args=())
     def _sdpa_op(query: _torch.Tensor, key: _torch.Tensor, value: _torch.Tensor, attn_mask: _Optional[_torch.Tensor],
                  alibi_slopes: _Optional[_torch.Tensor], dropout_p: float, is_causal: bool, scale: _Optional[float],
                  enable_gqa: bool, bottom_right: bool, window_left: int, window_right: int, softcap: float,
-                 seed: int) -> _Tuple[_torch.Tensor, _torch.Tensor]:
+                 seed: int, block_table: _Optional[_torch.Tensor], block_tiles: _Optional[_torch.Tensor],
+                 block_q: int, block_k: int) -> _Tuple[_torch.Tensor, _torch.Tensor]:
         out, lse = _attn.scaled_dot_product_attention(
             query, key, value, _as_numpy_ready(attn_mask), return_lse=True, alibi_slopes=_as_numpy_ready(alibi_slopes),
             **_call_options(dropout_p, is_causal, scale, enable_gqa, bottom_right, window_left, window_right,
-                            softcap, seed))
+                            softcap, seed, block_table, block_tiles, block_q, block_k, query, key))
         return out, lse
 
     @_sdpa_op.register_fake
     def _sdpa_fake(query, key, value, attn_mask, alibi_slopes, dropout_p, is_causal, scale, enable_gqa, bottom_right,
-                   window_left, window_right, softcap, seed):
+                   window_left, window_right, softcap, seed, block_table, block_tiles, block_q, block_k):
         out = query.new_empty(query.shape[:-1] + (value.shape[-1],))
         lse = query.new_empty(query.shape[:-1], dtype=_torch.float32)
         return out, lse
@@ -86,19 +96,21 @@ if _HAS_CUSTOM_OP:
                           out: _torch.Tensor, lse: _torch.Tensor, attn_mask: _Optional[_torch.Tensor],
                           alibi_slopes: _Optional[_torch.Tensor], dropout_p: float, is_causal: bool,
                           scale: _Optional[float], enable_gqa: bool, bottom_right: bool, window_left: int,
-                          window_right: int, softcap: float, seed: int,
+                          window_right: int, softcap: float, seed: int, block_table: _Optional[_torch.Tensor],
+                          block_tiles: _Optional[_torch.Tensor], block_q: int, block_k: int,
                           want_mask_grad: bool) -> _Tuple[_torch.Tensor, _torch.Tensor, _torch.Tensor, _torch.Tensor]:
         grads = _attn.attention_backward(
             grad_out.contiguous(), query, key, value, out, lse, _as_numpy_ready(attn_mask),
             return_mask_grad=want_mask_grad, alibi_slopes=_as_numpy_ready(alibi_slopes),
             **_call_options(dropout_p, is_causal, scale, enable_gqa, bottom_right, window_left, window_right,
-                            softcap, seed))
+                            softcap, seed, block_table, block_tiles, block_q, block_k, query, key))
         dmask = grads[3] if want_mask_grad else query.new_empty((0,))
         return grads[0], grads[1], grads[2], dmask
 
     @_sdpa_backward_op.register_fake
     def _sdpa_backward_fake(grad_out, query, key, value, out, lse, attn_mask, alibi_slopes, dropout_p, is_causal,
-                            scale, enable_gqa, bottom_right, window_left, window_right, softcap, seed, want_mask_grad):
+                            scale, enable_gqa, bottom_right, window_left, window_right, softcap, seed, block_table,
+                            block_tiles, block_q, block_k, want_mask_grad):
         dmask = attn_mask.new_empty(attn_mask.shape) if want_mask_grad else query.new_empty((0,))
         return _torch.empty_like(query), _torch.empty_like(key), _torch.empty_like(value), dmask
 
@@ -109,7 +121,7 @@ if _HAS_CUSTOM_OP:
     _sdpa_backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
     _OPTION_NAMES = ("dropout_p", "is_causal", "scale", "enable_gqa", "bottom_right", "window_left", "window_right",
-                     "softcap", "seed")
+                     "softcap", "seed", "block_table", "block_tiles", "block_q", "block_k")
 
     def _setup_context(ctx, inputs, output):
         query, key, value, attn_mask, alibi_slopes = inputs[:5]
@@ -128,12 +140,13 @@ if _HAS_CUSTOM_OP:
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, causal_alignment="top_left", window=None, softcap=None,
-                                 alibi_slopes=None, seed=None):
+                                 alibi_slopes=None, seed=None, block_mask=None):
     """``attn.scaled_dot_product_attention`` on torch tensors, differentiable.
 
     query [..., Hq, L, d], key [..., Hkv, S, d], value [..., Hkv, S, dv], float32 CPU
     tensors; returns [..., Hq, L, dv]. See ``attn.scaled_dot_product_attention`` for the
-    options. Gradients flow to query, key, value and a float32 attn_mask."""
+    options (``block_mask``: an ``attn.BlockMask``). Gradients flow to query, key, value and
+    a float32 attn_mask."""
     if dropout_p > 0 and seed is None:
         seed = secrets.randbits(63)
     if alibi_slopes is not None and isinstance(alibi_slopes, _torch.Tensor):
@@ -142,13 +155,23 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if causal_alignment not in ("top_left", "bottom_right"):
             raise ValueError("causal_alignment must be \"top_left\" or \"bottom_right\", got %r" % (causal_alignment,))
         left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+        table = tiles = None
+        bq = bk = 0
+        if block_mask is not None:
+            if not isinstance(block_mask, _attn.BlockMask):
+                raise TypeError("block_mask must be an attn.BlockMask (from attn.block_mask()), got %r"
+                                % (type(block_mask),))
+            table = _torch.from_numpy(block_mask.blocks)
+            tiles = _torch.from_numpy(block_mask.tiles) if block_mask.tiles.shape[0] else None
+            bq, bk = block_mask.block_size
         out, _ = _sdpa_op(query, key, value, attn_mask, alibi_slopes, float(dropout_p), bool(is_causal),
                           None if scale is None else float(scale), bool(enable_gqa),
-                          causal_alignment == "bottom_right", left, right, float(softcap or 0.0), int(seed or 0))
+                          causal_alignment == "bottom_right", left, right, float(softcap or 0.0), int(seed or 0),
+                          table, tiles, bq, bk)
         return out
     options = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                    causal_alignment=causal_alignment, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                   seed=seed)
+                   seed=seed, block_mask=block_mask)
     return _Attention.apply(query, key, value, attn_mask, options)
 
 

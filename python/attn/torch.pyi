@@ -17,4 +17,5 @@ def scaled_dot_product_attention(
     softcap: Optional[float] = ...,
     alibi_slopes: Optional[torch.Tensor] = ...,
     seed: Optional[int] = ...,
+    block_mask: Optional[Any] = ...,
 ) -> torch.Tensor: ...

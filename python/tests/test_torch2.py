@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+import attn
 import attn.torch as at
 
 needs_torch2 = pytest.mark.skipif(not hasattr(torch.library, "custom_op"),
@@ -20,7 +21,7 @@ def _qkv(rng, b=2, hq=4, hkv=2, lq=17, lk=23, d=16, dtype=torch.float32, grad=Tr
 def test_opcheck_forward_and_backward(rng):
     q, k, v = _qkv(rng)
     mask = torch.from_numpy(rng.uniform(-1, 1, (17, 23)).astype(np.float32)).requires_grad_(True)
-    args = (q, k, v, mask, None, 0.0, True, None, True, True, 3, 0, 0.0, 0)
+    args = (q, k, v, mask, None, 0.0, True, None, True, True, 3, 0, 0.0, 0, None, None, 0, 0)
     torch.library.opcheck(torch.ops.attn.sdpa.default, args)
     out, lse = torch.ops.attn.sdpa(*args)
     g = torch.randn_like(out)
@@ -165,3 +166,29 @@ def test_dropout_statistics_match_pytorch2(rng):
     # ... and they spread alike (Bernoulli(1 - p) on P, scaled by 1/(1 - p)).
     ratio = (ours.var(0).mean() / theirs.var(0).mean()).item()
     assert 0.8 < ratio < 1.25, ratio
+
+
+@needs_torch2
+def test_block_mask_through_the_custom_op_and_compile(rng):
+    q, k, v = _qkv(rng, lq=70, lk=90)
+    docs = np.repeat(np.arange(5), 20)
+    bm = attn.block_mask(lambda b, h, i, j: (docs[i] == docs[j]) & (j <= i + 20), None, None, 70, 90, block_size=16)
+    table, tiles = torch.from_numpy(bm.blocks), torch.from_numpy(bm.tiles)
+    args = (q, k, v, None, None, 0.0, False, None, True, False, -1, -1, 0.0, 0, table, tiles, 16, 16)
+    torch.library.opcheck(torch.ops.attn.sdpa.default, args)
+    dense = torch.from_numpy(bm.to_dense()[0, 0])
+
+    def grads(fn):
+        for t in (q, k, v):
+            t.grad = None
+        out = fn()
+        out.backward(torch.ones_like(out))
+        return [out.detach().clone()] + [t.grad.clone() for t in (q, k, v)]
+
+    want = grads(lambda: at.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True))
+    got = grads(lambda: at.scaled_dot_product_attention(q, k, v, enable_gqa=True, block_mask=bm))
+    compiled = torch.compile(lambda: at.scaled_dot_product_attention(q, k, v, enable_gqa=True, block_mask=bm),
+                             fullgraph=True)
+    got_compiled = grads(compiled)
+    for a, b, c in zip(want, got, got_compiled):
+        assert torch.equal(a, b) and torch.equal(a, c)
