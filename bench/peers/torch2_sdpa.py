@@ -4,11 +4,13 @@ Same shapes for both (B=1, H=8, [B, H, N, d] tensors, PyTorch's layout, which at
 place), f32 and bf16, none/causal, 1 and 2 threads; medians of repeated calls after a
 warm-up, each implementation in its own phase (OpenMP pools spin for a while after a
 parallel region). Prints GFLOP/s (4·N²·d·H, halved for causal) and attn's speed-up, and
-which path attn's bf16 took (cpu_info).
+which path attn's bf16 took (cpu_info). With --flex, also FlexAttention
+(``torch.compile(flex_attention)``, causal through ``create_block_mask``) where it runs on
+this CPU; a configuration it cannot run prints why and shows "—".
 
   bash bench/peers/setup.sh        # once: bench/peers/.venv with torch 2.x from PyPI
   PYTHONPATH=build/release/python bench/peers/.venv/bin/python bench/peers/torch2_sdpa.py \
-      [--sizes 2048] [--dims 64,128] [--threads 1,2] [--dtypes f32,bf16] [--markdown FILE]
+      [--sizes 2048] [--dims 64,128] [--threads 1,2] [--dtypes f32,bf16] [--flex] [--markdown FILE]
 """
 import argparse
 import time
@@ -30,12 +32,17 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--min-seconds", type=float, default=0.5)
     ap.add_argument("--markdown", default="")
+    ap.add_argument("--flex", action="store_true", help="also time compiled FlexAttention")
     args = ap.parse_args()
     dtypes = {"f32": torch.float32, "bf16": torch.bfloat16}
     info = attn.cpu_info()
     print("CPU: %s; torch %s; attn bf16 path: %s; f32 SIMD target: %s"
           % (cpu_model(), torch.__version__, info["bf16_path"], info["simd_target"]))
     rows = []
+    flex = create = None
+    if args.flex:
+        from torch.nn.attention.flex_attention import create_block_mask as create, flex_attention
+        flex = torch.compile(flex_attention)
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         attn.set_num_threads(threads)
@@ -61,13 +68,42 @@ def main():
                         fl = 4.0 * n * n * d * args.heads * (0.5 if causal else 1.0)
                         row = (name, n, d, "causal" if causal else "none", threads, t_torch * 1e3, fl / t_torch * 1e-9,
                                t_attn * 1e3, fl / t_attn * 1e-9, t_torch / t_attn, diff)
+                        t_flex = None
+                        if flex is not None:
+                            try:
+                                bm = (create(lambda b, h, qi, ki: qi >= ki, None, None, n, n, device="cpu")
+                                      if causal else None)
+
+                                def run_flex():
+                                    with torch.no_grad():
+                                        return flex(q, k, v, block_mask=bm)
+
+                                run_flex()
+                                time.sleep(0.3)
+                                t_flex = median_time(run_flex, args.repeats, args.min_seconds)
+                            except Exception as e:  # noqa: BLE001 (reported, the row goes on)
+                                print("  FlexAttention did not run: %s" % str(e).splitlines()[0][:120])
+                        row += (t_flex,)
                         rows.append(row)
                         print("  %-4s N=%-5d d=%-3d %-6s threads=%d  torch %8.2f ms %7.1f GFLOP/s  attn %8.2f ms "
-                              "%7.1f GFLOP/s  attn/torch %.2fx  max|diff| %.1e" % row, flush=True)
-    table = ["| dtype | N | d | mask | threads | torch ms | torch GFLOP/s | attn ms | attn GFLOP/s | attn speed-up |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+                              "%7.1f GFLOP/s  attn/torch %.2fx  max|diff| %.1e" % row[:11], flush=True)
+                        if t_flex is not None:
+                            print("      flex %8.2f ms %7.1f GFLOP/s  attn/flex %.2fx"
+                                  % (t_flex * 1e3, fl / t_flex * 1e-9, t_flex / t_attn), flush=True)
+    head = "| dtype | N | d | mask | threads | torch ms | torch GFLOP/s | attn ms | attn GFLOP/s | attn speed-up |"
+    rule = "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"
+    if flex is not None:
+        head += " flex ms | flex GFLOP/s | attn vs flex |"
+        rule += "---:|---:|---:|"
+    table = [head, rule]
     for r in rows:
-        table.append("| %s | %d | %d | %s | %d | %.2f | %.1f | %.2f | %.1f | %.2f× |" % r[:10])
+        line = "| %s | %d | %d | %s | %d | %.2f | %.1f | %.2f | %.1f | %.2f× |" % r[:10]
+        if flex is not None:
+            t_flex, t_attn = r[11], r[7] * 1e-3
+            fl = 4.0 * r[1] * r[1] * r[2] * args.heads * (0.5 if r[3] == "causal" else 1.0)
+            line += (" — | — | — |" if t_flex is None else
+                     " %.2f | %.1f | %.2f× |" % (t_flex * 1e3, fl / t_flex * 1e-9, t_flex / t_attn))
+        table.append(line)
     text = "\n".join(table) + "\n"
     print("\n" + text)
     if args.markdown:
