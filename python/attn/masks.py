@@ -234,21 +234,20 @@ def block_mask(mask_mod, B, H, Lq, Lk, block_size=64, *, probe="full"):
     return BlockMask(blocks, all_tiles, (bq, bk), (B, H, lq, lk))
 
 
+def _combine(mask_mods, op, start):
+    def combined(b, h, q, k):
+        r = start
+        for m in mask_mods:
+            r = op(r, m(b, h, q, k))
+        return r
+    return combined
+
+
 def and_masks(*mask_mods):
     """A predicate that is True where every one of mask_mods is."""
-    def both(b, h, q, k):
-        r = True
-        for m in mask_mods:
-            r = _np.logical_and(r, m(b, h, q, k))
-        return r
-    return both
+    return _combine(mask_mods, _np.logical_and, True)
 
 
 def or_masks(*mask_mods):
     """A predicate that is True where any one of mask_mods is."""
-    def either(b, h, q, k):
-        r = False
-        for m in mask_mods:
-            r = _np.logical_or(r, m(b, h, q, k))
-        return r
-    return either
+    return _combine(mask_mods, _np.logical_or, False)

@@ -2,7 +2,7 @@
 boolean mask it stands for (attn itself; PyTorch 2's SDPA and FlexAttention where the
 interpreter has them). Document masking and a sliding window with global tokens.
 
-    PYTHONPATH=build/release/python python3 bench/block_mask.py [--length 8192] [--build-length 32768]
+    PYTHONPATH=build/release/python python3 bench/peers/block_mask.py [--length 8192] [--build-length 32768]
         [--heads 8] [--dim 64] [--threads 1 2] [--dtype f32 bf16]
 
 Prints one table row per measurement: medians of --repeats runs. GFLOP/s counts the work
@@ -10,34 +10,11 @@ the mask leaves (4·d per visible (query, key) pair per head), so a faster row s
 """
 import argparse
 import os
-import platform
-import statistics
-import time
 
 import numpy as np
 
 import attn
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def median_time(fn, repeats):
-    fn()  # warm-up (workspaces, page faults)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+from peer_timing import cpu_model, median_time
 
 
 def patterns(length, rng):
@@ -91,7 +68,7 @@ def main():
         for probe in ("border", "full"):
             bm = attn.block_mask(mod, None, None, args.build_length, args.build_length, probe=probe)
             t = median_time(lambda: attn.block_mask(mod, None, None, args.build_length, args.build_length,
-                                                    probe=probe), max(1, args.repeats // 2))
+                                                    probe=probe), max(1, args.repeats // 2), 0.0)
             c = bm.counts()
             print("| %s | %s | %.1f | %d | %d | %d |" % (name, probe, 1e3 * t, c["empty"], c["full"], c["partial"]))
 
@@ -135,7 +112,7 @@ def main():
                                   % (name, dtype, threads, str(e).splitlines()[0][:80]))
                 base = None
                 for impl, fn in rows:
-                    t = median_time(fn, args.repeats)
+                    t = median_time(fn, args.repeats, 0.0)
                     base = t if base is None else base
                     print("| %s | %s | %d | %.1f%% | %s | %.2f | %.1f | %.2fx |" %
                           (name, dtype, threads, 100.0 * dense.mean(), impl, 1e3 * t, flops / t / 1e9, t / base))
