@@ -6,6 +6,7 @@
 #include "attn/attention.hpp"
 #include "attention_lowp.hpp"
 #include "cpu/attention_backward.hpp"
+#include "cpu/attention_backward_amx.hpp"
 #include "cpu/attention_forward.hpp"
 #include "cpu/attention_forward_amx.hpp"
 #include "cpu/isa.hpp"
@@ -109,6 +110,16 @@ void attention_backward_with_mods(const TensorView& q, const TensorView& k, cons
   const BackwardProblem bp = make_backward_problem("attention_backward", q, k, v, out, lse, dout,
                                                    dq, dk, dv, options, dbias, mods);
   if (needs_widening(bp.fwd, options)) {
+    if (takes_amx_path(bp.fwd, options)) {
+      if (bp.fwd.mask_dtype == DType::bf16 || bp.fwd.mask_dtype == DType::f16) {
+        std::vector<float> mask32;
+        const AttentionOptions o = with_f32_mask(options, mask32);
+        attention_backward_with_mods(q, k, v, out, lse, dout, dq, dk, dv, o, dbias, mods);
+        return;
+      }
+      if (attention_backward_amx(bp, num_threads())) return;
+      // Declined (see attention_backward_amx.hpp): the portable path.
+    }
     backward_widened(q, k, v, out, dout, dq, dk, dv, options,
                      [&](auto& q32, auto& k32, auto& v32, auto& out32, auto& dout32, auto& dq32, auto& dk32,
                          auto& dv32, auto& o) {

@@ -88,19 +88,6 @@ BwdPack MakeBwdPack(const Problem& p) {
   return pk;
 }
 
-/// The key tiles query tile qt of sequence seq sees: [first, last] (empty when
-/// last < first), from the rows' bands (causal, window, key length).
-void QueryTileKeyRange(const Problem& p, const Sequence& seq, int qt, int* first, int* last) {
-  int jmin = INT_MAX, jmax = -1;
-  for (int i = qt * kBq; i < std::min(seq.Lq, (qt + 1) * kBq); ++i) {
-    int lo, hi;
-    BandOfRow(p, seq, i, &lo, &hi);
-    if (lo <= hi) jmin = std::min(jmin, lo), jmax = std::max(jmax, hi);
-  }
-  *first = jmax < 0 ? 0 : jmin / kBk;
-  *last = jmax < 0 ? -1 : jmax / kBk;
-}
-
 /// Zeros rows × heads × width floats at base (row and head strides given).
 void ZeroRows(float* base, int64_t row_stride, int64_t head_stride, int64_t rows, int heads,
               int width) {

@@ -52,32 +52,18 @@
 
 #include <hwy/highway.h>
 
+#include "cpu/amx_tiles-inl.h"
 #include "cpu/dropout_tile-inl.h"
 #include "cpu/score_mods-inl.h"
 #include "cpu/tile_kernels-inl.h"
-
-// The kernel is compiled for Highway's AVX3 target only (every AMX CPU has
-// AVX-512); the other targets get a stub that is never called.
-#undef ATTN_AMX_KERNEL
-#undef ATTN_AMX
-#if HWY_TARGET == HWY_AVX3 && defined(__x86_64__)
-#define ATTN_AMX_KERNEL 1
-#define ATTN_AMX __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
-#else
-#define ATTN_AMX_KERNEL 0
-#endif
 
 HWY_BEFORE_NAMESPACE();
 namespace attn::detail::HWY_NAMESPACE {
 namespace {
 
 #if ATTN_AMX_KERNEL
-using bf16 = uint16_t;
-
 constexpr int kQ = 32;           // queries per work item: two tile rows
 constexpr int kW = 256;          // keys per block: the score buffer's width
-constexpr int kPair = 32;        // the inner dimension of one tdpbf16ps (16 bf16 pairs)
-constexpr int kTile = 16 * 32;   // bf16 elements in one 16×64-byte operand tile
 static_assert(kW % kBk == 0, "score mods work on whole 64-key tiles");
 
 /// Where each (sequence, head)'s packed operands start, in bf16 elements.
@@ -118,48 +104,6 @@ AmxLayout MakeAmxLayout(const Problem& p) {
   return l;
 }
 
-/// n f32 values rounded to bf16 (vcvtneps2bf16: nearest even; like tdpbf16ps it
-/// reads subnormals as zero, so nothing is lost that the tiles would have used).
-ATTN_AMX void F32ToBf16(const float* src, int n, bf16* dst) {
-  int c = 0;
-  for (; c + 16 <= n; c += 16) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
-                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(src + c))));
-  }
-  if (c < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - c)) - 1);
-    _mm256_mask_storeu_epi16(dst + c, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + c))));
-  }
-}
-
-/// True when any of n bf16 values (n a multiple of 32) is NaN or ±∞ (all
-/// exponent bits set).
-HWY_INLINE bool AnyNonFiniteBf16(const bf16* x, int n) {
-  const hn::ScalableTag<uint16_t> du;
-  const auto exp_mask = hn::Set(du, 0x7F80);
-  auto bad = hn::Zero(du);
-  for (int c = 0; c < n; c += static_cast<int>(hn::Lanes(du))) {
-    bad = hn::Or(bad, hn::VecFromMask(du, hn::Eq(hn::And(hn::LoadU(du, x + c), exp_mask), exp_mask)));
-  }
-  return !hn::AllTrue(du, hn::Eq(bad, hn::Zero(du)));
-}
-
-/// Row i of an input tensor (base + at, `width` elements) as dp bf16 values: the
-/// row itself when it is already that (bf16, width = dp), else rounded / padded
-/// with zeros into `staging`. Rows past the end (real = false) are all zeros.
-ATTN_AMX const bf16* Bf16Row(const Problem& p, const float* base, int64_t at, int width, int dp, bool real,
-                             bf16* staging) {
-  if (real && p.dtype == DType::bf16 && width == dp) return reinterpret_cast<const bf16*>(base) + at;
-  std::fill(staging, staging + dp, bf16{0});
-  if (!real) return staging;
-  if (p.dtype == DType::bf16) {
-    std::memcpy(staging, reinterpret_cast<const bf16*>(base) + at, sizeof(bf16) * width);
-  } else {
-    F32ToBf16(base + at, width, staging);
-  }
-  return staging;
-}
-
 /// Packs query block qt of (b, h); rows beyond Lq and columns beyond d are zero.
 /// Returns true when a packed value is NaN or ±∞.
 ATTN_AMX bool PackQueries(const Problem& p, const AmxLayout& l, bf16* pack, int b, int h, int qt, bf16* staging) {
@@ -198,49 +142,19 @@ ATTN_AMX bool PackKeysValues(const Problem& p, const AmxLayout& l, bf16* pack, i
                        static_cast<uint64_t>(std::max(0, std::min(kPair, seq.Lk - t * kPair))) * (p.d + p.dv) * sizeof(bf16));
   // K: tile (group, d chunk c) row kk, column n = the pair K[key n][c·32 + 2kk ..]:
   // a 16×16 transpose of 32-bit pairs.
-  uint32_t* kdst = reinterpret_cast<uint32_t*>(l.K(pack, p, b, hk) + static_cast<size_t>(t) * 2 * dc * kTile);
+  bf16* kdst = l.K(pack, p, b, hk) + static_cast<size_t>(t) * 2 * dc * kTile;
   for (int g = 0; g < 2; ++g) {
-    for (int c = 0; c < dc; ++c) {
-      uint32_t* tile = kdst + (static_cast<size_t>(g) * dc + c) * (kTile / 2);
-      for (int n = 0; n < 16; ++n) {
-        uint32_t pairs[16];
-        std::memcpy(pairs, krow[g * 16 + n] + c * kPair, sizeof pairs);
-        for (int kk = 0; kk < 16; ++kk) tile[kk * 16 + n] = pairs[kk];
-      }
-    }
+    for (int c = 0; c < dc; ++c) PairTileTransposed(krow + g * 16, c * kPair, kdst + (static_cast<size_t>(g) * dc + c) * kTile);
   }
   // V: tile (chunk, column group cc) row kk, column x = (V[2kk][x], V[2kk+1][x]).
-  const hn::ScalableTag<uint32_t> du32;
-  const hn::Rebind<uint16_t, decltype(du32)> du16;
-  static_assert(HWY_LANES(uint32_t) == 16, "one V tile row is one vector of 16 pairs");
-  uint32_t* vdst = reinterpret_cast<uint32_t*>(l.V(pack, p, b, hk) + static_cast<size_t>(t) * vc * kTile);
+  bf16* vdst = l.V(pack, p, b, hk) + static_cast<size_t>(t) * vc * kTile;
   for (int cc = 0; cc < vc; ++cc) {
     for (int kk = 0; kk < 16; ++kk) {
-      const auto even = hn::PromoteTo(du32, hn::LoadU(du16, vrow[2 * kk] + cc * 16));
-      const auto odd = hn::PromoteTo(du32, hn::LoadU(du16, vrow[2 * kk + 1] + cc * 16));
-      hn::Store(hn::Or(even, hn::ShiftLeft<16>(odd)), du32, vdst + (static_cast<size_t>(cc) * 16 + kk) * 16);
+      PairRow(vrow[2 * kk] + cc * 16, vrow[2 * kk + 1] + cc * 16, vdst + (static_cast<size_t>(cc) * 16 + kk) * 32);
     }
   }
   return bad;
 }
-
-/// All eight tiles as 16 rows × 64 bytes (palette 1): 0–3 accumulators, 4–5 the
-/// A operands (two row blocks), 6–7 the B operands (two column blocks).
-ATTN_AMX void ConfigureTiles() {
-  alignas(64) uint8_t cfg[64] = {};
-  cfg[0] = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg[16 + 2 * t] = 64;  // bytes per row (little-endian uint16)
-    cfg[48 + t] = 16;      // rows
-  }
-  // GCC 12's _tile_loadconfig tells the compiler it reads only 8 bytes, so the
-  // stores above would be dropped as dead (and the tiles left unconfigured: #UD)
-  // without this barrier.
-  __asm__ volatile("" : : "r"(cfg) : "memory");
-  _tile_loadconfig(cfg);
-}
-
-ATTN_AMX void ReleaseTiles() { _tile_release(); }
 
 /// The tile products of one step of the pipeline, issued a few instructions at a
 /// time so that they run on the tile unit while AVX-512 computes a softmax:
@@ -340,27 +254,6 @@ ATTN_AMX void TileJob::Step() {
     ++i;
   }
   ++done;
-}
-
-/// Two vectors of f32 rounded to nearest even into 32 bf16 at dst.
-ATTN_AMX HWY_INLINE void StoreBf16x2(VF lo, VF hi, bf16* dst) {
-  _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi.raw, lo.raw)));
-}
-
-/// 2^x for probabilities that will be rounded to bf16 (8 bits), in 6 vector ops:
-/// f = x − ⌊x⌋ by vreduceps, a degree-4 polynomial fitted to 2^f on [0, 1) (relative
-/// error 3.0e-6, against the 1.2e-7 of Exp2NonPositive's degree 6), and vscalefps,
-/// which multiplies by 2^⌊x⌋ itself. −∞ gives exactly 0 (vreduceps(−∞) = 0 and
-/// 2^−∞ = 0), NaN gives NaN, results below the normal range round into subnormals.
-/// The softmax is what limits the AMX kernel (see ForwardBlock), so every op counts.
-ATTN_AMX HWY_INLINE VF Exp2Probability(VF x) {
-  const __m512 f = _mm512_reduce_ps(x.raw, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 e = _mm512_set1_ps(0.01342668456f);
-  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(0.0522424736f));
-  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(0.2412802052f));
-  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(0.6930448448f));
-  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(1.0f));
-  return VF{_mm512_scalef_ps(e, x.raw)};
 }
 
 /// The first half of the online-softmax step for a block of kQ rows × `width`
@@ -522,12 +415,6 @@ struct AmxScratch {
     hi = lo + kQ;
   }
 };
-
-/// True when any score modifier or mask other than the band is on.
-bool HasScoreMods(const Problem& p) {
-  return p.softcap > 0.0f || p.alibi != nullptr || p.add_mask != nullptr || p.bool_mask != nullptr ||
-         p.bm_blocks != nullptr || p.mods != nullptr;
-}
 
 /// One work item: sequence b, query head h, query block qt. Blocks of keys go
 /// through a two-stage pipeline: while AVX-512 turns block t's scores into

@@ -18,6 +18,7 @@
 #include <hwy/highway.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 
@@ -82,6 +83,19 @@ HWY_INLINE bool TileNeedsBand(const TilePlace& t) {
     if (t.lo[r] > t.j0 || t.hi[r] < t.j0 + kBk - 1) return true;
   }
   return false;
+}
+
+/// The key tiles query tile qt of sequence seq sees: [first, last] (empty when
+/// last < first), from the rows' bands (causal, window, key length).
+HWY_INLINE void QueryTileKeyRange(const Problem& p, const Sequence& seq, int qt, int* first, int* last) {
+  int jmin = INT_MAX, jmax = -1;
+  for (int i = qt * kBq; i < std::min(seq.Lq, (qt + 1) * kBq); ++i) {
+    int lo, hi;
+    BandOfRow(p, seq, i, &lo, &hi);
+    if (lo <= hi) jmin = std::min(jmin, lo), jmax = std::max(jmax, hi);
+  }
+  *first = jmax < 0 ? 0 : jmin / kBk;
+  *last = jmax < 0 ? -1 : jmax / kBk;
 }
 
 /// How options.block_mask covers a score tile.

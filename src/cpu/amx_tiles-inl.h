@@ -1,0 +1,221 @@
+// The Intel AMX pieces the bf16 kernels share (forward and backward): the tile
+// configuration, bf16 rounding and packing into tdpbf16ps's operand layouts, a
+// small tile GEMM, and the fast 2^x for probabilities. Per Highway target, hence
+// the toggling include guard; the AMX code exists for the AVX3 target only (every
+// AMX CPU has AVX-512), ATTN_AMX_KERNEL says whether this pass has it.
+//
+// Operand layouts. tdpbf16ps multiplies A (16 rows × 32 bf16) by B (16 rows of 16
+// bf16 pairs): C[m][n] += Σ_kk A[m][2kk]·B[kk][n].lo + A[m][2kk+1]·B[kk][n].hi.
+// A is plain row-major bf16. B for a logical [K][N] matrix X is "pair-packed":
+// tile (k chunk kc of 32, column group g of 16) holds in row kk, column n the pair
+// (X[32kc + 2kk][16g + n], X[32kc + 2kk + 1][16g + n]); where the tiles lie is the
+// caller's choice, passed to TileGemm as the strides of kc and g.
+// GCC 12 flags its own _mm512_undefined_ps idiom (inside _mm512_scalef_ps) here.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#if defined(ATTN_CPU_AMX_TILES_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef ATTN_CPU_AMX_TILES_INL_H_
+#undef ATTN_CPU_AMX_TILES_INL_H_
+#else
+#define ATTN_CPU_AMX_TILES_INL_H_
+#endif
+
+#include <hwy/highway.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu/tile_kernels-inl.h"
+#include "problem.hpp"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#undef ATTN_AMX_KERNEL
+#undef ATTN_AMX
+#if HWY_TARGET == HWY_AVX3 && defined(__x86_64__)
+#define ATTN_AMX_KERNEL 1
+#define ATTN_AMX __attribute__((target("amx-tile,amx-bf16,avx512bf16")))
+#else
+#define ATTN_AMX_KERNEL 0
+#endif
+
+HWY_BEFORE_NAMESPACE();
+namespace attn::detail::HWY_NAMESPACE {
+
+/// True when any score modifier or mask other than the band is on.
+inline bool HasScoreMods(const Problem& p) {
+  return p.softcap > 0.0f || p.alibi != nullptr || p.add_mask != nullptr || p.bool_mask != nullptr ||
+         p.bm_blocks != nullptr || p.mods != nullptr;
+}
+
+#if ATTN_AMX_KERNEL
+using bf16 = uint16_t;
+
+constexpr int kPair = 32;       // the inner dimension of one tdpbf16ps (16 bf16 pairs)
+constexpr int kTile = 16 * 32;  // bf16 elements in one 16×64-byte operand tile
+
+/// n f32 values rounded to bf16 (vcvtneps2bf16: nearest even; like tdpbf16ps it
+/// reads subnormals as zero, so nothing is lost that the tiles would have used).
+inline ATTN_AMX void F32ToBf16(const float* src, int n, bf16* dst) {
+  int c = 0;
+  for (; c + 16 <= n; c += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(src + c))));
+  }
+  if (c < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - c)) - 1);
+    _mm256_mask_storeu_epi16(dst + c, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + c))));
+  }
+}
+
+/// True when any of n bf16 values (n a multiple of 32) is NaN or ±∞ (all
+/// exponent bits set).
+HWY_INLINE bool AnyNonFiniteBf16(const bf16* x, int n) {
+  const hn::ScalableTag<uint16_t> du;
+  const auto exp_mask = hn::Set(du, 0x7F80);
+  auto bad = hn::Zero(du);
+  for (int c = 0; c < n; c += static_cast<int>(hn::Lanes(du))) {
+    bad = hn::Or(bad, hn::VecFromMask(du, hn::Eq(hn::And(hn::LoadU(du, x + c), exp_mask), exp_mask)));
+  }
+  return !hn::AllTrue(du, hn::Eq(bad, hn::Zero(du)));
+}
+
+
+/// Row i of an input tensor (base + at, `width` elements) as dp bf16 values: the
+/// row itself when it is already that (bf16, width = dp), else rounded / padded
+/// with zeros into `staging`. Rows past the end (real = false) are all zeros.
+inline ATTN_AMX const bf16* Bf16Row(const Problem& p, const float* base, int64_t at, int width, int dp, bool real,
+                             bf16* staging) {
+  if (real && p.dtype == DType::bf16 && width == dp) return reinterpret_cast<const bf16*>(base) + at;
+  std::fill(staging, staging + dp, bf16{0});
+  if (!real) return staging;
+  if (p.dtype == DType::bf16) {
+    std::memcpy(staging, reinterpret_cast<const bf16*>(base) + at, sizeof(bf16) * width);
+  } else {
+    F32ToBf16(base + at, width, staging);
+  }
+  return staging;
+}
+
+
+/// All eight tiles as 16 rows × 64 bytes (palette 1): 0–3 accumulators, 4–5 the
+/// A operands (two row blocks), 6–7 the B operands (two column blocks).
+inline ATTN_AMX void ConfigureTiles() {
+  alignas(64) uint8_t cfg[64] = {};
+  cfg[0] = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg[16 + 2 * t] = 64;  // bytes per row (little-endian uint16)
+    cfg[48 + t] = 16;      // rows
+  }
+  // GCC 12's _tile_loadconfig tells the compiler it reads only 8 bytes, so the
+  // stores above would be dropped as dead (and the tiles left unconfigured: #UD)
+  // without this barrier.
+  __asm__ volatile("" : : "r"(cfg) : "memory");
+  _tile_loadconfig(cfg);
+}
+
+inline ATTN_AMX void ReleaseTiles() { _tile_release(); }
+
+
+/// Two vectors of f32 rounded to nearest even into 32 bf16 at dst.
+HWY_INLINE ATTN_AMX void StoreBf16x2(VF lo, VF hi, bf16* dst) {
+  _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi.raw, lo.raw)));
+}
+
+/// 2^x for probabilities that will be rounded to bf16 (8 bits), in 6 vector ops:
+/// f = x − ⌊x⌋ by vreduceps, a degree-4 polynomial fitted to 2^f on [0, 1) (relative
+/// error 3.0e-6, against the 1.2e-7 of Exp2NonPositive's degree 6), and vscalefps,
+/// which multiplies by 2^⌊x⌋ itself. −∞ gives exactly 0 (vreduceps(−∞) = 0 and
+/// 2^−∞ = 0), NaN gives NaN, results below the normal range round into subnormals.
+/// The softmax is what limits the AMX kernel (see ForwardBlock), so every op counts.
+HWY_INLINE ATTN_AMX VF Exp2Probability(VF x) {
+  const __m512 f = _mm512_reduce_ps(x.raw, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 e = _mm512_set1_ps(0.01342668456f);
+  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(0.0522424736f));
+  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(0.2412802052f));
+  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(0.6930448448f));
+  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(1.0f));
+  return VF{_mm512_scalef_ps(e, x.raw)};
+}
+
+/// C[M][N] (f32, row stride ldc floats) = A·B, or C + A·B when accumulate; M and N
+/// multiples of 32, K of 32. A: bf16 rows (row stride lda elements); B: pair-packed,
+/// tile (kc, g) at b + kc·b_kc + g·b_g. Blocks of 32×32 outputs (2×2 accumulator
+/// tiles, so each loaded operand tile feeds two tdpbf16ps). Tiles as ConfigureTiles.
+inline ATTN_AMX void TileGemm(const bf16* a, size_t lda, const bf16* b, size_t b_kc, size_t b_g, float* c,
+                              size_t ldc, int M, int N, int K, bool accumulate) {
+  const size_t a_ld = sizeof(bf16) * lda, c_ld = sizeof(float) * ldc;
+  for (int m0 = 0; m0 < M; m0 += 32) {
+    for (int n0 = 0; n0 < N; n0 += 32) {
+      float* c0 = c + m0 * ldc + n0;
+      float* c1 = c0 + 16 * ldc;
+      if (accumulate) {
+        _tile_loadd(0, c0, c_ld);
+        _tile_loadd(1, c0 + 16, c_ld);
+        _tile_loadd(2, c1, c_ld);
+        _tile_loadd(3, c1 + 16, c_ld);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      const bf16* a0 = a + m0 * lda;
+      const bf16* bg = b + (n0 / 16) * b_g;
+      for (int kc = 0; kc < K / kPair; ++kc) {
+        _tile_loadd(4, a0 + kc * kPair, a_ld);
+        _tile_loadd(5, a0 + 16 * lda + kc * kPair, a_ld);
+        _tile_loadd(6, bg + kc * b_kc, 64);
+        _tile_loadd(7, bg + kc * b_kc + b_g, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, c0, c_ld);
+      _tile_stored(1, c0 + 16, c_ld);
+      _tile_stored(2, c1, c_ld);
+      _tile_stored(3, c1 + 16, c_ld);
+    }
+  }
+}
+
+/// One row of a pair-packed tile from two bf16 rows: dst[n] = (even[n], odd[n]),
+/// n < 16.
+HWY_INLINE ATTN_AMX void PairRow(const bf16* even, const bf16* odd, bf16* dst) {
+  const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even)));
+  const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd)));
+  _mm512_storeu_si512(dst, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+}
+
+/// The same from two f32 rows, rounded to bf16 (nearest even).
+HWY_INLINE ATTN_AMX void PairRowF32(const float* even, const float* odd, bf16* dst) {
+  // cvtne2ps puts even's 16 values in the low half and odd's in the high half;
+  // the permutation interleaves them.
+  const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(odd), _mm512_loadu_ps(even)));
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(interleave, both));
+}
+
+/// A pair-packed tile of Xᵀ from 16 bf16 rows of X: row kk, column n holds the pair
+/// (rows[n][col0 + 2kk], rows[n][col0 + 2kk + 1]) — a 16×16 transpose of 32-bit
+/// pairs. (X = K gives the B operand of S = Q·Kᵀ.)
+inline ATTN_AMX void PairTileTransposed(const bf16* const* rows, int col0, bf16* tile) {
+  uint32_t* dst = reinterpret_cast<uint32_t*>(tile);
+  for (int n = 0; n < 16; ++n) {
+    uint32_t pairs[16];
+    std::memcpy(pairs, rows[n] + col0, sizeof pairs);
+    for (int kk = 0; kk < 16; ++kk) dst[kk * 16 + n] = pairs[kk];
+  }
+}
+
+#endif  // ATTN_AMX_KERNEL
+
+}  // namespace attn::detail::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // include guard

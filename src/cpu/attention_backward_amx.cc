@@ -1,0 +1,552 @@
+// bf16 attention backward on Intel AMX: FlashAttention-2's backward with all five
+// products on the tile unit, deterministic like the f32 kernel (attention_backward.cc,
+// whose schedule this follows).
+//
+// One work item is (sequence b, kv head hk, key tile kt of 64 keys); it owns dK and
+// dV of its keys. For every query head h of the group and every 64-query tile qt
+// whose band reaches the keys (a step):
+//   S   = Q·Kᵀ                    tiles, [64 q][64 k]
+//   dP  = dO·Vᵀ                   tiles, [64 q][64 k]
+//   P   = e^(scale·S (+ mods) − lse), P' = P·dropout      AVX-512, f32
+//   dS  = scale · P ∘ (dP·dropout − D)                      AVX-512, f32
+//   dVᵀ += dOᵀ·P'                 tiles, [dv][64 k]  (kept transposed: see below)
+//   dKᵀ += Qᵀ·dS                  tiles, [d][64 k]
+//   dQ   = dS·K                   tiles, [64 q][d], added into an f32 dQ in key-tile
+//                                 order (the f32 kernel's turn counters)
+// Why dKᵀ and dVᵀ: tdpbf16ps's B operand takes pairs of rows of its [K][N] matrix,
+// and for dK = dSᵀ·Q the inner dimension is the queries. With queries as the inner
+// dimension and keys as columns, B is dS itself, packed by interleaving two of its
+// rows (PairRowF32, two vector ops per 16 pairs), and A is Qᵀ, transposed once per
+// call; the other orientation would transpose dS and P in every step. The
+// accumulators are transposed back once per item.
+//
+// D = rowsum(dO ∘ O) and the packing of Q, Qᵀ, dO, dOᵀ (per query tile) and of K, V
+// in both layouts (per key tile) run first; every value is rounded to bf16 once.
+// Declines (returns false having written nothing; the caller takes the widened f32
+// path, with its exact semantics): NaN or ±∞ in the packed inputs (tdpbf16ps reads
+// subnormals as zero, so 0·∞ would come out differently), rows whose |lse| needs
+// the f32 kernel's recomputation (RowStats), softcap, the user's score mods and a
+// requested dbias (their derivatives live in the f32 kernel only).
+#include "cpu/attention_backward_amx.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "cpu/workspace.hpp"
+#include "dropout/dropout_at.hpp"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "cpu/attention_backward_amx.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+
+#include <hwy/highway.h>
+
+#include "cpu/amx_tiles-inl.h"
+#include "cpu/score_mods-inl.h"
+#include "cpu/tile_kernels-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace attn::detail::HWY_NAMESPACE {
+namespace {
+
+#if ATTN_AMX_KERNEL
+static_assert(kBq == 64 && kBk == 64, "the AMX backward steps are the AVX3 f32 kernel's 64×64 tiles");
+
+/// |lse| from which the f32 kernel recomputes a row's softmax statistics (see
+/// kLseRecompute in attention_backward.cc); such calls are declined.
+constexpr float kLseLimit = 128.0f;
+
+/// Where the packed operands of each query tile and key tile lie (bf16 elements),
+/// and the per-row f32 arrays (lse, D, the dQ accumulator).
+struct BwdAmxLayout {
+  int dp = 0, dvp = 0;  // d, dv rounded up to 32
+  std::vector<size_t> q_base, k_base, row_base;
+  size_t total = 0, rows = 0;
+
+  // Per query tile: Q rows [64][dp], Qᵀ [dp][64], dO rows [64][dvp], dOᵀ [dvp][64].
+  size_t QTileElems() const { return size_t{2} * kBq * (dp + dvp); }
+  // Per key tile: K for S (pair-packed Kᵀ: groups of 16 keys × d chunks), K for dQ
+  // (pair-packed over keys: key chunks × column groups), V for dP (like the first).
+  size_t KTileElems() const { return size_t{kBk} * (2 * dp + dvp); }
+
+  bf16* QTile(bf16* pack, const Problem& p, int b, int h, int qt) const {
+    return pack + q_base[b] + (static_cast<size_t>(h) * QueryTiles(p.seqs[b].Lq) + qt) * QTileElems();
+  }
+  bf16* KTile(bf16* pack, const Problem& p, int b, int hk, int kt) const {
+    return pack + k_base[b] + (static_cast<size_t>(hk) * KeyTiles(p.seqs[b].Lk) + kt) * KTileElems();
+  }
+  static bf16* QRows(bf16* t, int) { return t; }
+  static bf16* QCols(bf16* t, int dp) { return t + size_t{kBq} * dp; }
+  static bf16* GRows(bf16* t, int dp) { return t + size_t{2} * kBq * dp; }
+  static bf16* GCols(bf16* t, int dp, int dvp) { return t + size_t{2} * kBq * dp + size_t{kBq} * dvp; }
+  static bf16* KForS(bf16* t, int) { return t; }
+  static bf16* KForDq(bf16* t, int dp) { return t + size_t{kBk} * dp; }
+  static bf16* VForDp(bf16* t, int dp) { return t + size_t{2} * kBk * dp; }
+  // Row r (< 64·tiles) of (b, h) in the per-row arrays.
+  size_t Row(const Problem& p, int b, int h, int i) const {
+    return row_base[b] + static_cast<size_t>(h) * QueryTiles(p.seqs[b].Lq) * kBq + i;
+  }
+};
+
+BwdAmxLayout MakeBwdAmxLayout(const Problem& p) {
+  BwdAmxLayout l;
+  l.dp = RoundUp(p.d, kPair);
+  l.dvp = RoundUp(p.dv, kPair);
+  for (const Sequence& seq : p.seqs) {
+    l.q_base.push_back(l.total);
+    l.total += static_cast<size_t>(p.Hq) * QueryTiles(seq.Lq) * l.QTileElems();
+    l.k_base.push_back(l.total);
+    l.total += static_cast<size_t>(p.Hkv) * KeyTiles(seq.Lk) * l.KTileElems();
+    l.row_base.push_back(l.rows);
+    l.rows += static_cast<size_t>(p.Hq) * QueryTiles(seq.Lq) * kBq;
+  }
+  return l;
+}
+
+/// Element at of a q/k/v/out-like tensor as f32 (bf16 or f32 storage).
+inline float LoadAs(const Problem& p, const float* base, int64_t at) {
+  if (p.dtype != DType::bf16) return base[at];
+  const uint32_t u = uint32_t{reinterpret_cast<const bf16*>(base)[at]} << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+/// n f32 values into a bf16 (rounded to nearest even) or f32 tensor at element at.
+inline ATTN_AMX void StoreAs(const Problem& p, float* base, int64_t at, const float* src, int n) {
+  if (p.dtype == DType::bf16) {
+    F32ToBf16(src, n, reinterpret_cast<bf16*>(base) + at);
+  } else {
+    std::memcpy(base + at, src, sizeof(float) * n);
+  }
+}
+
+/// Zeros n elements of a gradient tensor (bf16 or f32 storage) at element at.
+inline void ZeroAs(const Problem& p, float* base, int64_t at, int n) {
+  if (p.dtype == DType::bf16) {
+    std::fill_n(reinterpret_cast<bf16*>(base) + at, n, bf16{0});
+  } else {
+    std::fill_n(base + at, n, 0.0f);
+  }
+}
+
+/// Everything the work items share.
+struct BwdAmxShared {
+  const BackwardProblem& bp;
+  const BwdAmxLayout& lay;
+  bf16* pack;
+  float* lse;     // per row: lse (−∞ for rows without keys and for padding)
+  float* dsum;    // per row: D
+  float* dq;      // per row: dp floats of the f32 dQ accumulator
+  std::atomic<int>* turns;  // per (sequence, head, query tile)
+  const std::vector<size_t>& turn_base;
+  const std::vector<std::vector<int>>& qt_first;
+  const std::vector<std::vector<int>>& qt_last;
+};
+
+/// Packs query tile qt of (b, h): Q and dO as rows and transposed, rounded to bf16;
+/// D = Σ dO·O per row (on the rounded dO, the one the tiles multiply); lse; zeroes
+/// the rows' dQ accumulator. Returns false when a value is NaN or ±∞ or an lse is
+/// outside what the kernel handles.
+ATTN_AMX bool PackQueryTile(const BwdAmxShared& sh, int b, int h, int qt, bf16* staging) {
+  const BackwardProblem& bp = sh.bp;
+  const Problem& p = bp.fwd;
+  const Sequence& seq = p.seqs[b];
+  const BwdAmxLayout& l = sh.lay;
+  const int dp = l.dp, dvp = l.dvp;
+  bf16* t = l.QTile(sh.pack, p, b, h, qt);
+  bf16 *qr = BwdAmxLayout::QRows(t, dp), *qc = BwdAmxLayout::QCols(t, dp);
+  bf16 *gr = BwdAmxLayout::GRows(t, dp), *gc = BwdAmxLayout::GCols(t, dp, dvp);
+  bool ok = true;
+  for (int r = 0; r < kBq; ++r) {
+    const int i = qt * kBq + r;
+    const bool real = i < seq.Lq;
+    const bf16* q = Bf16Row(p, p.q, seq.q_offset + h * p.q_head + int64_t{i} * p.q_row, p.d, dp, real, staging);
+    const bf16* g = Bf16Row(p, bp.dout, seq.dout_offset + h * bp.dout_head + int64_t{i} * bp.dout_row, p.dv, dvp,
+                            real, staging + dp);
+    ok &= !AnyNonFiniteBf16(q, dp) && !AnyNonFiniteBf16(g, dvp);
+    std::memcpy(qr + static_cast<size_t>(r) * dp, q, sizeof(bf16) * dp);
+    std::memcpy(gr + static_cast<size_t>(r) * dvp, g, sizeof(bf16) * dvp);
+    for (int c = 0; c < dp; ++c) qc[static_cast<size_t>(c) * kBq + r] = q[c];
+    for (int c = 0; c < dvp; ++c) gc[static_cast<size_t>(c) * kBq + r] = g[c];
+    const size_t row = l.Row(p, b, h, i);
+    std::fill_n(sh.dq + row * dp, dp, 0.0f);
+    if (!real) {
+      sh.lse[row] = -HUGE_VALF, sh.dsum[row] = 0.0f;
+      continue;
+    }
+    const float lse = p.lse[seq.lse_offset + h * p.lse_h + int64_t{i} * p.lse_i];
+    ok &= lse == -HUGE_VALF || (std::isfinite(lse) && std::fabs(lse) < kLseLimit);
+    sh.lse[row] = lse;
+    // The order of the f32 kernel's D (one fused multiply-add per column).
+    const int64_t o_at = seq.out_offset + h * p.out_head + int64_t{i} * p.out_row;
+    float acc = 0.0f;
+    for (int c = 0; c < p.dv; ++c) {
+      const uint32_t u = uint32_t{g[c]} << 16;
+      float gf;
+      std::memcpy(&gf, &u, 4);
+      acc = std::fma(gf, LoadAs(p, p.out, o_at + c), acc);
+    }
+    sh.dsum[row] = acc;
+  }
+  return ok;
+}
+
+/// Packs key tile kt of (b, hk): K as the B operand of S = Q·Kᵀ and of dQ = dS·K,
+/// V as the B operand of dP = dO·Vᵀ. Returns false when a value is NaN or ±∞.
+ATTN_AMX bool PackKeyTile(const BwdAmxShared& sh, int b, int hk, int kt, bf16* staging) {
+  const Problem& p = sh.bp.fwd;
+  const Sequence& seq = p.seqs[b];
+  const BwdAmxLayout& l = sh.lay;
+  const int dp = l.dp, dvp = l.dvp, dc = dp / kPair, vc = dvp / kPair;
+  const bf16* krow[kBk];
+  const bf16* vrow[kBk];
+  bool ok = true;
+  for (int n = 0; n < kBk; ++n) {
+    const int j = kt * kBk + n;
+    krow[n] = Bf16Row(p, p.k, seq.k_offset + hk * p.k_head + int64_t{j} * p.k_row, p.d, dp, j < seq.Lk,
+                      staging + static_cast<size_t>(n) * dp);
+    vrow[n] = Bf16Row(p, p.v, seq.v_offset + hk * p.v_head + int64_t{j} * p.v_row, p.dv, dvp, j < seq.Lk,
+                      staging + static_cast<size_t>(kBk) * dp + static_cast<size_t>(n) * dvp);
+    ok &= !AnyNonFiniteBf16(krow[n], dp) && !AnyNonFiniteBf16(vrow[n], dvp);
+  }
+  bf16* t = l.KTile(sh.pack, p, b, hk, kt);
+  bf16 *ks = BwdAmxLayout::KForS(t, dp), *kq = BwdAmxLayout::KForDq(t, dp), *vp = BwdAmxLayout::VForDp(t, dp);
+  // Kᵀ and Vᵀ ([d][keys]): tile (d chunk c, key group g) at (g·chunks + c)·kTile.
+  for (int g = 0; g < kBk / 16; ++g) {
+    for (int c = 0; c < dc; ++c) PairTileTransposed(krow + g * 16, c * kPair, ks + (static_cast<size_t>(g) * dc + c) * kTile);
+    for (int c = 0; c < vc; ++c) PairTileTransposed(vrow + g * 16, c * kPair, vp + (static_cast<size_t>(g) * vc + c) * kTile);
+  }
+  // K ([keys][d]): tile (key chunk kc, column group g) at (kc·dp/16 + g)·kTile.
+  for (int kc = 0; kc < kBk / kPair; ++kc) {
+    for (int g = 0; g < dp / 16; ++g) {
+      bf16* tile = kq + (static_cast<size_t>(kc) * (dp / 16) + g) * kTile;
+      for (int kk = 0; kk < 16; ++kk) PairRow(krow[kc * kPair + 2 * kk] + g * 16, krow[kc * kPair + 2 * kk + 1] + g * 16, tile + kk * 32);
+    }
+  }
+  return ok;
+}
+
+/// Per-thread buffers of a work item.
+struct BwdAmxScratch {
+  float* s;      // [64][64]  scores, then P' (P with dropout)
+  float* dp;     // [64][64]  dP, then dS
+  float* drop;   // [64][64]  dropout multipliers
+  float* dq;     // [64][dp]  this step's dQ
+  float* dkt;    // [dp][64]  the item's dKᵀ
+  float* dvt;    // [dvp][64] the item's dVᵀ
+  bf16* p_pairs;   // P' pair-packed over queries (B of dVᵀ)
+  bf16* ds_pairs;  // dS likewise (B of dKᵀ)
+  bf16* ds_rows;   // dS rows (A of dQ)
+  int *lo, *hi;
+
+  static size_t Floats(int dp, int dvp) {
+    const size_t tile = size_t{kBq} * kBk;
+    return 3 * tile + 3 * tile / 2 + size_t{kBq} * dp + size_t{kBk} * (dp + dvp) + 2 * kBq;
+  }
+  BwdAmxScratch(int dp_, int dvp_) {
+    const size_t tile = size_t{kBq} * kBk;
+    float* x = thread_scratch(kSlotTile, Floats(dp_, dvp_));
+    s = x, x += tile;
+    dp = x, x += tile;
+    drop = x, x += tile;
+    dq = x, x += size_t{kBq} * dp_;
+    dkt = x, x += size_t{kBk} * dp_;
+    dvt = x, x += size_t{kBk} * dvp_;
+    p_pairs = reinterpret_cast<bf16*>(x), x += tile / 2;
+    ds_pairs = reinterpret_cast<bf16*>(x), x += tile / 2;
+    ds_rows = reinterpret_cast<bf16*>(x), x += tile / 2;
+    lo = reinterpret_cast<int*>(x), hi = lo + kBq;
+  }
+};
+
+/// Waits until it is key tile kt's turn to add into dQ of (b, h, query tile qt).
+std::atomic<int>& WaitTurn(const BwdAmxShared& sh, int b, int h, int kt, int qt) {
+  std::atomic<int>& turn = sh.turns[sh.turn_base[b] + size_t(h) * QueryTiles(sh.bp.fwd.seqs[b].Lq) + qt];
+  while (turn.load(std::memory_order_acquire) != kt) __builtin_ia32_pause();
+  return turn;
+}
+
+/// P', dS (scaled) from S and dP for one step, in place (s ← P', dp ← dS), and
+/// their bf16 forms for the tiles.
+ATTN_AMX void SoftmaxGradient(const BwdAmxShared& sh, BwdAmxScratch& w, int b, int h, int i0, int rows, int j0,
+                              bool natural) {
+  const Problem& p = sh.bp.fwd;
+  const Sequence& seq = p.seqs[b];
+  const DF df;
+  constexpr float kLog2e = 1.44269504088896341f;
+  const bool dropout = p.dropout_p > 0.0f;
+  if (dropout) {
+    const DropoutRng rng = dropout_rng(p);
+    const float inv_keep = 1.0f / (1.0f - p.dropout_p);
+    for (int r = 0; r < rows; ++r) {
+      for (int j = 0; j < kBk; j += 4) {
+        const unsigned keep = keep4_at(rng, p, b, h, i0 + r, j0 + j);
+        for (int n = 0; n < 4; ++n) w.drop[r * kBk + j + n] = (keep >> n) & 1u ? inv_keep : 0.0f;
+      }
+    }
+  }
+  (void)seq;
+  const VF scale = hn::Set(df, p.scale), log2e = hn::Set(df, kLog2e);
+  for (int r = 0; r < kBq; ++r) {
+    float* sr = w.s + r * kBk;
+    float* gr = w.dp + r * kBk;
+    const size_t row = sh.lay.Row(p, b, h, i0 + r);
+    const float lse = sh.lse[row];
+    if (r >= rows || lse == -HUGE_VALF) {  // no key (or padding): P = dS = 0
+      std::fill(sr, sr + kBk, 0.0f);
+      std::fill(gr, gr + kBk, 0.0f);
+      continue;
+    }
+    const VF m = hn::Set(df, lse), dsum = hn::Set(df, sh.dsum[row]);
+    for (int c = 0; c < kBk; c += kLanes) {
+      const VF s = hn::Load(df, sr + c);
+      // natural: s is already scale·score with the modifiers; else the raw dot
+      // product, and scale·s − lse is one rounding (removed keys: −∞ → P = 0).
+      const VF x = natural ? hn::Sub(s, m) : hn::MulSub(s, scale, m);
+      const VF prob = Exp2Probability(hn::Mul(x, log2e));
+      VF g = hn::Load(df, gr + c);
+      VF pd = prob;
+      if (dropout) {
+        const VF keep = hn::Load(df, w.drop + r * kBk + c);
+        pd = hn::Mul(prob, keep);
+        g = hn::Mul(g, keep);
+      }
+      hn::Store(pd, df, sr + c);
+      hn::Store(hn::Mul(hn::Mul(prob, hn::Sub(g, dsum)), scale), df, gr + c);
+    }
+  }
+  for (int r = 0; r < kBq; r += 2) {
+    // Pair-packed over queries: tile (query chunk r/32, key group g), row (r % 32)/2.
+    for (int g = 0; g < kBk / 16; ++g) {
+      const size_t at = (static_cast<size_t>(r / kPair) * (kBk / 16) + g) * kTile + (r % kPair) / 2 * 32;
+      PairRowF32(w.s + r * kBk + g * 16, w.s + (r + 1) * kBk + g * 16, w.p_pairs + at);
+      PairRowF32(w.dp + r * kBk + g * 16, w.dp + (r + 1) * kBk + g * 16, w.ds_pairs + at);
+    }
+  }
+  for (int r = 0; r < kBq; ++r) {
+    for (int c = 0; c < kBk; c += 2 * kLanes) {
+      StoreBf16x2(hn::Load(df, w.dp + r * kBk + c), hn::Load(df, w.dp + r * kBk + c + kLanes), w.ds_rows + r * kBk + c);
+    }
+  }
+}
+
+/// One step: key tile kt of (b, hk) against query tile qt of head h.
+ATTN_AMX void BackwardStep(const BwdAmxShared& sh, BwdAmxScratch& w, int b, int h, int hk, int kt, int qt) {
+  const Problem& p = sh.bp.fwd;
+  const Sequence& seq = p.seqs[b];
+  const BwdAmxLayout& l = sh.lay;
+  const int dp = l.dp, dvp = l.dvp;
+  const int i0 = qt * kBq, rows = std::min(kBq, seq.Lq - i0);
+  const int j0 = kt * kBk, nk = std::min(kBk, seq.Lk - j0);
+  bf16* qtile = l.QTile(sh.pack, p, b, h, qt);
+  bf16* ktile = l.KTile(sh.pack, p, b, hk, kt);
+
+  // S = Q·Kᵀ and dP = dO·Vᵀ: B tiles (chunk c, key group g) at (g·chunks + c)·kTile.
+  TileGemm(BwdAmxLayout::QRows(qtile, dp), dp, BwdAmxLayout::KForS(ktile, dp), kTile, size_t{dp / kPair} * kTile,
+           w.s, kBk, kBq, kBk, dp, false);
+  TileGemm(BwdAmxLayout::GRows(qtile, dp), dvp, BwdAmxLayout::VForDp(ktile, dp), kTile,
+           size_t{dvp / kPair} * kTile, w.dp, kBk, kBq, kBk, dvp, false);
+
+  for (int r = 0; r < rows; ++r) BandOfRow(p, seq, i0 + r, &w.lo[r], &w.hi[r]);
+  const TilePlace place{b, h, i0, rows, j0, nk, w.lo, w.hi};
+  const bool band = TileNeedsBand(place);
+  const bool natural = band || HasScoreMods(p);
+  if (natural) {
+    const DF df;
+    const VF scale = hn::Set(df, p.scale);
+    for (int n = 0; n < kBq * kBk; n += kLanes) hn::Store(hn::Mul(hn::Load(df, w.s + n), scale), df, w.s + n);
+    ApplyScoreMods(p, seq, place, w.s, kBk, band);
+  }
+  SoftmaxGradient(sh, w, b, h, i0, rows, j0, natural);
+
+  // dVᵀ += dOᵀ·P', dKᵀ += Qᵀ·dS: B tiles (query chunk, key group g) at (chunk·4 + g)·kTile.
+  TileGemm(BwdAmxLayout::GCols(qtile, dp, dvp), kBq, w.p_pairs, size_t{kBk / 16} * kTile, kTile, w.dvt, kBk, dvp,
+           kBk, kBq, true);
+  TileGemm(BwdAmxLayout::QCols(qtile, dp), kBq, w.ds_pairs, size_t{kBk / 16} * kTile, kTile, w.dkt, kBk, dp, kBk,
+           kBq, true);
+  // dQ = dS·K: B tiles (key chunk, column group g) at (chunk·dp/16 + g)·kTile.
+  TileGemm(w.ds_rows, kBk, BwdAmxLayout::KForDq(ktile, dp), size_t{dp / 16} * kTile, kTile, w.dq, dp, kBq, dp, kBk,
+           false);
+
+  std::atomic<int>& turn = WaitTurn(sh, b, h, kt, qt);
+  const DF df;
+  for (int r = 0; r < rows; ++r) {
+    float* acc = sh.dq + l.Row(p, b, h, i0 + r) * dp;
+    const float* add = w.dq + static_cast<size_t>(r) * dp;
+    for (int c = 0; c < dp; c += kLanes) hn::StoreU(hn::Add(hn::LoadU(df, acc + c), hn::Load(df, add + c)), df, acc + c);
+  }
+  turn.store(kt + 1, std::memory_order_release);
+}
+
+/// Work item: key tile kt of (b, hk) over every query head of the group and every
+/// query tile whose band reaches it; writes dK and dV of its keys.
+ATTN_AMX void BackwardItem(const BwdAmxShared& sh, int b, int hk, int kt) {
+  const BackwardProblem& bp = sh.bp;
+  const Problem& p = bp.fwd;
+  const Sequence& seq = p.seqs[b];
+  const int dp = sh.lay.dp, dvp = sh.lay.dvp;
+  BwdAmxScratch w(dp, dvp);
+  std::fill(w.dkt, w.dkt + size_t{kBk} * dp, 0.0f);
+  std::fill(w.dvt, w.dvt + size_t{kBk} * dvp, 0.0f);
+  const int j0 = kt * kBk, nk = std::min(kBk, seq.Lk - j0);
+  for (int h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
+    for (int qt = 0; qt < QueryTiles(seq.Lq); ++qt) {
+      if (kt < sh.qt_first[b][qt] || kt > sh.qt_last[b][qt]) continue;
+      const int i0 = qt * kBq;
+      if (BlockMaskCover(p, b, h, i0, std::min(kBq, seq.Lq - i0), j0, nk) == Cover::kEmpty) {
+        WaitTurn(sh, b, h, kt, qt).store(kt + 1, std::memory_order_release);  // dQ's order is kept
+        continue;
+      }
+      BackwardStep(sh, w, b, h, hk, kt, qt);
+    }
+  }
+  // dK, dV rows from the transposed accumulators.
+  float* row = w.dq;  // free now: one row of up to max(dp, dvp) ≤ 64·dp floats
+  for (int j = 0; j < nk; ++j) {
+    for (int c = 0; c < p.d; ++c) row[c] = w.dkt[static_cast<size_t>(c) * kBk + j];
+    StoreAs(p, bp.dk, seq.dk_offset + hk * bp.dk_head + int64_t{j0 + j} * bp.dk_row, row, p.d);
+    for (int c = 0; c < p.dv; ++c) row[c] = w.dvt[static_cast<size_t>(c) * kBk + j];
+    StoreAs(p, bp.dv, seq.dv_offset + hk * bp.dv_head + int64_t{j0 + j} * bp.dv_row, row, p.dv);
+  }
+}
+
+bool BackwardAmxImpl(const BackwardProblem& bp, int threads) {
+  const Problem& p = bp.fwd;
+  if (bp.dbias != nullptr || p.softcap > 0.0f || p.mods != nullptr) return false;
+  const BwdAmxLayout lay = MakeBwdAmxLayout(p);
+  bf16* pack = reinterpret_cast<bf16*>(thread_scratch(kSlotPackedKv, (lay.total + 1) / 2));
+  std::vector<float> lse(lay.rows), dsum(lay.rows), dq(lay.rows * lay.dp);
+
+  struct Item {
+    int b, h, t;
+  };
+  std::vector<Item> qpacks, kpacks;
+  std::vector<size_t> turn_base(p.seqs.size());
+  std::vector<std::vector<int>> qt_first(p.seqs.size()), qt_last(p.seqs.size());
+  size_t turn_total = 0;
+  double flops = 0;
+  for (int b = 0; b < p.B; ++b) {
+    const Sequence& seq = p.seqs[b];
+    turn_base[b] = turn_total, turn_total += size_t(p.Hq) * QueryTiles(seq.Lq);
+    qt_first[b].resize(QueryTiles(seq.Lq)), qt_last[b].resize(QueryTiles(seq.Lq));
+    for (int qt = 0; qt < QueryTiles(seq.Lq); ++qt) {
+      QueryTileKeyRange(p, seq, qt, &qt_first[b][qt], &qt_last[b][qt]);
+      for (int h = 0; h < p.Hq; ++h) qpacks.push_back({b, h, qt});
+    }
+    for (int hk = 0; hk < p.Hkv; ++hk) {
+      for (int t = 0; t < KeyTiles(seq.Lk); ++t) kpacks.push_back({b, hk, t});
+    }
+    flops += 5.0 * seq.Lq * seq.Lk * (p.d + p.dv) * p.Hq;
+  }
+  std::unique_ptr<std::atomic<int>[]> turns(new std::atomic<int>[std::max<size_t>(1, turn_total)]);
+  for (int b = 0; b < p.B; ++b) {
+    for (int h = 0; h < p.Hq; ++h) {
+      for (int qt = 0; qt < QueryTiles(p.seqs[b].Lq); ++qt) {
+        turns[turn_base[b] + size_t(h) * QueryTiles(p.seqs[b].Lq) + qt].store(qt_first[b][qt]);
+      }
+    }
+  }
+  const BwdAmxShared sh{bp, lay, pack, lse.data(), dsum.data(), dq.data(), turns.get(), turn_base, qt_first, qt_last};
+  const int nt = flops < 4e6 ? 1 : std::max(1, threads);
+  const int nq = static_cast<int>(qpacks.size()), nk = static_cast<int>(kpacks.size());
+  std::atomic<bool> declined{false};
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    bool ok = true;
+    bf16* staging = reinterpret_cast<bf16*>(thread_scratch(kSlotTile, static_cast<size_t>(kBk) * (lay.dp + lay.dvp)));
+#pragma omp for schedule(static) nowait
+    for (int n = 0; n < nq; ++n) ok &= PackQueryTile(sh, qpacks[n].b, qpacks[n].h, qpacks[n].t, staging);
+#pragma omp for schedule(static)
+    for (int n = 0; n < nk; ++n) ok &= PackKeyTile(sh, kpacks[n].b, kpacks[n].h, kpacks[n].t, staging);
+    if (!ok) declined.store(true);
+#pragma omp barrier
+    // Every thread reads the same flag after the barrier: all or none go on.
+    if (!declined.load()) {
+#pragma omp single
+      {
+        if (bp.varlen_q_tokens > 0 || bp.varlen_k_tokens > 0) {  // tokens outside every sequence: 0
+          for (int64_t t = 0; t < bp.varlen_q_tokens; ++t)
+            for (int h = 0; h < p.Hq; ++h) ZeroAs(p, bp.dq, t * bp.dq_row + h * bp.dq_head, p.d);
+          for (int64_t t = 0; t < bp.varlen_k_tokens; ++t)
+            for (int hk = 0; hk < p.Hkv; ++hk) {
+              ZeroAs(p, bp.dk, t * bp.dk_row + hk * bp.dk_head, p.d);
+              ZeroAs(p, bp.dv, t * bp.dv_row + hk * bp.dv_head, p.dv);
+            }
+        }
+        for (int b = 0; b < p.B; ++b) {  // keys beyond key_lengths[b] get no gradient
+          const Sequence& seq = p.seqs[b];
+          for (int64_t j = seq.Lk; j < seq.Lk_rows; ++j)
+            for (int hk = 0; hk < p.Hkv; ++hk) {
+              ZeroAs(p, bp.dk, seq.dk_offset + hk * bp.dk_head + j * bp.dk_row, p.d);
+              ZeroAs(p, bp.dv, seq.dv_offset + hk * bp.dv_head + j * bp.dv_row, p.dv);
+            }
+        }
+      }
+      ConfigureTiles();
+#pragma omp for schedule(monotonic : dynamic, 1)
+      for (int n = 0; n < nk; ++n) BackwardItem(sh, kpacks[n].b, kpacks[n].h, kpacks[n].t);
+      ReleaseTiles();
+      // dQ out of its accumulator, in the output dtype.
+#pragma omp for schedule(static)
+      for (int n = 0; n < nq; ++n) {
+        const auto [b, h, qt] = qpacks[n];
+        const Sequence& seq = p.seqs[b];
+        for (int i = qt * kBq; i < std::min(seq.Lq, (qt + 1) * kBq); ++i) {
+          StoreAs(p, bp.dq, seq.dq_offset + h * bp.dq_head + int64_t{i} * bp.dq_row, sh.dq + lay.Row(p, b, h, i) * lay.dp,
+                  p.d);
+        }
+      }
+    }
+  }
+  return !declined.load();
+}
+
+size_t WorkspaceBytesImpl(const Problem& p, int threads) {
+  const BwdAmxLayout lay = MakeBwdAmxLayout(p);
+  return sizeof(bf16) * lay.total + sizeof(float) * lay.rows * (2 + lay.dp) +
+         sizeof(float) * static_cast<size_t>(std::max(1, threads)) * BwdAmxScratch::Floats(lay.dp, lay.dvp);
+}
+#else
+bool BackwardAmxImpl(const BackwardProblem&, int) { return false; }
+size_t WorkspaceBytesImpl(const Problem&, int) { return 0; }
+#endif  // ATTN_AMX_KERNEL
+
+}  // namespace
+
+bool BackwardAmx(const BackwardProblem& bp, int threads) { return BackwardAmxImpl(bp, threads); }
+size_t BackwardAmxWorkspaceBytes(const Problem& p, int threads) { return WorkspaceBytesImpl(p, threads); }
+
+}  // namespace attn::detail::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace attn::detail {
+
+bool attention_backward_amx(const BackwardProblem& bp, int threads) {
+#if defined(__x86_64__) && (HWY_TARGETS & HWY_AVX3)
+  return N_AVX3::BackwardAmx(bp, threads);
+#else
+  (void)bp, (void)threads;
+  return false;
+#endif
+}
+
+size_t attention_backward_amx_workspace_bytes(const Problem& p, int threads) {
+#if defined(__x86_64__) && (HWY_TARGETS & HWY_AVX3)
+  return N_AVX3::BackwardAmxWorkspaceBytes(p, threads);
+#else
+  (void)p, (void)threads;
+  return 0;
+#endif
+}
+
+}  // namespace attn::detail
+#endif  // HWY_ONCE
