@@ -2,17 +2,18 @@
 // products on the tile unit, deterministic like the f32 kernel (attention_backward.cc,
 // whose schedule this follows).
 //
-// One work item is (sequence b, kv head hk, key tile kt of 64 keys); it owns dK and
-// dV of its keys. For every query head h of the group and every 64-query tile qt
-// whose band reaches the keys (a step):
+// One work item is (sequence b, kv head hk, a block of kItemTiles key tiles of 64
+// keys); it owns dK and dV of its keys. For every query head h of the group, every
+// 64-query tile qt whose band reaches the keys and every key tile of the block:
 //   S   = Q·Kᵀ                    tiles, [64 q][64 k]
 //   dP  = dO·Vᵀ                   tiles, [64 q][64 k]
 //   P   = e^(scale·S (+ mods) − lse), P' = P·dropout      AVX-512, f32
 //   dS  = scale · P ∘ (dP·dropout − D)                      AVX-512, f32
 //   dVᵀ += dOᵀ·P'                 tiles, [dv][64 k]  (kept transposed: see below)
 //   dKᵀ += Qᵀ·dS                  tiles, [d][64 k]
-//   dQ   = dS·K                   tiles, [64 q][d], added into an f32 dQ in key-tile
-//                                 order (the f32 kernel's turn counters)
+//   dQ  += dS·K                   tiles, [64 q][d], summed over the block's key tiles,
+//                                 then added into an f32 dQ in key-block order (the
+//                                 f32 kernel's turn counters)
 // Why dKᵀ and dVᵀ: tdpbf16ps's B operand takes pairs of rows of its [K][N] matrix,
 // and for dK = dSᵀ·Q the inner dimension is the queries. With queries as the inner
 // dimension and keys as columns, B is dS itself, packed by interleaving two of its
@@ -62,6 +63,12 @@ static_assert(kBq == 64 && kBk == 64, "the AMX backward steps are the AVX3 f32 k
 /// |lse| from which the f32 kernel recomputes a row's softmax statistics (see
 /// kLseRecompute in attention_backward.cc); such calls are declined.
 constexpr float kLseLimit = 128.0f;
+
+/// Key tiles per work item. Each step streams its query tile's packed operands
+/// (64 KiB at d = 128) and adds into the f32 dQ accumulator, both from L2 or
+/// beyond; four key tiles share one pass (measured: 471 → see PERFORMANCE.md).
+constexpr int kItemTiles = 4;
+HWY_INLINE int KeyBlocks(int lk) { return (KeyTiles(lk) + kItemTiles - 1) / kItemTiles; }
 
 /// Where the packed operands of each query tile and key tile lie (bf16 elements),
 /// and the per-row f32 arrays (lse, D, the dQ accumulator).
@@ -240,8 +247,8 @@ struct BwdAmxScratch {
   float* dp;     // [64][64]  dP, then dS
   float* drop;   // [64][64]  dropout multipliers
   float* dq;     // [64][dp]  this step's dQ
-  float* dkt;    // [dp][64]  the item's dKᵀ
-  float* dvt;    // [dvp][64] the item's dVᵀ
+  float* dkt;    // [kItemTiles][dp][64]  the item's dKᵀ, per key tile
+  float* dvt;    // [kItemTiles][dvp][64] the item's dVᵀ
   bf16* p_pairs;   // P' pair-packed over queries (B of dVᵀ)
   bf16* ds_pairs;  // dS likewise (B of dKᵀ)
   bf16* ds_rows;   // dS rows (A of dQ)
@@ -249,7 +256,7 @@ struct BwdAmxScratch {
 
   static size_t Floats(int dp, int dvp) {
     const size_t tile = size_t{kBq} * kBk;
-    return 3 * tile + 3 * tile / 2 + size_t{kBq} * dp + size_t{kBk} * (dp + dvp) + 2 * kBq;
+    return 3 * tile + 3 * tile / 2 + size_t{kBq} * dp + size_t{kItemTiles} * kBk * (dp + dvp) + 2 * kBq;
   }
   BwdAmxScratch(int dp_, int dvp_) {
     const size_t tile = size_t{kBq} * kBk;
@@ -258,8 +265,8 @@ struct BwdAmxScratch {
     dp = x, x += tile;
     drop = x, x += tile;
     dq = x, x += size_t{kBq} * dp_;
-    dkt = x, x += size_t{kBk} * dp_;
-    dvt = x, x += size_t{kBk} * dvp_;
+    dkt = x, x += size_t{kItemTiles} * kBk * dp_;
+    dvt = x, x += size_t{kItemTiles} * kBk * dvp_;
     p_pairs = reinterpret_cast<bf16*>(x), x += tile / 2;
     ds_pairs = reinterpret_cast<bf16*>(x), x += tile / 2;
     ds_rows = reinterpret_cast<bf16*>(x), x += tile / 2;
@@ -267,10 +274,10 @@ struct BwdAmxScratch {
   }
 };
 
-/// Waits until it is key tile kt's turn to add into dQ of (b, h, query tile qt).
-std::atomic<int>& WaitTurn(const BwdAmxShared& sh, int b, int h, int kt, int qt) {
+/// Waits until it is key block kb's turn to add into dQ of (b, h, query tile qt).
+std::atomic<int>& WaitTurn(const BwdAmxShared& sh, int b, int h, int kb, int qt) {
   std::atomic<int>& turn = sh.turns[sh.turn_base[b] + size_t(h) * QueryTiles(sh.bp.fwd.seqs[b].Lq) + qt];
-  while (turn.load(std::memory_order_acquire) != kt) __builtin_ia32_pause();
+  while (turn.load(std::memory_order_acquire) != kb) __builtin_ia32_pause();
   return turn;
 }
 
@@ -338,8 +345,10 @@ ATTN_AMX void SoftmaxGradient(const BwdAmxShared& sh, BwdAmxScratch& w, int b, i
   }
 }
 
-/// One step: key tile kt of (b, hk) against query tile qt of head h.
-ATTN_AMX void BackwardStep(const BwdAmxShared& sh, BwdAmxScratch& w, int b, int h, int hk, int kt, int qt) {
+/// Key tile kt of (b, hk) against query tile qt of head h: adds into the item's
+/// dKᵀ, dVᵀ of the tile (slot u) and, accumulate or not, this step's dQ.
+ATTN_AMX void TilePair(const BwdAmxShared& sh, BwdAmxScratch& w, int b, int h, int hk, int kt, int u, int qt,
+                       bool accumulate) {
   const Problem& p = sh.bp.fwd;
   const Sequence& seq = p.seqs[b];
   const BwdAmxLayout& l = sh.lay;
@@ -355,7 +364,6 @@ ATTN_AMX void BackwardStep(const BwdAmxShared& sh, BwdAmxScratch& w, int b, int 
   TileGemm(BwdAmxLayout::GRows(qtile, dp), dvp, BwdAmxLayout::VForDp(ktile, dp), kTile,
            size_t{dvp / kPair} * kTile, w.dp, kBk, kBq, kBk, dvp, false);
 
-  for (int r = 0; r < rows; ++r) BandOfRow(p, seq, i0 + r, &w.lo[r], &w.hi[r]);
   const TilePlace place{b, h, i0, rows, j0, nk, w.lo, w.hi};
   const bool band = TileNeedsBand(place);
   const bool natural = band || HasScoreMods(p);
@@ -368,53 +376,76 @@ ATTN_AMX void BackwardStep(const BwdAmxShared& sh, BwdAmxScratch& w, int b, int 
   SoftmaxGradient(sh, w, b, h, i0, rows, j0, natural);
 
   // dVᵀ += dOᵀ·P', dKᵀ += Qᵀ·dS: B tiles (query chunk, key group g) at (chunk·4 + g)·kTile.
-  TileGemm(BwdAmxLayout::GCols(qtile, dp, dvp), kBq, w.p_pairs, size_t{kBk / 16} * kTile, kTile, w.dvt, kBk, dvp,
-           kBk, kBq, true);
-  TileGemm(BwdAmxLayout::QCols(qtile, dp), kBq, w.ds_pairs, size_t{kBk / 16} * kTile, kTile, w.dkt, kBk, dp, kBk,
-           kBq, true);
-  // dQ = dS·K: B tiles (key chunk, column group g) at (chunk·dp/16 + g)·kTile.
+  TileGemm(BwdAmxLayout::GCols(qtile, dp, dvp), kBq, w.p_pairs, size_t{kBk / 16} * kTile, kTile,
+           w.dvt + static_cast<size_t>(u) * dvp * kBk, kBk, dvp, kBk, kBq, true);
+  TileGemm(BwdAmxLayout::QCols(qtile, dp), kBq, w.ds_pairs, size_t{kBk / 16} * kTile, kTile,
+           w.dkt + static_cast<size_t>(u) * dp * kBk, kBk, dp, kBk, kBq, true);
+  // dQ (+)= dS·K: B tiles (key chunk, column group g) at (chunk·dp/16 + g)·kTile.
   TileGemm(w.ds_rows, kBk, BwdAmxLayout::KForDq(ktile, dp), size_t{dp / 16} * kTile, kTile, w.dq, dp, kBq, dp, kBk,
-           false);
-
-  std::atomic<int>& turn = WaitTurn(sh, b, h, kt, qt);
-  const DF df;
-  for (int r = 0; r < rows; ++r) {
-    float* acc = sh.dq + l.Row(p, b, h, i0 + r) * dp;
-    const float* add = w.dq + static_cast<size_t>(r) * dp;
-    for (int c = 0; c < dp; c += kLanes) hn::StoreU(hn::Add(hn::LoadU(df, acc + c), hn::Load(df, add + c)), df, acc + c);
-  }
-  turn.store(kt + 1, std::memory_order_release);
+           accumulate);
 }
 
-/// Work item: key tile kt of (b, hk) over every query head of the group and every
-/// query tile whose band reaches it; writes dK and dV of its keys.
-ATTN_AMX void BackwardItem(const BwdAmxShared& sh, int b, int hk, int kt) {
+/// Writes the first nk columns of acc ([width][64] f32, transposed) as nk rows of
+/// `width` elements into a gradient tensor (element at + j·row for row j), through
+/// buf (2·64·64 floats), 128 columns at a time.
+ATTN_AMX void WriteTransposed(const Problem& p, const float* acc, int width, int nk, float* buf, float* base,
+                              int64_t at, int64_t row) {
+  constexpr int kChunk = 2 * kBk;
+  for (int c0 = 0; c0 < width; c0 += kChunk) {
+    const int n = std::min(kChunk, width - c0);
+    for (int c = 0; c < n; ++c) {
+      const float* src = acc + static_cast<size_t>(c0 + c) * kBk;
+      for (int j = 0; j < nk; ++j) buf[j * kChunk + c] = src[j];
+    }
+    for (int j = 0; j < nk; ++j) StoreAs(p, base, at + j * row + c0, buf + j * kChunk, n);
+  }
+}
+
+/// Work item: key block kb (kItemTiles key tiles) of (b, hk) over every query head of
+/// the group and every query tile whose band reaches it; writes dK and dV of its keys.
+ATTN_AMX void BackwardItem(const BwdAmxShared& sh, int b, int hk, int kb) {
   const BackwardProblem& bp = sh.bp;
   const Problem& p = bp.fwd;
   const Sequence& seq = p.seqs[b];
   const int dp = sh.lay.dp, dvp = sh.lay.dvp;
   BwdAmxScratch w(dp, dvp);
-  std::fill(w.dkt, w.dkt + size_t{kBk} * dp, 0.0f);
-  std::fill(w.dvt, w.dvt + size_t{kBk} * dvp, 0.0f);
-  const int j0 = kt * kBk, nk = std::min(kBk, seq.Lk - j0);
+  const int kt0 = kb * kItemTiles, kt1 = std::min(KeyTiles(seq.Lk), kt0 + kItemTiles);
+  std::fill(w.dkt, w.dkt + size_t{kItemTiles} * kBk * dp, 0.0f);
+  std::fill(w.dvt, w.dvt + size_t{kItemTiles} * kBk * dvp, 0.0f);
+  const DF df;
   for (int h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
     for (int qt = 0; qt < QueryTiles(seq.Lq); ++qt) {
-      if (kt < sh.qt_first[b][qt] || kt > sh.qt_last[b][qt]) continue;
-      const int i0 = qt * kBq;
-      if (BlockMaskCover(p, b, h, i0, std::min(kBq, seq.Lq - i0), j0, nk) == Cover::kEmpty) {
-        WaitTurn(sh, b, h, kt, qt).store(kt + 1, std::memory_order_release);  // dQ's order is kept
-        continue;
+      const int first = std::max(kt0, sh.qt_first[b][qt]), last = std::min(kt1 - 1, sh.qt_last[b][qt]);
+      if (first > last) continue;  // not one of qt's blocks: no turn to pass
+      const int i0 = qt * kBq, rows = std::min(kBq, seq.Lq - i0);
+      for (int r = 0; r < rows; ++r) BandOfRow(p, seq, i0 + r, &w.lo[r], &w.hi[r]);
+      bool any = false;
+      for (int kt = first; kt <= last; ++kt) {
+        if (BlockMaskCover(p, b, h, i0, rows, kt * kBk, std::min(kBk, seq.Lk - kt * kBk)) == Cover::kEmpty) continue;
+        TilePair(sh, w, b, h, hk, kt, kt - kt0, qt, any);
+        any = true;
       }
-      BackwardStep(sh, w, b, h, hk, kt, qt);
+      // Added in ascending key-block order whatever the thread; blocks with nothing
+      // to add pass the turn on all the same.
+      std::atomic<int>& turn = WaitTurn(sh, b, h, kb, qt);
+      for (int r = 0; any && r < rows; ++r) {
+        float* acc = sh.dq + sh.lay.Row(p, b, h, i0 + r) * dp;
+        const float* add = w.dq + static_cast<size_t>(r) * dp;
+        for (int c = 0; c < dp; c += kLanes) hn::StoreU(hn::Add(hn::LoadU(df, acc + c), hn::Load(df, add + c)), df, acc + c);
+      }
+      turn.store(kb + 1, std::memory_order_release);
     }
   }
-  // dK, dV rows from the transposed accumulators.
-  float* row = w.dq;  // free now: one row of up to max(dp, dvp) ≤ 64·dp floats
-  for (int j = 0; j < nk; ++j) {
-    for (int c = 0; c < p.d; ++c) row[c] = w.dkt[static_cast<size_t>(c) * kBk + j];
-    StoreAs(p, bp.dk, seq.dk_offset + hk * bp.dk_head + int64_t{j0 + j} * bp.dk_row, row, p.d);
-    for (int c = 0; c < p.dv; ++c) row[c] = w.dvt[static_cast<size_t>(c) * kBk + j];
-    StoreAs(p, bp.dv, seq.dv_offset + hk * bp.dv_head + int64_t{j0 + j} * bp.dv_row, row, p.dv);
+  // dK, dV rows from the transposed accumulators, through w.s/w.dp (64 rows of up to
+  // 128 floats each; wider rows take several passes): reading the accumulators
+  // column by column would touch a new cache line per element.
+  for (int kt = kt0; kt < kt1; ++kt) {
+    const int nk = std::min(kBk, seq.Lk - kt * kBk);
+    const int64_t key0 = int64_t{kt} * kBk;
+    WriteTransposed(p, w.dkt + static_cast<size_t>(kt - kt0) * dp * kBk, p.d, nk, w.s,
+                    bp.dk + 0, seq.dk_offset + hk * bp.dk_head + key0 * bp.dk_row, bp.dk_row);
+    WriteTransposed(p, w.dvt + static_cast<size_t>(kt - kt0) * dvp * kBk, p.dv, nk, w.s,
+                    bp.dv + 0, seq.dv_offset + hk * bp.dv_head + key0 * bp.dv_row, bp.dv_row);
   }
 }
 
@@ -428,7 +459,7 @@ bool BackwardAmxImpl(const BackwardProblem& bp, int threads) {
   struct Item {
     int b, h, t;
   };
-  std::vector<Item> qpacks, kpacks;
+  std::vector<Item> qpacks, kpacks, items;
   std::vector<size_t> turn_base(p.seqs.size());
   std::vector<std::vector<int>> qt_first(p.seqs.size()), qt_last(p.seqs.size());
   size_t turn_total = 0;
@@ -443,6 +474,7 @@ bool BackwardAmxImpl(const BackwardProblem& bp, int threads) {
     }
     for (int hk = 0; hk < p.Hkv; ++hk) {
       for (int t = 0; t < KeyTiles(seq.Lk); ++t) kpacks.push_back({b, hk, t});
+      for (int kb = 0; kb < KeyBlocks(seq.Lk); ++kb) items.push_back({b, hk, kb});
     }
     flops += 5.0 * seq.Lq * seq.Lk * (p.d + p.dv) * p.Hq;
   }
@@ -450,13 +482,14 @@ bool BackwardAmxImpl(const BackwardProblem& bp, int threads) {
   for (int b = 0; b < p.B; ++b) {
     for (int h = 0; h < p.Hq; ++h) {
       for (int qt = 0; qt < QueryTiles(p.seqs[b].Lq); ++qt) {
-        turns[turn_base[b] + size_t(h) * QueryTiles(p.seqs[b].Lq) + qt].store(qt_first[b][qt]);
+        turns[turn_base[b] + size_t(h) * QueryTiles(p.seqs[b].Lq) + qt].store(qt_first[b][qt] / kItemTiles);
       }
     }
   }
   const BwdAmxShared sh{bp, lay, pack, lse.data(), dsum.data(), dq.data(), turns.get(), turn_base, qt_first, qt_last};
   const int nt = flops < 4e6 ? 1 : std::max(1, threads);
-  const int nq = static_cast<int>(qpacks.size()), nk = static_cast<int>(kpacks.size());
+  const int nq = static_cast<int>(qpacks.size()), nk = static_cast<int>(kpacks.size()),
+            ni = static_cast<int>(items.size());
   std::atomic<bool> declined{false};
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
@@ -492,7 +525,7 @@ bool BackwardAmxImpl(const BackwardProblem& bp, int threads) {
       }
       ConfigureTiles();
 #pragma omp for schedule(monotonic : dynamic, 1)
-      for (int n = 0; n < nk; ++n) BackwardItem(sh, kpacks[n].b, kpacks[n].h, kpacks[n].t);
+      for (int n = 0; n < ni; ++n) BackwardItem(sh, items[n].b, items[n].h, items[n].t);
       ReleaseTiles();
       // dQ out of its accumulator, in the output dtype.
 #pragma omp for schedule(static)
