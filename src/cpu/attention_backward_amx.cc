@@ -117,13 +117,9 @@ BwdAmxLayout MakeBwdAmxLayout(const Problem& p) {
   return l;
 }
 
-/// Element at of a q/k/v/out-like tensor as f32 (bf16 or f32 storage).
-inline float LoadAs(const Problem& p, const float* base, int64_t at) {
-  if (p.dtype != DType::bf16) return base[at];
-  const uint32_t u = uint32_t{reinterpret_cast<const bf16*>(base)[at]} << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+/// 16 bf16 (in the low halves of 32-bit lanes' worth of memory) widened to f32.
+HWY_INLINE ATTN_AMX __m512 Bf16x16ToF32(__m256i x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
 }
 
 /// n f32 values into a bf16 (rounded to nearest even) or f32 tensor at element at.
@@ -192,15 +188,18 @@ ATTN_AMX bool PackQueryTile(const BwdAmxShared& sh, int b, int h, int qt, bf16* 
     const float lse = p.lse[seq.lse_offset + h * p.lse_h + int64_t{i} * p.lse_i];
     ok &= lse == -HUGE_VALF || (std::isfinite(lse) && std::fabs(lse) < kLseLimit);
     sh.lse[row] = lse;
-    // The order of the f32 kernel's D (one fused multiply-add per column).
+    // 16 columns at a time (masked past dv): g is bf16, O bf16 or f32.
     const int64_t o_at = seq.out_offset + h * p.out_head + int64_t{i} * p.out_row;
-    float acc = 0.0f;
-    for (int c = 0; c < p.dv; ++c) {
-      const uint32_t u = uint32_t{g[c]} << 16;
-      float gf;
-      std::memcpy(&gf, &u, 4);
-      acc = std::fma(gf, LoadAs(p, p.out, o_at + c), acc);
+    __m512 sum = _mm512_setzero_ps();
+    for (int c = 0; c < p.dv; c += 16) {
+      const __mmask16 m = static_cast<__mmask16>(p.dv - c >= 16 ? 0xFFFFu : (1u << (p.dv - c)) - 1);
+      const __m512 gv = Bf16x16ToF32(_mm256_maskz_loadu_epi16(m, g + c));
+      const __m512 ov = p.dtype == DType::bf16
+                            ? Bf16x16ToF32(_mm256_maskz_loadu_epi16(m, reinterpret_cast<const bf16*>(p.out) + o_at + c))
+                            : _mm512_maskz_loadu_ps(m, p.out + o_at + c);
+      sum = _mm512_fmadd_ps(gv, ov, sum);
     }
+    const float acc = _mm512_reduce_add_ps(sum);
     sh.dsum[row] = acc;
   }
   return ok;
