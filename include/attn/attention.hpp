@@ -150,7 +150,8 @@ void attention_reference(const TensorView& q, const TensorView& k, const TensorV
                          const TensorView& lse = {}, const TensorView& probs = {});
 
 /// Gradients of attention() (FlashAttention-2's backward; dout, dq, dk, dv in the
-/// inputs' dtype, f32 arithmetic inside). Given the forward's
+/// inputs' dtype, f32 arithmetic inside; bf16 on an AMX CPU multiplies bf16 operands
+/// on the tile unit, rounding P and dS to bf16 as FlashAttention does). Given the forward's
 /// inputs, its `out` and `lse` (computed with the same options) and dout = ∂L/∂out
 /// (shaped like out), writes dq, dk, dv (shaped like q, k, v; with GQA, dk and dv
 /// sum over each group of query heads). dbias (optional, f32, the shape of

@@ -541,20 +541,13 @@ bool BackwardAmxImpl(const BackwardProblem& bp, int threads) {
   return !declined.load();
 }
 
-size_t WorkspaceBytesImpl(const Problem& p, int threads) {
-  const BwdAmxLayout lay = MakeBwdAmxLayout(p);
-  return sizeof(bf16) * lay.total + sizeof(float) * lay.rows * (2 + lay.dp) +
-         sizeof(float) * static_cast<size_t>(std::max(1, threads)) * BwdAmxScratch::Floats(lay.dp, lay.dvp);
-}
 #else
 bool BackwardAmxImpl(const BackwardProblem&, int) { return false; }
-size_t WorkspaceBytesImpl(const Problem&, int) { return 0; }
 #endif  // ATTN_AMX_KERNEL
 
 }  // namespace
 
 bool BackwardAmx(const BackwardProblem& bp, int threads) { return BackwardAmxImpl(bp, threads); }
-size_t BackwardAmxWorkspaceBytes(const Problem& p, int threads) { return WorkspaceBytesImpl(p, threads); }
 
 }  // namespace attn::detail::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
@@ -568,15 +561,6 @@ bool attention_backward_amx(const BackwardProblem& bp, int threads) {
 #else
   (void)bp, (void)threads;
   return false;
-#endif
-}
-
-size_t attention_backward_amx_workspace_bytes(const Problem& p, int threads) {
-#if defined(__x86_64__) && (HWY_TARGETS & HWY_AVX3)
-  return N_AVX3::BackwardAmxWorkspaceBytes(p, threads);
-#else
-  (void)p, (void)threads;
-  return 0;
 #endif
 }
 

@@ -18,7 +18,4 @@ namespace attn::detail {
 /// user's score mods, or a requested dbias.
 bool attention_backward_amx(const BackwardProblem& bp, int threads);
 
-/// Bytes of workspace attention_backward_amx(bp, threads) uses.
-size_t attention_backward_amx_workspace_bytes(const Problem& p, int threads);
-
 }  // namespace attn::detail
