@@ -205,11 +205,12 @@ HWY_INLINE ATTN_AMX void PairRowF32(const float* even, const float* odd, bf16* d
 /// (rows[n][col0 + 2kk], rows[n][col0 + 2kk + 1]) — a 16×16 transpose of 32-bit
 /// pairs. (X = K gives the B operand of S = Q·Kᵀ.)
 inline ATTN_AMX void PairTileTransposed(const bf16* const* rows, int col0, bf16* tile) {
-  uint32_t* dst = reinterpret_cast<uint32_t*>(tile);
-  for (int n = 0; n < 16; ++n) {
-    uint32_t pairs[16];
-    std::memcpy(pairs, rows[n] + col0, sizeof pairs);
-    for (int kk = 0; kk < 16; ++kk) dst[kk * 16 + n] = pairs[kk];
+  // Written in order, 16 pairs per row (strided 4-byte writes cost more than the
+  // strided reads).
+  for (int kk = 0; kk < 16; ++kk) {
+    uint32_t row[16];
+    for (int n = 0; n < 16; ++n) std::memcpy(&row[n], rows[n] + col0 + 2 * kk, sizeof(uint32_t));
+    std::memcpy(tile + kk * 32, row, sizeof row);
   }
 }
 

@@ -177,8 +177,6 @@ ATTN_AMX bool PackQueryTile(const BwdAmxShared& sh, int b, int h, int qt, bf16* 
     ok &= !AnyNonFiniteBf16(q, dp) && !AnyNonFiniteBf16(g, dvp);
     std::memcpy(qr + static_cast<size_t>(r) * dp, q, sizeof(bf16) * dp);
     std::memcpy(gr + static_cast<size_t>(r) * dvp, g, sizeof(bf16) * dvp);
-    for (int c = 0; c < dp; ++c) qc[static_cast<size_t>(c) * kBq + r] = q[c];
-    for (int c = 0; c < dvp; ++c) gc[static_cast<size_t>(c) * kBq + r] = g[c];
     const size_t row = l.Row(p, b, h, i);
     std::fill_n(sh.dq + row * dp, dp, 0.0f);
     if (!real) {
@@ -201,6 +199,14 @@ ATTN_AMX bool PackQueryTile(const BwdAmxShared& sh, int b, int h, int qt, bf16* 
     }
     const float acc = _mm512_reduce_add_ps(sum);
     sh.dsum[row] = acc;
+  }
+  // The transposes, written in order (strided reads of the rows just packed, in L1;
+  // strided 2-byte writes cost several times more).
+  for (int c = 0; c < dp; ++c) {
+    for (int r = 0; r < kBq; ++r) qc[static_cast<size_t>(c) * kBq + r] = qr[static_cast<size_t>(r) * dp + c];
+  }
+  for (int c = 0; c < dvp; ++c) {
+    for (int r = 0; r < kBq; ++r) gc[static_cast<size_t>(c) * kBq + r] = gr[static_cast<size_t>(r) * dvp + c];
   }
   return ok;
 }
@@ -392,9 +398,8 @@ ATTN_AMX void WriteTransposed(const Problem& p, const float* acc, int width, int
   constexpr int kChunk = 2 * kBk;
   for (int c0 = 0; c0 < width; c0 += kChunk) {
     const int n = std::min(kChunk, width - c0);
-    for (int c = 0; c < n; ++c) {
-      const float* src = acc + static_cast<size_t>(c0 + c) * kBk;
-      for (int j = 0; j < nk; ++j) buf[j * kChunk + c] = src[j];
+    for (int j = 0; j < nk; ++j) {  // written in order: see PackQueryTile's transposes
+      for (int c = 0; c < n; ++c) buf[j * kChunk + c] = acc[static_cast<size_t>(c0 + c) * kBk + j];
     }
     for (int j = 0; j < nk; ++j) StoreAs(p, base, at + j * row + c0, buf + j * kChunk, n);
   }
