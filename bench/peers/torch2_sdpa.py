@@ -6,11 +6,14 @@ warm-up, each implementation in its own phase (OpenMP pools spin for a while aft
 parallel region). Prints GFLOP/s (4·N²·d·H, halved for causal) and attn's speed-up, and
 which path attn's bf16 took (cpu_info). With --flex, also FlexAttention
 (``torch.compile(flex_attention)``, causal through ``create_block_mask``) where it runs on
-this CPU; a configuration it cannot run prints why and shows "—".
+this CPU; a configuration it cannot run prints why and shows "—". With --backward, the
+backward instead: PyTorch's autograd through its fused kernel (``torch.autograd.grad`` on
+a retained graph, so only the backward is timed) against ``attn.attention_backward``
+given the forward's out and lse; GFLOP/s count 2.5× the forward's flops.
 
   bash bench/peers/setup.sh        # once: bench/peers/.venv with torch 2.x from PyPI
   PYTHONPATH=build/release/python bench/peers/.venv/bin/python bench/peers/torch2_sdpa.py \
-      [--sizes 2048] [--dims 64,128] [--threads 1,2] [--dtypes f32,bf16] [--flex] [--markdown FILE]
+      [--sizes 2048] [--dims 64,128] [--threads 1,2] [--dtypes f32,bf16] [--flex | --backward] [--markdown FILE]
 """
 import argparse
 import time
@@ -20,6 +23,27 @@ import torch.nn.functional as F
 
 import attn
 from peer_timing import cpu_model, median_time
+
+
+def as_tuple(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
+def backward_runs(q, k, v, causal, g):
+    """The two backward calls for one configuration: PyTorch's (autograd through its
+    fused SDPA, graph retained) and attn's (attention_backward on the forward's out, lse)."""
+    dout = torch.rand(q.shape, generator=g).mul_(2).sub_(1).to(q.dtype)
+    tq, tk, tv = (x.clone().requires_grad_(True) for x in (q, k, v))
+    t_out = F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+    out, lse = attn.scaled_dot_product_attention(q, k, v, is_causal=causal, return_lse=True)
+
+    def run_torch():
+        return torch.autograd.grad(t_out, (tq, tk, tv), dout, retain_graph=True)
+
+    def run_attn():
+        return attn.attention_backward(dout, q, k, v, out, lse, is_causal=causal)
+
+    return run_torch, run_attn
 
 
 def main():
@@ -33,7 +57,10 @@ def main():
     ap.add_argument("--min-seconds", type=float, default=0.5)
     ap.add_argument("--markdown", default="")
     ap.add_argument("--flex", action="store_true", help="also time compiled FlexAttention")
+    ap.add_argument("--backward", action="store_true", help="time the backward instead of the forward")
     args = ap.parse_args()
+    if args.flex and args.backward:
+        ap.error("--flex times the forward only")
     dtypes = {"f32": torch.float32, "bf16": torch.bfloat16}
     info = attn.cpu_info()
     print("CPU: %s; torch %s; attn bf16 path: %s; f32 SIMD target: %s"
@@ -53,19 +80,23 @@ def main():
                     q, k, v = (torch.rand(1, args.heads, n, d, generator=g).mul_(2).sub_(1).to(dtypes[name])
                                for _ in range(3))
                     for causal in (False, True):
-                        def run_torch():
-                            with torch.no_grad():
-                                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                        if args.backward:
+                            run_torch, run_attn = backward_runs(q, k, v, causal, g)
+                        else:
+                            def run_torch():
+                                with torch.no_grad():
+                                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-                        def run_attn():
-                            return attn.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                            def run_attn():
+                                return attn.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-                        diff = (run_torch().float() - run_attn().float()).abs().max().item()
+                        diff = max((a.float() - b.float()).abs().max().item()
+                                   for a, b in zip(as_tuple(run_torch()), as_tuple(run_attn())))
                         time.sleep(0.3)
                         t_torch = median_time(run_torch, args.repeats, args.min_seconds)
                         time.sleep(0.3)
                         t_attn = median_time(run_attn, args.repeats, args.min_seconds)
-                        fl = 4.0 * n * n * d * args.heads * (0.5 if causal else 1.0)
+                        fl = 4.0 * n * n * d * args.heads * (0.5 if causal else 1.0) * (2.5 if args.backward else 1.0)
                         row = (name, n, d, "causal" if causal else "none", threads, t_torch * 1e3, fl / t_torch * 1e-9,
                                t_attn * 1e3, fl / t_attn * 1e-9, t_torch / t_attn, diff)
                         t_flex = None
