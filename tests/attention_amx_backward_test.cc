@@ -15,20 +15,10 @@
 
 #include "attention_harness.hpp"
 #include "attn/attention.hpp"
-#include "cpu/isa.hpp"
 #include "lowp_harness.hpp"
 
 namespace attn::testing {
 namespace {
-
-bool have_amx() { return detail::cpu_features().amx_bf16; }
-
-#define SKIP_WITHOUT_AMX()                                                                               \
-  if (!have_amx()) {                                                                                     \
-    GTEST_SKIP() << "this CPU (or OS) cannot run AMX: "                                                  \
-                 << (detail::cpu_features().amx_refused.empty() ? "no AMX-BF16 in CPUID"                 \
-                                                                : detail::cpu_features().amx_refused); \
-  }
 
 // Odd sizes, one and several 64-key tiles, partial tiles, GQA, d = 8 … 256, dv ≠ d.
 const Shape kBwdShapes[] = {{1, 1, 1, 1, 1, 16, 16},     {2, 3, 17, 4, 2, 64, 64},   {1, 17, 3, 2, 1, 80, 48},

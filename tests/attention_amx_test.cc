@@ -15,20 +15,10 @@
 
 #include "attention_harness.hpp"
 #include "attn/attention.hpp"
-#include "cpu/isa.hpp"
 #include "lowp_harness.hpp"
 
 namespace attn::testing {
 namespace {
-
-bool have_amx() { return detail::cpu_features().amx_bf16; }
-
-#define SKIP_WITHOUT_AMX()                                                                 \
-  if (!have_amx()) {                                                                       \
-    GTEST_SKIP() << "this CPU (or OS) cannot run AMX: "                                    \
-                 << (detail::cpu_features().amx_refused.empty() ? "no AMX-BF16 in CPUID"   \
-                                                                : detail::cpu_features().amx_refused); \
-  }
 
 // Shapes beyond the portable tests': several 128-key blocks, a partial last block,
 // GQA, d = 256, and dv ≠ d.

@@ -13,7 +13,10 @@
 #include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
+
 #include "attn/attention.hpp"
+#include "cpu/isa.hpp"
 #include "tensor/convert.hpp"
 
 namespace attn::testing {
@@ -33,6 +36,18 @@ inline float from_bits(uint32_t u) {
   std::memcpy(&f, &u, 4);
   return f;
 }
+
+/// True when this CPU and OS can run the AMX kernels.
+inline bool have_amx() { return detail::cpu_features().amx_bf16; }
+
+/// Skips the current test, saying why, on machines that cannot run AMX.
+#define SKIP_WITHOUT_AMX()                                                                               \
+  if (!::attn::testing::have_amx()) {                                                                    \
+    GTEST_SKIP() << "this CPU (or OS) cannot run AMX: "                                                  \
+                 << (::attn::detail::cpu_features().amx_refused.empty()                                  \
+                         ? "no AMX-BF16 in CPUID"                                                        \
+                         : ::attn::detail::cpu_features().amx_refused);                                  \
+  }
 
 /// Sets ATTN_ISA for its lifetime (nullptr: unset), then restores the previous value.
 class ScopedIsa {

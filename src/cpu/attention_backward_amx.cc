@@ -291,7 +291,6 @@ std::atomic<int>& WaitTurn(const BwdAmxShared& sh, int b, int h, int kb, int qt)
 ATTN_AMX void SoftmaxGradient(const BwdAmxShared& sh, BwdAmxScratch& w, int b, int h, int i0, int rows, int j0,
                               bool natural) {
   const Problem& p = sh.bp.fwd;
-  const Sequence& seq = p.seqs[b];
   const DF df;
   constexpr float kLog2e = 1.44269504088896341f;
   const bool dropout = p.dropout_p > 0.0f;
@@ -305,7 +304,6 @@ ATTN_AMX void SoftmaxGradient(const BwdAmxShared& sh, BwdAmxScratch& w, int b, i
       }
     }
   }
-  (void)seq;
   const VF scale = hn::Set(df, p.scale), log2e = hn::Set(df, kLog2e);
   for (int r = 0; r < kBq; ++r) {
     float* sr = w.s + r * kBk;
