@@ -17,10 +17,11 @@
 namespace attn {
 namespace detail {
 
-// bf16 (or f32 rounded to bf16) runs on AMX tiles when the CPU has them; f16 and
-// explicit probabilities take the portable path (see cpu/isa.hpp).
-bool takes_amx_path(const Problem& p, const AttentionOptions& options) {
-  return needs_widening(p, options) && p.dtype != DType::f16 && p.probs == nullptr && lowp_path() == LowpPath::amx;
+// bf16 (or f32 rounded to bf16) runs on AMX tiles or vdpbf16ps when the CPU has
+// them; f16 and explicit probabilities take the portable path (see cpu/isa.hpp).
+LowpPath bf16_kernel(const Problem& p, const AttentionOptions& options) {
+  if (!needs_widening(p, options) || p.dtype == DType::f16 || p.probs != nullptr) return LowpPath::f32;
+  return lowp_path();
 }
 
 void attention_with_mods(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -28,14 +29,14 @@ void attention_with_mods(const TensorView& q, const TensorView& k, const TensorV
                          const TensorView& lse, const TensorView& probs, const UserMods* mods) {
   const Problem p = make_problem("attention", q, k, v, out, options, lse, probs, mods);
   if (needs_widening(p, options)) {
-    if (takes_amx_path(p, options)) {
+    if (const LowpPath path = bf16_kernel(p, options); path != LowpPath::f32) {
       if (p.mask_dtype == DType::bf16 || p.mask_dtype == DType::f16) {
         std::vector<float> mask32;
         const AttentionOptions o = with_f32_mask(options, mask32);
         attention_with_mods(q, k, v, out, o, lse, probs, mods);
         return;
       }
-      if (attention_forward_amx(p, num_threads())) return;
+      if (attention_forward_amx(p, num_threads(), path)) return;
       // Declined (a NaN or ±∞ in q, k or v): the portable path's exact semantics.
     }
     forward_widened(q, k, v, out, options, [&](auto& q32, auto& k32, auto& v32, auto& out32, auto& o) {
@@ -110,14 +111,14 @@ void attention_backward_with_mods(const TensorView& q, const TensorView& k, cons
   const BackwardProblem bp = make_backward_problem("attention_backward", q, k, v, out, lse, dout,
                                                    dq, dk, dv, options, dbias, mods);
   if (needs_widening(bp.fwd, options)) {
-    if (takes_amx_path(bp.fwd, options)) {
+    if (const LowpPath path = bf16_kernel(bp.fwd, options); path != LowpPath::f32) {
       if (bp.fwd.mask_dtype == DType::bf16 || bp.fwd.mask_dtype == DType::f16) {
         std::vector<float> mask32;
         const AttentionOptions o = with_f32_mask(options, mask32);
         attention_backward_with_mods(q, k, v, out, lse, dout, dq, dk, dv, o, dbias, mods);
         return;
       }
-      if (attention_backward_amx(bp, num_threads())) return;
+      if (attention_backward_amx(bp, num_threads(), path)) return;
       // Declined (see attention_backward_amx.hpp): the portable path.
     }
     backward_widened(q, k, v, out, dout, dq, dk, dv, options,
@@ -188,9 +189,9 @@ size_t attention_workspace_bytes(const TensorView& q, const TensorView& k, const
                                  int threads) {
   const detail::Problem p =
       detail::make_problem("attention_workspace_bytes", q, k, v, out, options, {}, {}, nullptr);
-  // The AMX path's packed bf16 operands replace the f32 copies (it declines only
+  // The bf16 kernels' packed operands replace the f32 copies (they decline only
   // inputs holding NaN or ±∞, which then take the portable path's copies).
-  if (detail::takes_amx_path(p, options)) {
+  if (detail::bf16_kernel(p, options) != detail::LowpPath::f32) {
     return detail::attention_forward_amx_workspace_bytes(p, threads);
   }
   return detail::attention_forward_workspace_bytes(p, threads) +

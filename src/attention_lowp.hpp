@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "attn/attention.hpp"
+#include "cpu/isa.hpp"
 #include "problem.hpp"
 
 namespace attn::detail {
@@ -17,9 +18,11 @@ namespace attn::detail {
 /// with Precision::bf16.
 bool needs_widening(const Problem& p, const AttentionOptions& options);
 
-/// True when a call that needs widening runs on AMX tiles instead (bf16, or f32 with
-/// Precision::bf16, on a CPU with AMX, without explicit probabilities).
-bool takes_amx_path(const Problem& p, const AttentionOptions& options);
+/// The bf16 kernel a call that needs widening runs on instead: LowpPath::amx or
+/// LowpPath::avx512bf16 for bf16 (or f32 with Precision::bf16) without explicit
+/// probabilities, on a CPU that has them (lowp_path()); LowpPath::f32 when the call
+/// takes the portable widening path (f16, probabilities, or no bf16 unit).
+LowpPath bf16_kernel(const Problem& p, const AttentionOptions& options);
 
 /// Bytes of the f32 copies that the widening path allocates for this call (0 if none).
 size_t widening_bytes(const Problem& p, const TensorView& q, const TensorView& k, const TensorView& v,

@@ -1,5 +1,6 @@
-// The AMX bf16 backward (issue 11, item 3), forced with ATTN_ISA=amx; skipped with a
-// message on machines without AMX. Gradients against the float64 reference under
+// The bf16 backward kernel (issue 11, item 3) on each of its paths, AMX tiles and
+// AVX512-BF16's vdpbf16ps, forced with ATTN_ISA; each skipped with a message on
+// machines that cannot run it. Gradients against the float64 reference under
 // FlashAttention's rule: the error is at most 2× that of a plain implementation with
 // the same rounding (bf16 inputs; P, dP, D and dS exact from those inputs; P' and dS
 // rounded to bf16 before they multiply; f32-or-better sums; bf16 outputs), pooled
@@ -47,14 +48,14 @@ struct CaseErrors {
   double fused = 0, plain = 0;
 };
 
-// Runs the AMX forward and backward of one case and its yardsticks: the reference
+// Runs the kernel's forward and backward (path isa) of one case and its yardsticks: the reference
 // gradients (float64 on the bf16 values, rounded to f32 once) and the plain bf16
 // implementation, built from the reference's probabilities (every option included).
-CaseErrors run_case(const Shape& s, const OptionCase& oc, std::mt19937_64& rng) {
+CaseErrors run_case(const char* path, const Shape& s, const OptionCase& oc, std::mt19937_64& rng) {
   LowpCall c(DType::bf16, s.B, s.Lq, s.Lk, s.Hq, s.Hkv, s.d, s.dv, rng);
   OptionStore store;
   const AttentionOptions o = oc.make(store, c, rng);
-  const ScopedIsa amx("amx");
+  const ScopedIsa isa(path);
   attention(c.view(c.q, s.Lq, s.Hq, s.d), c.view(c.k, s.Lk, s.Hkv, s.d), c.view(c.v, s.Lk, s.Hkv, s.dv),
             c.view(c.out, s.Lq, s.Hq, s.dv), o, c.lse_view());
   const Grads g = run_backward(c, o);
@@ -128,8 +129,12 @@ CaseErrors run_case(const Shape& s, const OptionCase& oc, std::mt19937_64& rng) 
   return e;
 }
 
-TEST(AmxBackward, EveryOptionWithinTwiceThePlainBf16Error) {
-  SKIP_WITHOUT_AMX();
+// Parameter: the kernel path ("amx" or "avx512bf16"), forced with ATTN_ISA.
+class Bf16KernelBackward : public ::testing::TestWithParam<const char*> {};
+INSTANTIATE_TEST_SUITE_P(Paths, Bf16KernelBackward, ::testing::ValuesIn(kBf16KernelPaths), PathName);
+
+TEST_P(Bf16KernelBackward, EveryOptionWithinTwiceThePlainBf16Error) {
+  SKIP_UNLESS_PATH(GetParam());
   std::mt19937_64 rng = make_rng(31);
   for (const OptionCase& oc : option_cases()) {
     if (std::string(oc.name) == "softcap+scale") continue;  // declined: DeclinedCasesArePortableBitForBit
@@ -137,7 +142,7 @@ TEST(AmxBackward, EveryOptionWithinTwiceThePlainBf16Error) {
     for (const Shape& s : kBwdShapes) {
       SCOPED_TRACE(std::string(oc.name) + " Lq=" + std::to_string(s.Lq) + " Lk=" + std::to_string(s.Lk) +
                    " d=" + std::to_string(s.d));
-      const CaseErrors e = run_case(s, oc, rng);
+      const CaseErrors e = run_case(GetParam(), s, oc, rng);
       EXPECT_LE(std::sqrt(e.fused), 10.0 * std::sqrt(e.plain) + 1.0 / 256);
       fused += e.fused, plain += e.plain;
     }
@@ -147,29 +152,29 @@ TEST(AmxBackward, EveryOptionWithinTwiceThePlainBf16Error) {
 }
 
 // The kernel really runs (a declined call would equal the portable path exactly).
-TEST(AmxBackward, DiffersFromThePortablePath) {
-  SKIP_WITHOUT_AMX();
+TEST_P(Bf16KernelBackward, DiffersFromThePortablePath) {
+  SKIP_UNLESS_PATH(GetParam());
   std::mt19937_64 rng = make_rng(32);
   LowpCall c(DType::bf16, 1, 100, 150, 2, 1, 64, 64, rng);
   AttentionOptions o;
   o.causal = Causal::BottomRight;
-  Grads amx, portable;
+  Grads kernel, portable;
   {
-    const ScopedIsa isa("amx");
+    const ScopedIsa isa(GetParam());
     attention(c.view(c.q, 100, 2, 64), c.view(c.k, 150, 1, 64), c.view(c.v, 150, 1, 64), c.view(c.out, 100, 2, 64), o,
               c.lse_view());
-    amx = run_backward(c, o);
+    kernel = run_backward(c, o);
   }
   {
     const ScopedIsa isa("f32");
     portable = run_backward(c, o);
   }
-  EXPECT_NE(amx.dk, portable.dk);
+  EXPECT_NE(kernel.dk, portable.dk);
 }
 
-TEST(AmxBackward, ThreadCountDoesNotChangeABit) {
-  SKIP_WITHOUT_AMX();
-  const ScopedIsa amx("amx");
+TEST_P(Bf16KernelBackward, ThreadCountDoesNotChangeABit) {
+  SKIP_UNLESS_PATH(GetParam());
+  const ScopedIsa isa(GetParam());
   std::mt19937_64 rng = make_rng(33);
   for (const OptionCase& oc : option_cases()) {
     LowpCall c(DType::bf16, 2, 150, 333, 4, 2, 64, 64, rng);
@@ -186,9 +191,9 @@ TEST(AmxBackward, ThreadCountDoesNotChangeABit) {
   }
 }
 
-TEST(AmxBackward, Bf16PrecisionForF32InputsIsTheBf16KernelWithAnF32Output) {
-  SKIP_WITHOUT_AMX();
-  const ScopedIsa amx("amx");
+TEST_P(Bf16KernelBackward, Bf16PrecisionForF32InputsIsTheBf16KernelWithAnF32Output) {
+  SKIP_UNLESS_PATH(GetParam());
+  const ScopedIsa isa(GetParam());
   std::mt19937_64 rng = make_rng(34);
   const int B = 1, L = 77, H = 2, d = 64;
   LowpCall c(DType::bf16, B, L, L, H, H, d, d, rng);
@@ -208,9 +213,9 @@ TEST(AmxBackward, Bf16PrecisionForF32InputsIsTheBf16KernelWithAnF32Output) {
   for (size_t i = 0; i < dv.size(); ++i) ASSERT_EQ(f32_to_bf16(dv[i]), g.dv[i]) << "dv " << i;
 }
 
-TEST(AmxBackward, FullyMaskedRowsGetZeroGradients) {
-  SKIP_WITHOUT_AMX();
-  const ScopedIsa amx("amx");
+TEST_P(Bf16KernelBackward, FullyMaskedRowsGetZeroGradients) {
+  SKIP_UNLESS_PATH(GetParam());
+  const ScopedIsa isa(GetParam());
   std::mt19937_64 rng = make_rng(35);
   const int L = 90, d = 32;
   LowpCall c(DType::bf16, 1, L, L, 1, 1, d, d, rng);
@@ -228,8 +233,8 @@ TEST(AmxBackward, FullyMaskedRowsGetZeroGradients) {
 }
 
 // Softcap, non-finite inputs and huge |lse| are left to the portable path.
-TEST(AmxBackward, DeclinedCasesArePortableBitForBit) {
-  SKIP_WITHOUT_AMX();
+TEST_P(Bf16KernelBackward, DeclinedCasesArePortableBitForBit) {
+  SKIP_UNLESS_PATH(GetParam());
   std::mt19937_64 rng = make_rng(36);
   const int L = 80, d = 64;
   std::vector<float> huge(size_t(L) * L, 0.0f);
@@ -241,23 +246,23 @@ TEST(AmxBackward, DeclinedCasesArePortableBitForBit) {
     if (variant == 0) o.softcap = 4.0f;
     if (variant == 1) o.mask = TensorView(huge.data(), DType::f32, {L, L});
     {
-      const ScopedIsa isa("amx");
+      const ScopedIsa isa(GetParam());
       attention(c.view(c.q, L, 2, d), c.view(c.k, L, 2, d), c.view(c.v, L, 2, d), c.view(c.out, L, 2, d), o,
                 c.lse_view());
     }
     if (variant == 2) c.dout[17] = f32_to_bf16(NAN);
-    Grads amx, portable;
+    Grads kernel, portable;
     {
-      const ScopedIsa isa("amx");
-      amx = run_backward(c, o);
+      const ScopedIsa isa(GetParam());
+      kernel = run_backward(c, o);
     }
     {
       const ScopedIsa isa("f32");
       portable = run_backward(c, o);
     }
-    EXPECT_EQ(amx.dq, portable.dq);
-    EXPECT_EQ(amx.dk, portable.dk);
-    EXPECT_EQ(amx.dv, portable.dv);
+    EXPECT_EQ(kernel.dq, portable.dq);
+    EXPECT_EQ(kernel.dk, portable.dk);
+    EXPECT_EQ(kernel.dv, portable.dv);
   }
 }
 

@@ -1,5 +1,6 @@
-// The AMX bf16 forward (issue 11), forced with ATTN_ISA=amx; skipped with a message
-// on machines without AMX. Every option and odd shapes against the float64 reference
+// The bf16 forward kernel (issue 11) on each of its paths, AMX tiles and AVX512-BF16's
+// vdpbf16ps, forced with ATTN_ISA; each skipped with a message on machines that
+// cannot run it. Every option and odd shapes against the float64 reference
 // under FlashAttention's rule: the error is at most 2× that of a plain implementation
 // with the same rounding (bf16 inputs, exact softmax, P rounded to bf16 before P·V,
 // f32 accumulation, bf16 output), pooled per option, with a 10× screen per case.
@@ -31,17 +32,17 @@ struct CaseErrors {
   double fused = 0, plain = 0;
 };
 
-// Runs one AMX call and its yardsticks: the reference (float64 on the bf16 values,
+// Runs one kernel call (path isa) and its yardsticks: the reference (float64 on the bf16 values,
 // rounded to f32 once) and the plain bf16 implementation built from the reference's
 // probabilities (every option included): out = bf16(Σ_j bf16(P_ij)·v_j), in f32.
-CaseErrors run_amx_case(const Shape& s, const OptionCase& oc, std::mt19937_64& rng) {
+CaseErrors run_kernel_case(const char* path, const Shape& s, const OptionCase& oc, std::mt19937_64& rng) {
   LowpCall c(DType::bf16, s.B, s.Lq, s.Lk, s.Hq, s.Hkv, s.d, s.dv, rng);
   OptionStore store;
   const AttentionOptions o = oc.make(store, c, rng);
   const TensorView q = c.view(c.q, s.Lq, s.Hq, s.d), k = c.view(c.k, s.Lk, s.Hkv, s.d),
                    v = c.view(c.v, s.Lk, s.Hkv, s.dv), out = c.view(c.out, s.Lq, s.Hq, s.dv);
   {
-    const ScopedIsa amx("amx");
+    const ScopedIsa isa(path);
     attention(q, k, v, out, o, c.lse_view());
   }
   const AttentionOptions t = f32_twin(o, c, store.twin);
@@ -57,10 +58,10 @@ CaseErrors run_amx_case(const Shape& s, const OptionCase& oc, std::mt19937_64& r
       for (int h = 0; h < s.Hq; ++h) {
         const float* p = probs.data() + ((size_t(b) * s.Hq + h) * s.Lq + i) * s.Lk;
         const float l = lse[(size_t(b) * s.Hq + h) * s.Lq + i];
-        const float l_amx = c.lse[(size_t(b) * s.Hq + h) * s.Lq + i];
+        const float l_kernel = c.lse[(size_t(b) * s.Hq + h) * s.Lq + i];
         // lse: the same −∞ rows, and the scores' f32 rounding at most.
-        EXPECT_EQ(std::isinf(l), std::isinf(l_amx)) << "lse b=" << b << " h=" << h << " i=" << i;
-        if (std::isfinite(l)) EXPECT_NEAR(l_amx, l, 1e-4 * std::max(1.0f, std::fabs(l)));
+        EXPECT_EQ(std::isinf(l), std::isinf(l_kernel)) << "lse b=" << b << " h=" << h << " i=" << i;
+        if (std::isfinite(l)) EXPECT_NEAR(l_kernel, l, 1e-4 * std::max(1.0f, std::fabs(l)));
         for (int x = 0; x < s.dv; ++x) {
           float acc = 0;
           for (int j = 0; j < s.Lk; ++j)
@@ -76,15 +77,19 @@ CaseErrors run_amx_case(const Shape& s, const OptionCase& oc, std::mt19937_64& r
   return e;
 }
 
-TEST(AmxAttention, EveryOptionWithinTwiceThePlainBf16Error) {
-  SKIP_WITHOUT_AMX();
+// Parameter: the kernel path ("amx" or "avx512bf16"), forced with ATTN_ISA.
+class Bf16KernelForward : public ::testing::TestWithParam<const char*> {};
+INSTANTIATE_TEST_SUITE_P(Paths, Bf16KernelForward, ::testing::ValuesIn(kBf16KernelPaths), PathName);
+
+TEST_P(Bf16KernelForward, EveryOptionWithinTwiceThePlainBf16Error) {
+  SKIP_UNLESS_PATH(GetParam());
   std::mt19937_64 rng = make_rng(21);
   for (const OptionCase& oc : option_cases()) {
     double fused = 0, plain = 0;
     for (const Shape& s : kAmxShapes) {
       SCOPED_TRACE(std::string(oc.name) + " Lq=" + std::to_string(s.Lq) + " Lk=" + std::to_string(s.Lk) +
                    " d=" + std::to_string(s.d));
-      const CaseErrors e = run_amx_case(s, oc, rng);
+      const CaseErrors e = run_kernel_case(GetParam(), s, oc, rng);
       // Gross screen per case: 10× the plain error (plus one bf16 rounding of an
       // output of size 1, for cases whose plain error happens to be ~0).
       EXPECT_LE(std::sqrt(e.fused), 10.0 * std::sqrt(e.plain) + 1.0 / 256);
@@ -95,9 +100,9 @@ TEST(AmxAttention, EveryOptionWithinTwiceThePlainBf16Error) {
   }
 }
 
-TEST(AmxAttention, ThreadCountDoesNotChangeABit) {
-  SKIP_WITHOUT_AMX();
-  const ScopedIsa amx("amx");
+TEST_P(Bf16KernelForward, ThreadCountDoesNotChangeABit) {
+  SKIP_UNLESS_PATH(GetParam());
+  const ScopedIsa isa(GetParam());
   std::mt19937_64 rng = make_rng(22);
   for (const OptionCase& oc : option_cases()) {
     LowpCall c(DType::bf16, 2, 150, 333, 4, 2, 64, 64, rng);
@@ -114,9 +119,9 @@ TEST(AmxAttention, ThreadCountDoesNotChangeABit) {
   }
 }
 
-TEST(AmxAttention, Bf16PrecisionForF32InputsIsTheBf16KernelWithAnF32Output) {
-  SKIP_WITHOUT_AMX();
-  const ScopedIsa amx("amx");
+TEST_P(Bf16KernelForward, Bf16PrecisionForF32InputsIsTheBf16KernelWithAnF32Output) {
+  SKIP_UNLESS_PATH(GetParam());
+  const ScopedIsa isa(GetParam());
   std::mt19937_64 rng = make_rng(23);
   const int B = 1, L = 77, H = 2, d = 64;
   std::vector<float> q(size_t(B) * L * H * d), k(q.size()), v(q.size()), out(q.size());
@@ -135,8 +140,8 @@ TEST(AmxAttention, Bf16PrecisionForF32InputsIsTheBf16KernelWithAnF32Output) {
   for (size_t i = 0; i < out.size(); ++i) ASSERT_EQ(f32_to_bf16(out[i]), oh[i]) << i;
 }
 
-TEST(AmxAttention, NonFiniteInputsTakeThePortablePathsSemantics) {
-  SKIP_WITHOUT_AMX();
+TEST_P(Bf16KernelForward, NonFiniteInputsTakeThePortablePathsSemantics) {
+  SKIP_UNLESS_PATH(GetParam());
   std::mt19937_64 rng = make_rng(24);
   LowpCall c(DType::bf16, 1, 70, 90, 2, 1, 64, 64, rng);
   c.v[7 * 64 + 3] = f32_to_bf16(INFINITY);  // value 7: only rows that see key 7 are affected
@@ -150,16 +155,16 @@ TEST(AmxAttention, NonFiniteInputsTakeThePortablePathsSemantics) {
     attention(q, k, v, out, o, c.lse_view());
     portable = c.out;
   }
-  const ScopedIsa amx("amx");
+  const ScopedIsa isa(GetParam());
   attention(q, k, v, out, o, c.lse_view());
   EXPECT_EQ(portable, c.out);
   EXPECT_FALSE(std::isnan(bf16_to_f32(c.out[6 * 2 * 64 + 3]))) << "row 6 cannot see key 7";
   EXPECT_TRUE(std::isinf(bf16_to_f32(c.out[8 * 2 * 64 + 3])) || std::isnan(bf16_to_f32(c.out[8 * 2 * 64 + 3])));
 }
 
-TEST(AmxAttention, NonFiniteMaskValuesFollowTheReference) {
-  SKIP_WITHOUT_AMX();
-  const ScopedIsa amx("amx");
+TEST_P(Bf16KernelForward, NonFiniteMaskValuesFollowTheReference) {
+  SKIP_UNLESS_PATH(GetParam());
+  const ScopedIsa isa(GetParam());
   std::mt19937_64 rng = make_rng(26);
   const int L = 300, d = 64;  // several 256-key blocks
   LowpCall c(DType::bf16, 1, L, L, 1, 1, d, d, rng);
@@ -184,7 +189,7 @@ TEST(AmxAttention, NonFiniteMaskValuesFollowTheReference) {
   }
 }
 
-TEST(AmxAttention, IsaVariableIsCheckedAndNamesThePaths) {
+TEST(Bf16Kernel, IsaVariableIsCheckedAndNamesThePaths) {
   std::mt19937_64 rng = make_rng(25);
   LowpCall c(DType::bf16, 1, 4, 4, 1, 1, 8, 8, rng);
   const TensorView q = c.view(c.q, 4, 1, 8), k = c.view(c.k, 4, 1, 8), v = c.view(c.v, 4, 1, 8),
@@ -202,21 +207,30 @@ TEST(AmxAttention, IsaVariableIsCheckedAndNamesThePaths) {
     EXPECT_EQ(message(), "ATTN_ISA must be amx, avx512bf16 or f32, got \"sse9\"");
   }
   {
-    const ScopedIsa bad("avx512bf16");
-    EXPECT_NE(message().find("no AVX512-BF16 kernel yet"), std::string::npos) << message();
-  }
-  {
     const ScopedIsa f32("f32");
     EXPECT_EQ(message(), "no error");
     EXPECT_EQ(cpu_info().bf16_path, "f32");
   }
+  const detail::CpuFeatures& f = detail::cpu_features();
   {
+    // The default: AMX; else vdpbf16ps on CPUs without AMX in CPUID; else f32.
     const ScopedIsa unset(nullptr);
-    EXPECT_EQ(cpu_info().bf16_path, have_amx() ? "amx" : "f32");
-    EXPECT_EQ(cpu_info().amx_bf16, have_amx());
+    const char* want = f.amx_bf16 ? "amx" : (f.avx512_bf16 && f.amx_refused.empty()) ? "avx512bf16" : "f32";
+    EXPECT_EQ(cpu_info().bf16_path, want);
+    EXPECT_EQ(cpu_info().amx_bf16, f.amx_bf16);
+  }
+  {
+    const ScopedIsa isa("avx512bf16");
+    if (f.avx512_bf16) {
+      EXPECT_EQ(message(), "no error");
+      EXPECT_EQ(cpu_info().bf16_path, "avx512bf16");
+    } else {
+      EXPECT_NE(message().find("ATTN_ISA=avx512bf16, but this CPU has no AVX512-BF16"), std::string::npos)
+          << message();
+    }
   }
   const ScopedIsa amx("amx");
-  if (have_amx()) {
+  if (f.amx_bf16) {
     EXPECT_EQ(message(), "no error");
     EXPECT_EQ(cpu_info().bf16_path, "amx");
   } else {

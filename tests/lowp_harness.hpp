@@ -37,17 +37,28 @@ inline float from_bits(uint32_t u) {
   return f;
 }
 
-/// True when this CPU and OS can run the AMX kernels.
-inline bool have_amx() { return detail::cpu_features().amx_bf16; }
-
-/// Skips the current test, saying why, on machines that cannot run AMX.
-#define SKIP_WITHOUT_AMX()                                                                               \
-  if (!::attn::testing::have_amx()) {                                                                    \
-    GTEST_SKIP() << "this CPU (or OS) cannot run AMX: "                                                  \
-                 << (::attn::detail::cpu_features().amx_refused.empty()                                  \
-                         ? "no AMX-BF16 in CPUID"                                                        \
-                         : ::attn::detail::cpu_features().amx_refused);                                  \
+/// Why this machine cannot run the bf16 kernel path `isa` ("amx" or "avx512bf16"),
+/// or "" when it can.
+inline std::string cannot_run_path(const std::string& isa) {
+  const detail::CpuFeatures& f = detail::cpu_features();
+  if (isa == "amx" && !f.amx_bf16) {
+    return "this CPU (or OS) cannot run AMX: " + (f.amx_refused.empty() ? std::string("no AMX-BF16 in CPUID") : f.amx_refused);
   }
+  if (isa == "avx512bf16" && !f.avx512_bf16) return "this CPU has no AVX512-BF16";
+  return "";
+}
+
+/// Skips the current test, saying why, on machines that cannot run path `isa`.
+#define SKIP_UNLESS_PATH(isa)                                                     \
+  if (const std::string why = ::attn::testing::cannot_run_path(isa); !why.empty()) { \
+    GTEST_SKIP() << why;                                                          \
+  }
+
+/// The bf16 kernel paths the kernel suites run on (each skipped where it cannot run).
+inline const char* const kBf16KernelPaths[] = {"amx", "avx512bf16"};
+
+/// Test-name suffix for a path parameter.
+inline std::string PathName(const ::testing::TestParamInfo<const char*>& info) { return info.param; }
 
 /// Sets ATTN_ISA for its lifetime (nullptr: unset), then restores the previous value.
 class ScopedIsa {

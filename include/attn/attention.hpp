@@ -150,8 +150,9 @@ void attention_reference(const TensorView& q, const TensorView& k, const TensorV
                          const TensorView& lse = {}, const TensorView& probs = {});
 
 /// Gradients of attention() (FlashAttention-2's backward; dout, dq, dk, dv in the
-/// inputs' dtype, f32 arithmetic inside; bf16 on an AMX CPU multiplies bf16 operands
-/// on the tile unit, rounding P and dS to bf16 as FlashAttention does). Given the forward's
+/// inputs' dtype, f32 arithmetic inside; bf16 on a CPU with AMX or AVX512-BF16
+/// multiplies bf16 operands on the tile unit or with vdpbf16ps, rounding P and dS to
+/// bf16 as FlashAttention does). Given the forward's
 /// inputs, its `out` and `lse` (computed with the same options) and dout = ∂L/∂out
 /// (shaped like out), writes dq, dk, dv (shaped like q, k, v; with GQA, dk and dv
 /// sum over each group of query heads). dbias (optional, f32, the shape of
@@ -181,7 +182,7 @@ void dropout_mask(const TensorView& mask, float dropout_p, uint64_t seed, uint64
 
 /// Extra memory in bytes that attention() needs for these arguments when run with
 /// `threads` threads: K and V packed for the SIMD kernel (the size of k and v in
-/// f32, padded; on the AMX path q, k and v in bf16) plus one tile workspace per
+/// f32, padded; on the AMX and AVX512-BF16 paths q, k and v in bf16) plus one tile workspace per
 /// thread, and for bf16/f16 inputs on the portable path their f32 copies. The
 /// workspace is allocated once per calling thread and reused by later calls; the
 /// Lq×Lk matrix is never stored.
@@ -213,9 +214,10 @@ struct CpuInfo {
   bool amx_bf16 = false;    // AMX tiles usable: CPUID has AMX-BF16 and the OS granted tile data
   bool avx512_bf16 = false; // CPUID has AVX512-BF16 (vdpbf16ps)
   std::string amx_refused;  // why AMX is unusable although CPUID has it ("" otherwise)
-  /// The path bf16 inputs (and Precision::bf16) take now: "amx" (tiles) or "f32"
-  /// (widened to f32, the f32 kernel). ATTN_ISA=amx|avx512bf16|f32 forces one;
-  /// f16 inputs always take "f32" (bf16 tiles cannot hold f16 values exactly).
+  /// The path bf16 inputs (and Precision::bf16) take now: "amx" (tiles),
+  /// "avx512bf16" (vdpbf16ps; the default on CPUs without AMX, e.g. AMD Zen 4/5) or
+  /// "f32" (widened to f32, the f32 kernel). ATTN_ISA=amx|avx512bf16|f32 forces one;
+  /// f16 inputs always take "f32" (bf16 cannot hold f16 values exactly).
   std::string bf16_path;
 };
 

@@ -28,8 +28,8 @@ def test_numpy_float16_in_float16_out(rng):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_torch_low_precision_forward_and_backward(rng, dtype, monkeypatch):
-    # Bit equality with the f32 kernel holds on the portable path; the AMX path (the
-    # default for bf16 on AMX CPUs) is checked against the same pipeline at the end.
+    # Bit equality with the f32 kernel holds on the portable path; the bf16 kernels
+    # (AMX, AVX512-BF16) are checked against the same pipeline at the end.
     monkeypatch.setenv("ATTN_ISA", "f32")
     q, k, v = (torch.from_numpy(x).to(dtype) for x in _qkv(rng))
     mask = torch.from_numpy(rng.uniform(-1, 1, (17, 33)).astype(np.float32)).to(dtype)
@@ -51,10 +51,15 @@ def test_torch_low_precision_forward_and_backward(rng, dtype, monkeypatch):
     ref = torch.softmax(s, -1) @ v32.repeat_interleave(2, 1)
     tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
     assert torch.allclose(out.float(), ref, atol=tol, rtol=tol)
+    # Every bf16 kernel path this machine can run (the default first).
     monkeypatch.delenv("ATTN_ISA")
-    out_default = attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    assert out_default.dtype == dtype
-    assert torch.allclose(out_default.float(), ref, atol=tol, rtol=tol)
+    paths = [None] + [p for p, have in (("amx", "amx_bf16"), ("avx512bf16", "avx512_bf16")) if attn.cpu_info()[have]]
+    for path in paths:
+        if path is not None:
+            monkeypatch.setenv("ATTN_ISA", path)
+        out_path = attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        assert out_path.dtype == dtype
+        assert torch.allclose(out_path.float(), ref, atol=tol, rtol=tol), path
 
 
 def test_mixed_dtypes_are_refused(rng):

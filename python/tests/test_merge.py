@@ -55,8 +55,16 @@ def test_shape_errors_name_the_argument(rng):
 
 def test_cpu_info_names_the_paths(monkeypatch):
     info = attn.cpu_info()
-    assert info["bf16_path"] in ("amx", "f32")
-    assert info["bf16_path"] == ("amx" if info["amx_bf16"] else "f32")
+    assert info["bf16_path"] in ("amx", "avx512bf16", "f32")
+    if info["amx_bf16"]:
+        assert info["bf16_path"] == "amx"
+    elif info["avx512_bf16"] and not info["amx_refused"]:
+        assert info["bf16_path"] == "avx512bf16"  # no AMX in CPUID: Zen 4/5
+    else:
+        assert info["bf16_path"] == "f32"
+    if info["avx512_bf16"]:
+        monkeypatch.setenv("ATTN_ISA", "avx512bf16")
+        assert attn.cpu_info()["bf16_path"] == "avx512bf16"
     monkeypatch.setenv("ATTN_ISA", "f32")
     assert attn.cpu_info()["bf16_path"] == "f32"
     monkeypatch.setenv("ATTN_ISA", "nonsense")

@@ -183,6 +183,66 @@ inline ATTN_AMX void TileGemm(const bf16* a, size_t lda, const bf16* b, size_t b
   }
 }
 
+/// R rows × G column groups of 16 of VecGemm: the accumulators stay in registers
+/// (R·G of 32 zmm) over the whole inner dimension; per pair of inner indices, G
+/// loads of B (one row of a pair-packed tile is 16 pairs, one zmm), R broadcasts of
+/// a 32-bit pair of A, R·G vdpbf16ps.
+template <int R, int G>
+HWY_INLINE ATTN_AMX void VecGemmBlock(const bf16* a, size_t lda, const bf16* b, size_t b_kc, size_t b_g, float* c,
+                                      size_t ldc, int K, bool accumulate) {
+  __m512 acc[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) acc[r][g] = accumulate ? _mm512_loadu_ps(c + r * ldc + 16 * g) : _mm512_setzero_ps();
+  for (int kc = 0; kc < K / kPair; ++kc) {
+    const bf16* bk = b + kc * b_kc;
+    const bf16* ak = a + kc * kPair;
+    for (int kk = 0; kk < 16; ++kk) {
+      __m512i bv[G];
+      for (int g = 0; g < G; ++g) bv[g] = _mm512_loadu_si512(bk + g * b_g + kk * 32);
+      for (int r = 0; r < R; ++r) {
+        uint32_t pair;
+        std::memcpy(&pair, ak + r * lda + 2 * kk, sizeof pair);
+        const __m512bh av = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+        for (int g = 0; g < G; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], av, reinterpret_cast<__m512bh>(bv[g]));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(c + r * ldc + 16 * g, acc[r][g]);
+}
+
+/// TileGemm's product (same arguments, same operand layouts) on AVX512-BF16's
+/// vdpbf16ps instead of the tile unit, for CPUs without AMX (AMD Zen 4/5). Each
+/// output is the same sum of the same bf16 products in f32, in pair order (no
+/// bit-for-bit promise against TileGemm, whose internal order is the hardware's).
+/// Column blocks outside, row blocks inside, so that a block of B (K × 64 columns)
+/// stays in L1 while every row block passes over it.
+inline ATTN_AMX void VecGemm(const bf16* a, size_t lda, const bf16* b, size_t b_kc, size_t b_g, float* c, size_t ldc,
+                             int M, int N, int K, bool accumulate) {
+  constexpr int kRows = 4;
+  for (int n0 = 0; n0 < N; n0 += 64) {
+    const bf16* bn = b + (n0 / 16) * b_g;
+    for (int m0 = 0; m0 < M; m0 += kRows) {
+      if (n0 + 64 <= N) {
+        VecGemmBlock<kRows, 4>(a + m0 * lda, lda, bn, b_kc, b_g, c + m0 * ldc + n0, ldc, K, accumulate);
+      } else {  // N is a multiple of 32: the last 32 columns
+        VecGemmBlock<kRows, 2>(a + m0 * lda, lda, bn, b_kc, b_g, c + m0 * ldc + n0, ldc, K, accumulate);
+      }
+    }
+  }
+}
+
+/// C = A·B (or C + A·B) on the unit `tiles` names: true, the AMX tile unit
+/// (TileGemm; tiles configured by ConfigureTiles); false, vdpbf16ps (VecGemm).
+inline ATTN_AMX void Bf16Gemm(bool tiles, const bf16* a, size_t lda, const bf16* b, size_t b_kc, size_t b_g, float* c,
+                              size_t ldc, int M, int N, int K, bool accumulate) {
+  if (tiles) {
+    TileGemm(a, lda, b, b_kc, b_g, c, ldc, M, N, K, accumulate);
+  } else {
+    VecGemm(a, lda, b, b_kc, b_g, c, ldc, M, N, K, accumulate);
+  }
+}
+
 /// One row of a pair-packed tile from two bf16 rows: dst[n] = (even[n], odd[n]),
 /// n < 16.
 HWY_INLINE ATTN_AMX void PairRow(const bf16* even, const bf16* odd, bf16* dst) {

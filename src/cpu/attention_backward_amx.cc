@@ -152,6 +152,7 @@ struct BwdAmxShared {
   const std::vector<size_t>& turn_base;
   const std::vector<std::vector<int>>& qt_first;
   const std::vector<std::vector<int>>& qt_last;
+  bool tiles;  // products on AMX tiles (true) or on vdpbf16ps
 };
 
 /// Packs query tile qt of (b, h): Q and dO as rows and transposed, rounded to bf16;
@@ -362,9 +363,9 @@ ATTN_AMX void TilePair(const BwdAmxShared& sh, BwdAmxScratch& w, int b, int h, i
   bf16* ktile = l.KTile(sh.pack, p, b, hk, kt);
 
   // S = Q·Kᵀ and dP = dO·Vᵀ: B tiles (chunk c, key group g) at (g·chunks + c)·kTile.
-  TileGemm(BwdAmxLayout::QRows(qtile, dp), dp, BwdAmxLayout::KForS(ktile, dp), kTile, size_t{dp / kPair} * kTile,
+  Bf16Gemm(sh.tiles, BwdAmxLayout::QRows(qtile, dp), dp, BwdAmxLayout::KForS(ktile, dp), kTile, size_t{dp / kPair} * kTile,
            w.s, kBk, kBq, kBk, dp, false);
-  TileGemm(BwdAmxLayout::GRows(qtile, dp), dvp, BwdAmxLayout::VForDp(ktile, dp), kTile,
+  Bf16Gemm(sh.tiles, BwdAmxLayout::GRows(qtile, dp), dvp, BwdAmxLayout::VForDp(ktile, dp), kTile,
            size_t{dvp / kPair} * kTile, w.dp, kBk, kBq, kBk, dvp, false);
 
   const TilePlace place{b, h, i0, rows, j0, nk, w.lo, w.hi};
@@ -379,12 +380,12 @@ ATTN_AMX void TilePair(const BwdAmxShared& sh, BwdAmxScratch& w, int b, int h, i
   SoftmaxGradient(sh, w, b, h, i0, rows, j0, natural);
 
   // dVᵀ += dOᵀ·P', dKᵀ += Qᵀ·dS: B tiles (query chunk, key group g) at (chunk·4 + g)·kTile.
-  TileGemm(BwdAmxLayout::GCols(qtile, dp, dvp), kBq, w.p_pairs, size_t{kBk / 16} * kTile, kTile,
+  Bf16Gemm(sh.tiles, BwdAmxLayout::GCols(qtile, dp, dvp), kBq, w.p_pairs, size_t{kBk / 16} * kTile, kTile,
            w.dvt + static_cast<size_t>(u) * dvp * kBk, kBk, dvp, kBk, kBq, true);
-  TileGemm(BwdAmxLayout::QCols(qtile, dp), kBq, w.ds_pairs, size_t{kBk / 16} * kTile, kTile,
+  Bf16Gemm(sh.tiles, BwdAmxLayout::QCols(qtile, dp), kBq, w.ds_pairs, size_t{kBk / 16} * kTile, kTile,
            w.dkt + static_cast<size_t>(u) * dp * kBk, kBk, dp, kBk, kBq, true);
   // dQ (+)= dS·K: B tiles (key chunk, column group g) at (chunk·dp/16 + g)·kTile.
-  TileGemm(w.ds_rows, kBk, BwdAmxLayout::KForDq(ktile, dp), size_t{dp / 16} * kTile, kTile, w.dq, dp, kBq, dp, kBk,
+  Bf16Gemm(sh.tiles, w.ds_rows, kBk, BwdAmxLayout::KForDq(ktile, dp), size_t{dp / 16} * kTile, kTile, w.dq, dp, kBq, dp, kBk,
            accumulate);
 }
 
@@ -451,7 +452,7 @@ ATTN_AMX void BackwardItem(const BwdAmxShared& sh, int b, int hk, int kb) {
   }
 }
 
-bool BackwardAmxImpl(const BackwardProblem& bp, int threads) {
+bool BackwardAmxImpl(const BackwardProblem& bp, int threads, bool tiles) {
   const Problem& p = bp.fwd;
   if (bp.dbias != nullptr || p.softcap > 0.0f || p.mods != nullptr) return false;
   const BwdAmxLayout lay = MakeBwdAmxLayout(p);
@@ -488,7 +489,7 @@ bool BackwardAmxImpl(const BackwardProblem& bp, int threads) {
       }
     }
   }
-  const BwdAmxShared sh{bp, lay, pack, lse.data(), dsum.data(), dq.data(), turns.get(), turn_base, qt_first, qt_last};
+  const BwdAmxShared sh{bp, lay, pack, lse.data(), dsum.data(), dq.data(), turns.get(), turn_base, qt_first, qt_last, tiles};
   const int nt = flops < 4e6 ? 1 : std::max(1, threads);
   const int nq = static_cast<int>(qpacks.size()), nk = static_cast<int>(kpacks.size()),
             ni = static_cast<int>(items.size());
@@ -525,10 +526,10 @@ bool BackwardAmxImpl(const BackwardProblem& bp, int threads) {
             }
         }
       }
-      ConfigureTiles();
+      if (tiles) ConfigureTiles();
 #pragma omp for schedule(monotonic : dynamic, 1)
       for (int n = 0; n < ni; ++n) BackwardItem(sh, items[n].b, items[n].h, items[n].t);
-      ReleaseTiles();
+      if (tiles) ReleaseTiles();
       // dQ out of its accumulator, in the output dtype.
 #pragma omp for schedule(static)
       for (int n = 0; n < nq; ++n) {
@@ -545,12 +546,12 @@ bool BackwardAmxImpl(const BackwardProblem& bp, int threads) {
 }
 
 #else
-bool BackwardAmxImpl(const BackwardProblem&, int) { return false; }
+bool BackwardAmxImpl(const BackwardProblem&, int, bool) { return false; }
 #endif  // ATTN_AMX_KERNEL
 
 }  // namespace
 
-bool BackwardAmx(const BackwardProblem& bp, int threads) { return BackwardAmxImpl(bp, threads); }
+bool BackwardAmx(const BackwardProblem& bp, int threads, bool tiles) { return BackwardAmxImpl(bp, threads, tiles); }
 
 }  // namespace attn::detail::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
@@ -558,11 +559,11 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace attn::detail {
 
-bool attention_backward_amx(const BackwardProblem& bp, int threads) {
+bool attention_backward_amx(const BackwardProblem& bp, int threads, LowpPath path) {
 #if defined(__x86_64__) && (HWY_TARGETS & HWY_AVX3)
-  return N_AVX3::BackwardAmx(bp, threads);
+  return N_AVX3::BackwardAmx(bp, threads, path == LowpPath::amx);
 #else
-  (void)bp, (void)threads;
+  (void)bp, (void)threads, (void)path;
   return false;
 #endif
 }

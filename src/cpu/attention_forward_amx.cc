@@ -174,6 +174,10 @@ struct TileJob {
   float* o = nullptr;
   int dvp = 0, pv_width = 0;
 
+  // False on CPUs without AMX: both products run on vdpbf16ps (VecGemm) in Finish,
+  // since they would share the vector unit with the softmax anyway.
+  bool tiles = true;
+
   int qk_steps = 0, total = 0, done = 0;
   int i = 0, j = 0;  // position within the current part: (key group pair, d chunk) or (column pair, key chunk)
 
@@ -185,13 +189,27 @@ struct TileJob {
   ATTN_AMX void Step();
   /// Runs steps until numerator / denominator of the job is done.
   ATTN_AMX void RunTo(int numerator, int denominator) {
+    if (!tiles) return;
     const int until = total * numerator / denominator;
     while (done < until) Step();
   }
   ATTN_AMX void Finish() {
+    if (!tiles) return FinishOnVectors();
     while (done < total) Step();
   }
+  ATTN_AMX void FinishOnVectors();
 };
+
+ATTN_AMX void TileJob::FinishOnVectors() {
+  if (done == total) return;
+  if (qk_width > 0) {
+    VecGemm(q, dp, k, kTile, static_cast<size_t>(dp / kPair) * kTile, s, kW, kQ, qk_width, dp, false);
+  }
+  if (pv_width > 0) {
+    VecGemm(pb, kW, v, static_cast<size_t>(dvp / 16) * kTile, kTile, o, dvp, kQ, dvp, pv_width, true);
+  }
+  done = total;
+}
 
 ATTN_AMX void TileJob::Step() {
   if (done < qk_steps) {
@@ -421,7 +439,7 @@ struct AmxScratch {
 /// probabilities, the tile unit computes block t+1's scores and adds block t−1's
 /// P·V into O (both interleaved row by row with the softmax, so neither unit waits
 /// for the other); O is rescaled by block t's α once that P·V is in.
-ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, int b, int h, int qt) {
+ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, int b, int h, int qt, bool tiles) {
   const Sequence& seq = p.seqs[b];
   const int hk = h / p.group();
   const int i0 = qt * kQ, rows = std::min(kQ, seq.Lq - i0);
@@ -459,11 +477,13 @@ ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, i
   auto block_start = [&](int t) { return first + live[t] * kW; };
   auto block_width = [&](int t) { return span_width(live[t]); };
   auto qk_job = [&](TileJob& job, int t) {
+    job.tiles = tiles;
     job.q = q, job.dp = lay.dp, job.s = w.s[t % 2];
     job.k = k + static_cast<size_t>(block_start(t) / 16) * dc * kTile;
     job.qk_width = block_width(t);
   };
   auto pv_job = [&](TileJob& job, int t) {
+    job.tiles = tiles;
     job.pb = w.pb[t % 2], job.o = w.o, job.dvp = dvp;
     job.v = v + static_cast<size_t>(block_start(t) / kPair) * vc * kTile;
     job.pv_width = block_width(t);
@@ -480,6 +500,7 @@ ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, i
     const int j0 = block_start(t), width = block_width(t);
     float* sc = w.s[t % 2];
     TileJob job;
+    job.tiles = tiles;
     if (t + 1 < blocks) qk_job(job, t + 1);
     if (pending_pv >= 0) pv_job(job, pending_pv);
     job.Start();
@@ -544,7 +565,7 @@ ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, i
   }
 }
 
-bool ForwardAmxImpl(const Problem& p, int threads) {
+bool ForwardAmxImpl(const Problem& p, int threads, bool tiles) {
   const AmxLayout lay = MakeAmxLayout(p);
   bf16* pack = reinterpret_cast<bf16*>(thread_scratch(kSlotPackedKv, (lay.total + 1) / 2));
 
@@ -587,10 +608,10 @@ bool ForwardAmxImpl(const Problem& p, int threads) {
     // Every thread reads the same flag after the barrier, so all or none of them
     // reach the worksharing loop below.
     if (!nonfinite.load()) {
-      ConfigureTiles();
+      if (tiles) ConfigureTiles();
 #pragma omp for schedule(dynamic, 1)
-      for (int i = 0; i < nblocks; ++i) ForwardBlock(p, lay, pack, blocks[i].b, blocks[i].h, blocks[i].t);
-      ReleaseTiles();
+      for (int i = 0; i < nblocks; ++i) ForwardBlock(p, lay, pack, blocks[i].b, blocks[i].h, blocks[i].t, tiles);
+      if (tiles) ReleaseTiles();
     }
   }
   return !nonfinite.load();
@@ -602,13 +623,13 @@ size_t WorkspaceBytesImpl(const Problem& p, int threads) {
          sizeof(float) * static_cast<size_t>(std::max(1, threads)) * AmxScratch::Floats(lay.dvp);
 }
 #else
-bool ForwardAmxImpl(const Problem&, int) { return false; }
+bool ForwardAmxImpl(const Problem&, int, bool) { return false; }
 size_t WorkspaceBytesImpl(const Problem&, int) { return 0; }
 #endif  // ATTN_AMX_KERNEL
 
 }  // namespace
 
-bool ForwardAmx(const Problem& p, int threads) { return ForwardAmxImpl(p, threads); }
+bool ForwardAmx(const Problem& p, int threads, bool tiles) { return ForwardAmxImpl(p, threads, tiles); }
 size_t AmxWorkspaceBytes(const Problem& p, int threads) { return WorkspaceBytesImpl(p, threads); }
 
 }  // namespace attn::detail::HWY_NAMESPACE
@@ -617,11 +638,11 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace attn::detail {
 
-bool attention_forward_amx(const Problem& p, int threads) {
+bool attention_forward_amx(const Problem& p, int threads, LowpPath path) {
 #if defined(__x86_64__) && (HWY_TARGETS & HWY_AVX3)
-  return N_AVX3::ForwardAmx(p, threads);
+  return N_AVX3::ForwardAmx(p, threads, path == LowpPath::amx);
 #else
-  (void)p, (void)threads;
+  (void)p, (void)threads, (void)path;
   return false;
 #endif
 }

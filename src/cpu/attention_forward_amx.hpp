@@ -1,25 +1,28 @@
-// The bf16 attention forward on Intel AMX tiles.
+// The bf16 attention forward on Intel AMX tiles, or on AVX512-BF16's vdpbf16ps.
 #pragma once
 
 #include <cstddef>
 
+#include "cpu/isa.hpp"
 #include "problem.hpp"
 
 namespace attn::detail {
 
-/// Computes p's out (and lse) with AMX: Q·Kᵀ and P·V on tiles (bf16 operands, f32
-/// accumulation), the online softmax in AVX-512. p.dtype is bf16, or f32 when the
+/// Computes p's out (and lse) with bf16 products (bf16 operands, f32 accumulation)
+/// and the online softmax in AVX-512. path: LowpPath::amx puts Q·Kᵀ and P·V on AMX
+/// tiles; LowpPath::avx512bf16 computes the same products with vdpbf16ps. p.dtype is bf16, or f32 when the
 /// caller asked for Precision::bf16 (q, k, v are then rounded to bf16 as they are
 /// packed; out is written in f32). Every option of the f32 kernel except explicit
 /// probabilities (p.probs must be null). Bitwise identical for any thread count.
-/// The caller checks cpu_features().amx_bf16 first.
+/// The caller checks that the CPU can run `path` (lowp_path() does).
 /// Returns false, having written nothing, when q, k or v holds a NaN or ±∞ (after
-/// rounding to bf16): tdpbf16ps treats subnormals as zero, which would change how
+/// rounding to bf16): tdpbf16ps and vdpbf16ps treat subnormals as zero, which would change how
 /// 0·∞ and ∞ − ∞ come out, so those calls take the portable path for the reference's
 /// exact semantics.
-bool attention_forward_amx(const Problem& p, int threads);
+bool attention_forward_amx(const Problem& p, int threads, LowpPath path);
 
-/// Bytes of workspace attention_forward_amx(p, threads) uses (packed Q/K/V + tiles).
+/// Bytes of workspace attention_forward_amx(p, threads, path) uses (packed Q/K/V +
+/// per-thread score and output blocks; the same for either path).
 size_t attention_forward_amx_workspace_bytes(const Problem& p, int threads);
 
 }  // namespace attn::detail

@@ -64,11 +64,18 @@ const CpuFeatures& cpu_features() {
 LowpPath lowp_path() {
   const CpuFeatures& f = cpu_features();
   const char* env = std::getenv("ATTN_ISA");
-  if (env == nullptr || *env == '\0') return f.amx_bf16 ? LowpPath::amx : LowpPath::f32;
+  if (env == nullptr || *env == '\0') {
+    if (f.amx_bf16) return LowpPath::amx;
+    // amx_refused is set only when CPUID has AMX: an Intel AMX core, where
+    // vdpbf16ps has half the f32 FMA rate (measured: docs/PERFORMANCE.md).
+    if (f.avx512_bf16 && f.amx_refused.empty()) return LowpPath::avx512bf16;
+    return LowpPath::f32;
+  }
   const std::string want = env;
   if (want == "f32") return LowpPath::f32;
   if (want == "avx512bf16") {
-    throw Error("ATTN_ISA=avx512bf16: this build has no AVX512-BF16 kernel yet; use amx or f32");
+    if (f.avx512_bf16) return LowpPath::avx512bf16;
+    throw Error("ATTN_ISA=avx512bf16, but this CPU has no AVX512-BF16 (or no AVX-512)");
   }
   if (want == "amx") {
     if (f.amx_bf16) return LowpPath::amx;
@@ -78,7 +85,17 @@ LowpPath lowp_path() {
   throw Error("ATTN_ISA must be amx, avx512bf16 or f32, got \"" + want + "\"");
 }
 
-const char* lowp_path_name(LowpPath path) { return path == LowpPath::amx ? "amx" : "f32"; }
+const char* lowp_path_name(LowpPath path) {
+  switch (path) {
+    case LowpPath::amx:
+      return "amx";
+    case LowpPath::avx512bf16:
+      return "avx512bf16";
+    case LowpPath::f32:
+      break;
+  }
+  return "f32";
+}
 
 }  // namespace attn::detail
 

@@ -7,11 +7,13 @@
 namespace attn::detail {
 
 /// The paths for bf16 inputs (and f32 inputs with Precision::bf16):
-///   amx         Q·Kᵀ and P·V on AMX tiles (tdpbf16ps), softmax in AVX-512;
+///   amx         the products on AMX tiles (tdpbf16ps), softmax in AVX-512;
+///   avx512bf16  the same kernels with the products on vdpbf16ps (AMD Zen 4/5,
+///               Intel Cooper Lake): same packing, same softmax;
 ///   f32         the portable path: inputs widened to f32, the f32 kernel.
 /// f16 inputs always take the f32 path on CPUs without AMX-FP16 (bf16 cannot hold
-/// an f16 value exactly, so the tiles would lose precision).
-enum class LowpPath { amx, f32 };
+/// an f16 value exactly, so the bf16 products would lose precision).
+enum class LowpPath { amx, avx512bf16, f32 };
 
 /// What this CPU and OS can run, detected once: AMX needs CPUID's AMX-TILE and
 /// AMX-BF16, AVX-512 (Highway's AVX3 target) and Linux's permission for tile data
@@ -26,11 +28,12 @@ const CpuFeatures& cpu_features();
 
 /// The path a bf16 call takes now: ATTN_ISA (read on every call, so tests can switch
 /// it) if set — "amx", "avx512bf16" or "f32"; throws attn::Error when it names an
-/// unknown path or one this machine cannot run — else the fastest available.
-/// ("avx512bf16" names the vdpbf16ps kernel, which is not written yet: an error.)
+/// unknown path or one this machine cannot run — else the fastest available: amx;
+/// else avx512bf16 on CPUs without AMX in CPUID; else f32. (A CPU whose OS refuses
+/// AMX takes f32: on Intel's AMX cores vdpbf16ps runs at half the f32 FMA rate.)
 LowpPath lowp_path();
 
-/// "amx" or "f32".
+/// "amx", "avx512bf16" or "f32".
 const char* lowp_path_name(LowpPath path);
 
 }  // namespace attn::detail

@@ -101,7 +101,7 @@ bool run_case(const CheckCase& c, const Variant& var, std::mt19937& rng) {
     ok = err <= 2 * plain_err + 1e-7;
     std::snprintf(bar, sizeof bar, "plain %.2e, bar 2x", plain_err);
   }
-  std::printf("  %-5s %-4s %-32s Lq=%-4d Lk=%-4d d=%-3d  rel. error %.2e  (%s)  %s\n", dtype_name(var.dtype),
+  std::printf("  %-5s %-10s %-32s Lq=%-4d Lk=%-4d d=%-3d  rel. error %.2e  (%s)  %s\n", dtype_name(var.dtype),
               var.isa[0] != '\0' ? var.isa : "f32", c.name, c.Lq, c.Lk, c.d, err, bar, ok ? "ok" : "FAIL");
   return ok;
 }
@@ -133,6 +133,7 @@ Command add_check_command(CLI::App& app) {
     // Every dtype, and bf16 on every path this machine can run (the portable one always).
     std::vector<Variant> variants = {{DType::f32, ""}, {DType::bf16, "f32"}, {DType::f16, ""}};
     if (cpu.amx_bf16) variants.push_back({DType::bf16, "amx"});
+    if (cpu.avx512_bf16) variants.push_back({DType::bf16, "avx512bf16"});
     for (const Variant& var : variants) {
       for (const CheckCase& c : cases) failures += !run_case(c, var, rng);
     }
