@@ -171,7 +171,9 @@ std::string format_forward_table(const std::vector<ForwardRow>& rows, const Peak
      << "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const ForwardRow& r : rows) {
     const Peak& pk = r.config.threads == 1 ? peak1 : peak_all;
-    const double peak = r.path == "amx" ? pk.amx_bf16_gflops : pk.f32_gflops;
+    const double peak = r.path == "amx"          ? pk.amx_bf16_gflops
+                        : r.path == "avx512bf16" ? pk.bf16_gflops
+                                                 : pk.f32_gflops;
     char line[400];
     std::snprintf(line, sizeof line,
                   "| %s (%s) | %d | %d | %s | %d | %.2f | %.1f | %.0f%% | %.2f | %.1f | %.2f× | %.1f | %.1f |\n",

@@ -53,7 +53,7 @@ ForwardRow time_forward(const ForwardConfig& c, const TableOptions& o);
 std::vector<ForwardRow> run_forward_table(const TableOptions& o, std::ostream& log);
 
 /// Markdown table with GFLOP/s, fraction of the matching peak (1 thread or all; the
-/// AMX peak for rows that ran on tiles) and the ratio to the baseline.
+/// AMX peak for rows that ran on tiles, the vdpbf16ps peak for avx512bf16 rows) and the ratio to the baseline.
 std::string format_forward_table(const std::vector<ForwardRow>& rows, const Peak& peak1,
                                  const Peak& peak_all);
 

@@ -1,6 +1,8 @@
 // The Intel AMX pieces the bf16 kernels share (forward and backward): the tile
 // configuration, bf16 rounding and packing into tdpbf16ps's operand layouts, a
-// small tile GEMM, and the fast 2^x for probabilities. Per Highway target, hence
+// small tile GEMM and its twin on AVX512-BF16's vdpbf16ps (whose B operand has the
+// same pair layout, one tile row per zmm, so CPUs without AMX run the same kernels),
+// and the fast 2^x for probabilities. Per Highway target, hence
 // the toggling include guard; the AMX code exists for the AVX3 target only (every
 // AMX CPU has AVX-512), ATTN_AMX_KERNEL says whether this pass has it.
 //

@@ -14,6 +14,8 @@
 //   dQ  += dS·K                   tiles, [64 q][d], summed over the block's key tiles,
 //                                 then added into an f32 dQ in key-block order (the
 //                                 f32 kernel's turn counters)
+// On CPUs with AVX512-BF16 but no AMX the five products run on vdpbf16ps instead
+// (Bf16Gemm → VecGemm, same packed operands, same order of work: same determinism).
 // Why dKᵀ and dVᵀ: tdpbf16ps's B operand takes pairs of rows of its [K][N] matrix,
 // and for dK = dSᵀ·Q the inner dimension is the queries. With queries as the inner
 // dimension and keys as columns, B is dS itself, packed by interleaving two of its

@@ -1,5 +1,7 @@
 // bf16 attention forward on Intel AMX: FlashAttention-2's tiled online softmax with
-// both products on the tile unit.
+// both products on the tile unit. On CPUs with AVX512-BF16 but no AMX (Zen 4/5) the
+// same code runs with both products on vdpbf16ps (TileJob::tiles = false: VecGemm on
+// the same packed operands, no overlap to arrange since one unit does everything).
 //
 // One work item is (sequence b, query head h, block of kQ = 32 queries). Per block
 // of up to kW = 256 keys that the rows' bands reach:
