@@ -1,12 +1,14 @@
 // Argument checking for attention(): every invalid argument becomes an attn::Error
 // naming the argument, what was expected and what was given, before any output
 // is touched. The result is a normalised Problem (src/problem.hpp).
+#include <algorithm>
 #include <climits>
-#include <cstdint>
-#include <utility>
 #include <cmath>
+#include <cstdint>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "arg_checker.hpp"
 #include "block_mask_args.hpp"
@@ -48,17 +50,21 @@ std::vector<int32_t> check_cu_seqlens(const Checker& c, const TensorView& t, con
   return cu;
 }
 
-}  // namespace
+// The sizes every later step checks against: the tensors' position dimensions
+// (tokens when packed), the longest sequence, and the packed boundaries.
+struct Extent {
+  bool varlen = false;
+  int o = 1;                // index of the position dimension (0 when packed)
+  int64_t Lq = 0, Lk = 0;   // q's and k's position dimension
+  int max_lq = 0, max_lk = 0;
+  std::vector<int32_t> cu_q, cu_k;
+};
 
-Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
-                     const TensorView& v, const TensorView& out, const AttentionOptions& opt,
-                     const TensorView& lse, const TensorView& probs, const UserMods* mods) {
-  const Checker c(fn);
-  const bool varlen = !opt.cu_seqlens_q.empty() || !opt.cu_seqlens_k.empty();
-  if (varlen && (opt.cu_seqlens_q.empty() || opt.cu_seqlens_k.empty())) {
-    c.fail(std::string("cu_seqlens_q and cu_seqlens_k must be given together, got only ") +
-           (opt.cu_seqlens_q.empty() ? "cu_seqlens_k" : "cu_seqlens_q"));
-  }
+// q, k, v, out: one dtype, ranks, matching dimensions, sizes the kernels can count.
+// Binds their pointers, strides, heads and head dims into p.
+void bind_qkv(const Checker& c, const TensorView& q, const TensorView& k, const TensorView& v,
+              const TensorView& out, const AttentionOptions& opt, Extent* e, Problem* p) {
+  const bool varlen = e->varlen;
   const int rank = varlen ? 3 : 4;
   const char* qlay = varlen ? "[total_q, Hq, d]" : "[B, Lq, Hq, d]";
   const char* klay = varlen ? "[total_k, Hkv, d]" : "[B, Lk, Hkv, d]";
@@ -77,9 +83,8 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
   c.last_contiguous(v, "v");
   c.last_contiguous(out, "out");
 
-  const int o = varlen ? 0 : 1;  // index of the position dimension
-  const int64_t Hq = q.size(o + 1), Hkv = k.size(o + 1), d = q.size(o + 2),
-                dv = v.size(o + 2);
+  const int o = e->o;
+  const int64_t Hq = q.size(o + 1), Hkv = k.size(o + 1), d = q.size(o + 2), dv = v.size(o + 2);
   const int64_t Lq = q.size(o), Lk = k.size(o);
   if (!varlen) {
     c.dim_equals(k, "k", 0, q.size(0), "batch B, as q.shape[0]");
@@ -116,28 +121,30 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
             "B·Lq·Hq and B·Lk·Hkv must be below 2^31 (rows of work are counted in 32 bits), "
             "got q " + q.describe() + ", k " + k.describe());
 
-  Problem p;
-  p.B = varlen ? static_cast<int>(opt.cu_seqlens_q.size(0) - 1) : static_cast<int>(q.size(0));
-  p.Hq = static_cast<int>(Hq);
-  p.heads_total = p.Hq;
-  p.Hkv = static_cast<int>(Hkv);
-  p.d = static_cast<int>(d);
-  p.dv = static_cast<int>(dv);
-  p.dtype = dt;
-  p.q = q.data_as<const float>();
-  p.k = k.data_as<const float>();
-  p.v = v.data_as<const float>();
-  p.out = out.data_as<float>();
-  p.q_row = q.stride(o), p.q_head = q.stride(o + 1);
-  p.k_row = k.stride(o), p.k_head = k.stride(o + 1);
-  p.v_row = v.stride(o), p.v_head = v.stride(o + 1);
-  p.out_row = out.stride(o), p.out_head = out.stride(o + 1);
+  e->Lq = Lq, e->Lk = Lk;
+  p->B = static_cast<int>(batches);
+  p->Hq = static_cast<int>(Hq);
+  p->heads_total = p->Hq;
+  p->Hkv = static_cast<int>(Hkv);
+  p->d = static_cast<int>(d);
+  p->dv = static_cast<int>(dv);
+  p->dtype = dt;
+  p->q = q.data_as<const float>();
+  p->k = k.data_as<const float>();
+  p->v = v.data_as<const float>();
+  p->out = out.data_as<float>();
+  p->q_row = q.stride(o), p->q_head = q.stride(o + 1);
+  p->k_row = k.stride(o), p->k_head = k.stride(o + 1);
+  p->v_row = v.stride(o), p->v_head = v.stride(o + 1);
+  p->out_row = out.stride(o), p->out_head = out.stride(o + 1);
+}
 
-  // --- scalar options ---
-  p.scale = opt.scale.has_value() ? *opt.scale : static_cast<float>(1.0 / std::sqrt(double(d)));
-  if (!std::isfinite(p.scale) || p.scale <= 0.0f) {
+// scale, softcap, window, causal, dropout.
+void bind_scalars(const Checker& c, const AttentionOptions& opt, Problem* p) {
+  p->scale = opt.scale.has_value() ? *opt.scale : static_cast<float>(1.0 / std::sqrt(double(p->d)));
+  if (!std::isfinite(p->scale) || p->scale <= 0.0f) {
     std::ostringstream os;
-    os << "scale must be finite and > 0, got " << p.scale;
+    os << "scale must be finite and > 0, got " << p->scale;
     c.fail(os.str());
   }
   if (!std::isfinite(opt.softcap) || opt.softcap < 0.0f) {
@@ -145,67 +152,67 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
     os << "softcap must be finite and >= 0 (0 = off), got " << opt.softcap;
     c.fail(os.str());
   }
-  p.softcap = opt.softcap;
+  p->softcap = opt.softcap;
   if (opt.window.left < -1 || opt.window.right < -1) {
     c.fail("window must have left >= -1 and right >= -1 (-1 = unbounded), got {" +
            std::to_string(opt.window.left) + ", " + std::to_string(opt.window.right) + "}");
   }
-  p.window_left = opt.window.left;
-  p.window_right = opt.window.right;
-  p.causal = opt.causal;
+  p->window_left = opt.window.left;
+  p->window_right = opt.window.right;
+  p->causal = opt.causal;
   if (!(opt.dropout_p >= 0.0f && opt.dropout_p < 1.0f)) {
     std::ostringstream os;
     os << "dropout_p must be in [0, 1), got " << opt.dropout_p;
     c.fail(os.str());
   }
-  p.dropout_p = opt.dropout_p;
-  p.seed = opt.seed;
-  p.offset = opt.offset;
+  p->dropout_p = opt.dropout_p;
+  p->seed = opt.seed;
+  p->offset = opt.offset;
+}
 
-  // --- sequences ---
-  std::vector<int32_t> cu_q, cu_k;
-  if (varlen) {
-    cu_q = check_cu_seqlens(c, opt.cu_seqlens_q, "cu_seqlens_q", Lq);
-    cu_k = check_cu_seqlens(c, opt.cu_seqlens_k, "cu_seqlens_k", Lk);
-    c.require(cu_q.size() == cu_k.size(),
-              "cu_seqlens_k must have the length of cu_seqlens_q (B+1 = " +
-                  std::to_string(cu_q.size()) + "), got " + std::to_string(cu_k.size()));
+// The sequences: packed boundaries (cu_seqlens_q/k) or the batch rows, key_lengths,
+// and each sequence's offsets into q, k, v and out.
+void bind_sequences(const Checker& c, const TensorView& q, const TensorView& k, const TensorView& v,
+                    const TensorView& out, const AttentionOptions& opt, Extent* e, Problem* p) {
+  if (e->varlen) {
+    e->cu_q = check_cu_seqlens(c, opt.cu_seqlens_q, "cu_seqlens_q", e->Lq);
+    e->cu_k = check_cu_seqlens(c, opt.cu_seqlens_k, "cu_seqlens_k", e->Lk);
+    c.require(e->cu_q.size() == e->cu_k.size(),
+              "cu_seqlens_k must have the length of cu_seqlens_q (B+1 = " + std::to_string(e->cu_q.size()) +
+                  "), got " + std::to_string(e->cu_k.size()));
   }
   std::vector<int32_t> key_lengths;
   if (!opt.key_lengths.empty()) {
     const TensorView& t = opt.key_lengths;
-    c.require(t.dtype() == DType::i32,
-              std::string("key_lengths must have dtype i32, got ") + dtype_name(t.dtype()));
-    c.require(t.rank() == 1 && t.size(0) == p.B,
-              "key_lengths must be i32 [B] with B=" + std::to_string(p.B) + ", got " +
-                  t.describe());
-    c.require(t.data() != nullptr || p.B == 0, "key_lengths has a null data pointer");
+    c.require(t.dtype() == DType::i32, std::string("key_lengths must have dtype i32, got ") + dtype_name(t.dtype()));
+    c.require(t.rank() == 1 && t.size(0) == p->B,
+              "key_lengths must be i32 [B] with B=" + std::to_string(p->B) + ", got " + t.describe());
+    c.require(t.data() != nullptr || p->B == 0, "key_lengths has a null data pointer");
     key_lengths = read_i32(t);
   }
-  p.seqs.resize(static_cast<size_t>(p.B));
-  int max_lq = 0, max_lk = 0;
-  for (int b = 0; b < p.B; ++b) {
-    Sequence& s = p.seqs[static_cast<size_t>(b)];
-    int64_t q0 = 0, k0 = 0;
-    if (varlen) {
-      q0 = cu_q[b], k0 = cu_k[b];
+  const std::vector<int32_t>& cu_q = e->cu_q;
+  const std::vector<int32_t>& cu_k = e->cu_k;
+  p->seqs.resize(static_cast<size_t>(p->B));
+  for (int b = 0; b < p->B; ++b) {
+    Sequence& s = p->seqs[static_cast<size_t>(b)];
+    if (e->varlen) {
+      const int64_t q0 = cu_q[b], k0 = cu_k[b];
       s.q_token0 = q0, s.k_token0 = k0;
       s.Lq = cu_q[b + 1] - cu_q[b];
       s.Lk = cu_k[b + 1] - cu_k[b];
-      s.Lk_rows = s.Lk;
-      s.q_offset = q0 * p.q_row;
-      s.k_offset = k0 * p.k_row;
-      s.v_offset = k0 * p.v_row;
-      s.out_offset = q0 * p.out_row;
+      s.q_offset = q0 * p->q_row;
+      s.k_offset = k0 * p->k_row;
+      s.v_offset = k0 * p->v_row;
+      s.out_offset = q0 * p->out_row;
     } else {
-      s.Lq = static_cast<int>(Lq);
-      s.Lk = static_cast<int>(Lk);
-      s.Lk_rows = s.Lk;
+      s.Lq = static_cast<int>(e->Lq);
+      s.Lk = static_cast<int>(e->Lk);
       s.q_offset = b * q.stride(0);
       s.k_offset = b * k.stride(0);
       s.v_offset = b * v.stride(0);
       s.out_offset = b * out.stride(0);
     }
+    s.Lk_rows = s.Lk;
     if (!key_lengths.empty()) {
       const int32_t kl = key_lengths[static_cast<size_t>(b)];
       if (kl < 0 || kl > s.Lk) {
@@ -215,115 +222,117 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
       s.Lk = kl;
     }
     s.align = int64_t{s.Lk} - s.Lq;
-    max_lq = std::max(max_lq, s.Lq);
-    max_lk = std::max(max_lk, varlen ? cu_k[b + 1] - cu_k[b] : static_cast<int>(Lk));
+    e->max_lq = std::max(e->max_lq, s.Lq);
+    e->max_lk = std::max(e->max_lk, s.Lk_rows);
   }
+}
 
-  // --- ALiBi slopes ---
-  if (!opt.alibi_slopes.empty()) {
-    const TensorView& t = opt.alibi_slopes;
-    c.require(t.dtype() == DType::f32,
-              std::string("alibi_slopes must have dtype f32, got ") + dtype_name(t.dtype()));
-    const bool per_head = t.rank() == 1 && t.size(0) == Hq;
-    const bool per_batch = t.rank() == 2 && t.size(0) == p.B && t.size(1) == Hq;
-    c.require(per_head || per_batch, "alibi_slopes must be f32 [Hq] or [B, Hq] with B=" +
-                                         std::to_string(p.B) + ", Hq=" + std::to_string(Hq) +
-                                         ", got " + t.describe());
-    c.require(t.data() != nullptr, "alibi_slopes has a null data pointer");
-    c.nonnegative_strides(t, "alibi_slopes");
-    p.alibi = t.data_as<const float>();
-    p.alibi_h = t.stride(t.rank() - 1);
-    p.alibi_b = per_batch ? t.stride(0) : 0;
-  }
+// alibi_slopes: f32 [Hq] or [B, Hq].
+void bind_alibi(const Checker& c, const TensorView& t, Problem* p) {
+  if (t.empty()) return;
+  c.require(t.dtype() == DType::f32, std::string("alibi_slopes must have dtype f32, got ") + dtype_name(t.dtype()));
+  const bool per_head = t.rank() == 1 && t.size(0) == p->Hq;
+  const bool per_batch = t.rank() == 2 && t.size(0) == p->B && t.size(1) == p->Hq;
+  c.require(per_head || per_batch, "alibi_slopes must be f32 [Hq] or [B, Hq] with B=" + std::to_string(p->B) +
+                                       ", Hq=" + std::to_string(p->Hq) + ", got " + t.describe());
+  c.require(t.data() != nullptr, "alibi_slopes has a null data pointer");
+  c.nonnegative_strides(t, "alibi_slopes");
+  p->alibi = t.data_as<const float>();
+  p->alibi_h = t.stride(t.rank() - 1);
+  p->alibi_b = per_batch ? t.stride(0) : 0;
+}
 
-  // --- mask, broadcast over [B, Hq, Lq, Lk] ---
-  if (!opt.mask.empty()) {
-    const TensorView& m = opt.mask;
-    c.require(m.dtype() == DType::boolean || m.dtype() == DType::f32 || m.dtype() == dt,
-              std::string("mask must be boolean (true = attend) or additive in f32") +
-                  (dt != DType::f32 ? std::string(" or ") + dtype_name(dt) : std::string()) + ", got " +
-                  dtype_name(m.dtype()));
-    c.require(m.rank() <= 4, "mask must have rank <= 4 (broadcast over [B, Hq, Lq, Lk]), got " +
-                                 m.describe());
-    c.require(m.data() != nullptr || m.numel() == 0, "mask has a null data pointer");
-    c.nonnegative_strides(m, "mask");
-    const int64_t full[4] = {p.B, Hq, max_lq, max_lk};
-    const char* names[4] = {"B", "Hq", varlen ? "max seqlen_q" : "Lq",
-                            varlen ? "max seqlen_k" : "Lk"};
-    int64_t strides[4] = {0, 0, 0, 0};
-    for (int i = 0; i < m.rank(); ++i) {
-      const int dim = 4 - m.rank() + i;  // aligned to the right, as NumPy broadcasting
-      const int64_t sz = m.size(i);
-      const bool ok = sz == 1 || (varlen && dim >= 2 ? sz >= full[dim] : sz == full[dim]);
-      if (!ok) {
-        c.fail("mask " + m.describe() + " is not broadcastable to [B, Hq, Lq, Lk] = [" +
-               std::to_string(full[0]) + ", " + std::to_string(full[1]) + ", " +
-               std::to_string(full[2]) + ", " + std::to_string(full[3]) + "]: dimension " +
-               std::to_string(i) + " (" + names[dim] + ") must be 1 or " +
-               std::to_string(full[dim]) + (varlen && dim >= 2 ? " or more" : "") + ", got " +
-               std::to_string(sz));
-      }
-      strides[dim] = sz == 1 ? 0 : m.stride(i);
-    }
-    c.require(strides[3] == 0 || strides[3] == 1,
-              "mask must have a contiguous last dimension (stride 1) or broadcast it, got " +
-                  m.describe());
-    p.mask_b = strides[0], p.mask_h = strides[1], p.mask_i = strides[2], p.mask_j = strides[3];
-    p.mask_dtype = m.dtype();
-    if (m.dtype() == DType::boolean) {
-      p.bool_mask = m.data_as<const uint8_t>();
-    } else {
-      p.add_mask = m.data_as<const float>();  // bf16/f16: widened before any kernel reads it
+// options.mask, broadcast over [B, Hq, Lq, Lk] (NumPy's rules; packed sequences
+// may pass larger Lq/Lk dimensions, indexed by position within the sequence).
+void bind_mask(const Checker& c, const TensorView& m, const Extent& e, Problem* p) {
+  if (m.empty()) return;
+  const DType dt = p->dtype;
+  c.require(m.dtype() == DType::boolean || m.dtype() == DType::f32 || m.dtype() == dt,
+            std::string("mask must be boolean (true = attend) or additive in f32") +
+                (dt != DType::f32 ? std::string(" or ") + dtype_name(dt) : std::string()) + ", got " +
+                dtype_name(m.dtype()));
+  c.require(m.rank() <= 4, "mask must have rank <= 4 (broadcast over [B, Hq, Lq, Lk]), got " + m.describe());
+  c.require(m.data() != nullptr || m.numel() == 0, "mask has a null data pointer");
+  c.nonnegative_strides(m, "mask");
+  const int64_t full[4] = {p->B, p->Hq, e.max_lq, e.max_lk};
+  const char* names[4] = {"B", "Hq", e.varlen ? "max seqlen_q" : "Lq", e.varlen ? "max seqlen_k" : "Lk"};
+  for (int i = 0; i < m.rank(); ++i) {
+    const int dim = 4 - m.rank() + i;
+    const int64_t sz = m.size(i);
+    const bool ok = sz == 1 || (e.varlen && dim >= 2 ? sz >= full[dim] : sz == full[dim]);
+    if (!ok) {
+      c.fail("mask " + m.describe() + " is not broadcastable to [B, Hq, Lq, Lk] = [" + std::to_string(full[0]) +
+             ", " + std::to_string(full[1]) + ", " + std::to_string(full[2]) + ", " + std::to_string(full[3]) +
+             "]: dimension " + std::to_string(i) + " (" + names[dim] + ") must be 1 or " +
+             std::to_string(full[dim]) + (e.varlen && dim >= 2 ? " or more" : "") + ", got " + std::to_string(sz));
     }
   }
+  int64_t strides[4];
+  broadcast_strides(m, strides);
+  c.require(strides[3] == 0 || strides[3] == 1,
+            "mask must have a contiguous last dimension (stride 1) or broadcast it, got " + m.describe());
+  p->mask_b = strides[0], p->mask_h = strides[1], p->mask_i = strides[2], p->mask_j = strides[3];
+  p->mask_dtype = m.dtype();
+  if (m.dtype() == DType::boolean) {
+    p->bool_mask = m.data_as<const uint8_t>();
+  } else {
+    p->add_mask = m.data_as<const float>();  // bf16/f16: widened before any kernel reads it
+  }
+}
 
-  bind_block_mask(c, opt.block_mask, p.B, static_cast<int>(Hq), max_lq, max_lk, varlen, &p);
-
-  // --- optional outputs ---
+// The optional outputs lse ([B, Hq, Lq] or [Hq, total_q]) and probs ([B, Hq, Lq, Lk]
+// or [Hq, total_q, max_seqlen_k]).
+void bind_lse_probs(const Checker& c, const TensorView& lse, const TensorView& probs, const Extent& e, Problem* p) {
+  const bool varlen = e.varlen;
+  const int64_t Hq = p->Hq;
   if (!lse.empty()) {
     if (varlen) {
       c.tensor(lse, "lse", DType::f32, 2, "[Hq, total_q]");
       c.dim_equals(lse, "lse", 0, Hq, "query heads Hq");
-      c.dim_equals(lse, "lse", 1, Lq, "total_q");
+      c.dim_equals(lse, "lse", 1, e.Lq, "total_q");
     } else {
       c.tensor(lse, "lse", DType::f32, 3, "[B, Hq, Lq]");
-      c.dim_equals(lse, "lse", 0, p.B, "batch B");
+      c.dim_equals(lse, "lse", 0, p->B, "batch B");
       c.dim_equals(lse, "lse", 1, Hq, "query heads Hq");
-      c.dim_equals(lse, "lse", 2, Lq, "queries Lq");
+      c.dim_equals(lse, "lse", 2, e.Lq, "queries Lq");
     }
-    p.lse = lse.data_as<float>();
-    p.lse_h = lse.stride(varlen ? 0 : 1);
-    p.lse_i = lse.stride(varlen ? 1 : 2);
-    for (int b = 0; b < p.B; ++b) {
-      p.seqs[static_cast<size_t>(b)].lse_offset =
-          varlen ? int64_t{cu_q[b]} * p.lse_i : b * lse.stride(0);
+    p->lse = lse.data_as<float>();
+    p->lse_h = lse.stride(varlen ? 0 : 1);
+    p->lse_i = lse.stride(varlen ? 1 : 2);
+    for (int b = 0; b < p->B; ++b) {
+      p->seqs[static_cast<size_t>(b)].lse_offset = varlen ? int64_t{e.cu_q[b]} * p->lse_i : b * lse.stride(0);
     }
   }
   if (!probs.empty()) {
     if (varlen) {
       c.tensor(probs, "probs", DType::f32, 3, "[Hq, total_q, max_seqlen_k]");
       c.dim_equals(probs, "probs", 0, Hq, "query heads Hq");
-      c.dim_equals(probs, "probs", 1, Lq, "total_q");
-      c.dim_equals(probs, "probs", 2, max_lk, "max seqlen_k");
+      c.dim_equals(probs, "probs", 1, e.Lq, "total_q");
+      c.dim_equals(probs, "probs", 2, e.max_lk, "max seqlen_k");
     } else {
       c.tensor(probs, "probs", DType::f32, 4, "[B, Hq, Lq, Lk]");
-      c.dim_equals(probs, "probs", 0, p.B, "batch B");
+      c.dim_equals(probs, "probs", 0, p->B, "batch B");
       c.dim_equals(probs, "probs", 1, Hq, "query heads Hq");
-      c.dim_equals(probs, "probs", 2, Lq, "queries Lq");
-      c.dim_equals(probs, "probs", 3, Lk, "keys Lk");
+      c.dim_equals(probs, "probs", 2, e.Lq, "queries Lq");
+      c.dim_equals(probs, "probs", 3, e.Lk, "keys Lk");
     }
     c.last_contiguous(probs, "probs");
     const int o2 = varlen ? 0 : 1;
-    p.probs = probs.data_as<float>();
-    p.probs_h = probs.stride(o2);
-    p.probs_i = probs.stride(o2 + 1);
-    p.probs_cols = static_cast<int>(probs.size(o2 + 2));
-    for (int b = 0; b < p.B; ++b) {
-      p.seqs[static_cast<size_t>(b)].probs_offset =
-          varlen ? int64_t{cu_q[b]} * p.probs_i : b * probs.stride(0);
+    p->probs = probs.data_as<float>();
+    p->probs_h = probs.stride(o2);
+    p->probs_i = probs.stride(o2 + 1);
+    p->probs_cols = static_cast<int>(probs.size(o2 + 2));
+    for (int b = 0; b < p->B; ++b) {
+      p->seqs[static_cast<size_t>(b)].probs_offset = varlen ? int64_t{e.cu_q[b]} * p->probs_i : b * probs.stride(0);
     }
   }
-  // --- outputs must not overlap what is read or written elsewhere ---
+}
+
+// Outputs must not overlap what is read or written elsewhere (out may be exactly
+// q, k or v).
+void check_forward_overlaps(const Checker& c, const TensorView& q, const TensorView& k, const TensorView& v,
+                            const TensorView& out, const AttentionOptions& opt, const TensorView& lse,
+                            const TensorView& probs) {
   c.writable(out, "out");
   c.writable(lse, "lse");
   c.writable(probs, "probs");
@@ -341,6 +350,38 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
   c.disjoint(lse, "lse", out, "out");
   c.disjoint(probs, "probs", out, "out");
   c.disjoint(probs, "probs", lse, "lse");
+}
+
+}  // namespace
+
+void broadcast_strides(const TensorView& t, int64_t strides[4]) {
+  for (int i = 0; i < 4; ++i) strides[i] = 0;
+  for (int i = 0; i < t.rank(); ++i) {
+    const int dim = 4 - t.rank() + i;  // aligned to the right, as NumPy broadcasting
+    strides[dim] = t.size(i) == 1 ? 0 : t.stride(i);
+  }
+}
+
+Problem make_problem(const char* fn, const TensorView& q, const TensorView& k, const TensorView& v,
+                     const TensorView& out, const AttentionOptions& opt, const TensorView& lse,
+                     const TensorView& probs, const UserMods* mods) {
+  const Checker c(fn);
+  Extent e;
+  e.varlen = !opt.cu_seqlens_q.empty() || !opt.cu_seqlens_k.empty();
+  e.o = e.varlen ? 0 : 1;
+  if (e.varlen && (opt.cu_seqlens_q.empty() || opt.cu_seqlens_k.empty())) {
+    c.fail(std::string("cu_seqlens_q and cu_seqlens_k must be given together, got only ") +
+           (opt.cu_seqlens_q.empty() ? "cu_seqlens_k" : "cu_seqlens_q"));
+  }
+  Problem p;
+  bind_qkv(c, q, k, v, out, opt, &e, &p);
+  bind_scalars(c, opt, &p);
+  bind_sequences(c, q, k, v, out, opt, &e, &p);
+  bind_alibi(c, opt.alibi_slopes, &p);
+  bind_mask(c, opt.mask, e, &p);
+  bind_block_mask(c, opt.block_mask, p.B, p.Hq, e.max_lq, e.max_lk, e.varlen, &p);
+  bind_lse_probs(c, lse, probs, e, &p);
+  check_forward_overlaps(c, q, k, v, out, opt, lse, probs);
   p.mods = mods;
   return p;
 }
@@ -406,11 +447,8 @@ BackwardProblem make_backward_problem(const char* fn, const TensorView& q, const
                dbias.describe());
       }
     }
-    int64_t strides[4] = {0, 0, 0, 0};
-    for (int i = 0; i < dbias.rank(); ++i) {
-      const int dim = 4 - dbias.rank() + i;
-      strides[dim] = dbias.size(i) == 1 ? 0 : dbias.stride(i);
-    }
+    int64_t strides[4];
+    broadcast_strides(dbias, strides);
     bp.dbias = dbias.data_as<float>();
     bp.dbias_b = strides[0], bp.dbias_h = strides[1], bp.dbias_i = strides[2], bp.dbias_j = strides[3];
     bp.dbias_shared = (bp.dbias_b == 0 && p.B > 1) || (bp.dbias_h == 0 && p.Hq > 1);

@@ -135,7 +135,15 @@ struct BackwardProblem {
   int64_t varlen_q_tokens = 0, varlen_k_tokens = 0;
 };
 
-/// Checks every argument (throws attn::Error naming it) and builds the Problem.
+/// Strides of a tensor of rank ≤ 4 broadcast over 4 dimensions [B, H, Lq, Lk]
+/// (aligned to the right, as NumPy): 0 for a missing or size-1 dimension, else the
+/// tensor's stride. Shared by the mask and its gradient dbias.
+void broadcast_strides(const TensorView& t, int64_t strides[4]);
+
+/// Checks every argument (throws attn::Error naming it) and builds the Problem, in
+/// steps of one concern each (attention_args.cpp: bind_qkv, bind_scalars,
+/// bind_sequences, bind_alibi, bind_mask, bind_block_mask, bind_lse_probs,
+/// check_forward_overlaps), in that order, so the first bad argument is reported.
 /// `fn` names the public function in messages.
 Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
                      const TensorView& v, const TensorView& out, const AttentionOptions& opt,
