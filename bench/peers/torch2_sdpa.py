@@ -69,6 +69,13 @@ def main():
     flex = create = None
     if args.flex:
         from torch.nn.attention.flex_attention import create_block_mask as create, flex_attention
+        # One compile per (dtype, d, mask, thread count): past dynamo's default limit of
+        # 8 recompiles it silently falls back to the unfused, materialising
+        # implementation, which would time something else.
+        from torch._dynamo import config as dynamo_config
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dynamo_config, name):
+                setattr(dynamo_config, name, 64)
         flex = torch.compile(flex_attention)
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
