@@ -47,66 +47,6 @@ float round_to(DType t, float x) {
   return x;
 }
 
-// Runs one case in one variant: the fused output against the float64 reference on the
-// same (rounded) inputs. f32: relative error ≤ 1e-6. bf16/f16: FlashAttention's rule,
-// at most 2× the error of a plain implementation with the same rounding (exact
-// softmax, P rounded to the dtype before P·V, f32 sums, output rounded).
-bool run_case(const CheckCase& c, const Variant& var, std::mt19937& rng) {
-  std::uniform_real_distribution<float> u(-1, 1);
-  std::vector<float> q(size_t(c.Lq) * c.H * c.d), k(size_t(c.Lk) * c.Hkv * c.d), v(size_t(c.Lk) * c.Hkv * c.d),
-      ref(q.size()), probs(size_t(c.H) * c.Lq * c.Lk);
-  for (auto* t : {&q, &k, &v}) {
-    for (float& x : *t) x = round_to(var.dtype, u(rng));
-  }
-  AttentionOptions opt;
-  opt.causal = c.causal, opt.window = c.window, opt.softcap = c.softcap;
-  auto view = [](std::vector<float>& x, DType t, int L, int H, int d) { return TensorView(x.data(), t, {1, L, H, d}); };
-  const TensorView qv = view(q, DType::f32, c.Lq, c.H, c.d), kv = view(k, DType::f32, c.Lk, c.Hkv, c.d),
-                   vv = view(v, DType::f32, c.Lk, c.Hkv, c.d);
-  attention_reference(qv, kv, vv, view(ref, DType::f32, c.Lq, c.H, c.d), opt, {},
-                      TensorView(probs.data(), DType::f32, {1, c.H, c.Lq, c.Lk}));
-  std::vector<float> out(q.size());
-  if (var.isa[0] != '\0') setenv("ATTN_ISA", var.isa, 1);
-  if (var.dtype == DType::f32) {
-    attention(qv, kv, vv, view(out, DType::f32, c.Lq, c.H, c.d), opt);
-  } else {
-    const bool bf = var.dtype == DType::bf16;
-    auto narrow = [&](const std::vector<float>& x) {
-      std::vector<uint16_t> h(x.size());
-      for (size_t i = 0; i < x.size(); ++i) h[i] = bf ? detail::f32_to_bf16(x[i]) : detail::f32_to_f16(x[i]);
-      return h;
-    };
-    std::vector<uint16_t> q16 = narrow(q), k16 = narrow(k), v16 = narrow(v), o16(out.size());
-    auto view16 = [&](std::vector<uint16_t>& x, int L, int H) { return TensorView(x.data(), var.dtype, {1, L, H, c.d}); };
-    attention(view16(q16, c.Lq, c.H), view16(k16, c.Lk, c.Hkv), view16(v16, c.Lk, c.Hkv), view16(o16, c.Lq, c.H), opt);
-    for (size_t i = 0; i < out.size(); ++i) out[i] = bf ? detail::bf16_to_f32(o16[i]) : detail::f16_to_f32(o16[i]);
-  }
-  unsetenv("ATTN_ISA");
-  const double err = rel_error(out, ref);
-  bool ok = err <= 1e-6;
-  char bar[64] = "bar 1e-6";
-  if (var.dtype != DType::f32) {
-    std::vector<float> plain(out.size());
-    const int group = c.H / c.Hkv;
-    for (int i = 0; i < c.Lq; ++i) {
-      for (int h = 0; h < c.H; ++h) {
-        const float* p = probs.data() + (size_t(h) * c.Lq + i) * c.Lk;
-        for (int x = 0; x < c.d; ++x) {
-          float acc = 0;
-          for (int j = 0; j < c.Lk; ++j) acc += round_to(var.dtype, p[j]) * v[(size_t(j) * c.Hkv + h / group) * c.d + x];
-          plain[(size_t(i) * c.H + h) * c.d + x] = round_to(var.dtype, acc);
-        }
-      }
-    }
-    const double plain_err = rel_error(plain, ref);
-    ok = err <= 2 * plain_err + 1e-7;
-    std::snprintf(bar, sizeof bar, "plain %.2e, bar 2x", plain_err);
-  }
-  std::printf("  %-5s %-10s %-32s Lq=%-4d Lk=%-4d d=%-3d  rel. error %.2e  (%s)  %s\n", dtype_name(var.dtype),
-              var.isa[0] != '\0' ? var.isa : "f32", c.name, c.Lq, c.Lk, c.d, err, bar, ok ? "ok" : "FAIL");
-  return ok;
-}
-
 // A [1, L, H, d] tensor's f32 values and, for bf16/f16, their storage twin.
 struct Stored {
   DType dt;
@@ -134,6 +74,53 @@ struct Stored {
   TensorView view() { return dt == DType::f32 ? view32() : TensorView(half.data(), dt, shape); }
   TensorView view32() { return TensorView(f32.data(), DType::f32, shape); }
 };
+
+// Prints one case's line and returns ok.
+bool report(const CheckCase& c, const Variant& var, double err, const char* bar, bool ok) {
+  std::printf("  %-5s %-10s %-32s Lq=%-4d Lk=%-4d d=%-3d  rel. error %.2e  (%s)  %s\n", dtype_name(var.dtype),
+              var.isa[0] != '\0' ? var.isa : "f32", c.name, c.Lq, c.Lk, c.d, err, bar, ok ? "ok" : "FAIL");
+  return ok;
+}
+
+// Runs one case in one variant: the fused output against the float64 reference on the
+// same (rounded) inputs. f32: relative error ≤ 1e-6. bf16/f16: FlashAttention's rule,
+// at most 2× the error of a plain implementation with the same rounding (exact
+// softmax, P rounded to the dtype before P·V, f32 sums, output rounded).
+bool run_case(const CheckCase& c, const Variant& var, std::mt19937& rng) {
+  const DType dt = var.dtype;
+  Stored q(dt, c.Lq, c.H, c.d), k(dt, c.Lk, c.Hkv, c.d), v(dt, c.Lk, c.Hkv, c.d), out(dt, c.Lq, c.H, c.d);
+  for (Stored* t : {&q, &k, &v}) t->fill(rng);
+  std::vector<float> ref(q.f32.size()), probs(size_t(c.H) * c.Lq * c.Lk);
+  AttentionOptions opt;
+  opt.causal = c.causal, opt.window = c.window, opt.softcap = c.softcap;
+  attention_reference(q.view32(), k.view32(), v.view32(), TensorView(ref.data(), DType::f32, q.shape), opt, {},
+                      TensorView(probs.data(), DType::f32, {1, c.H, c.Lq, c.Lk}));
+  if (var.isa[0] != '\0') setenv("ATTN_ISA", var.isa, 1);
+  attention(q.view(), k.view(), v.view(), out.view(), opt);
+  unsetenv("ATTN_ISA");
+  out.widen();
+  const double err = rel_error(out.f32, ref);
+  bool ok = err <= 1e-6;
+  char bar[64] = "bar 1e-6";
+  if (var.dtype != DType::f32) {
+    std::vector<float> plain(ref.size());
+    const int group = c.H / c.Hkv;
+    for (int i = 0; i < c.Lq; ++i) {
+      for (int h = 0; h < c.H; ++h) {
+        const float* p = probs.data() + (size_t(h) * c.Lq + i) * c.Lk;
+        for (int x = 0; x < c.d; ++x) {
+          float acc = 0;
+          for (int j = 0; j < c.Lk; ++j) acc += round_to(var.dtype, p[j]) * v.f32[(size_t(j) * c.Hkv + h / group) * c.d + x];
+          plain[(size_t(i) * c.H + h) * c.d + x] = round_to(var.dtype, acc);
+        }
+      }
+    }
+    const double plain_err = rel_error(plain, ref);
+    ok = err <= 2 * plain_err + 1e-7;
+    std::snprintf(bar, sizeof bar, "plain %.2e, bar 2x", plain_err);
+  }
+  return report(c, var, err, bar, ok);
+}
 
 // The backward of one case in one variant: the fused forward, then the fused backward,
 // against the float64 reference backward on the same values (same out and lse). f32:
@@ -211,9 +198,7 @@ bool run_backward_case(const CheckCase& c, const Variant& var, std::mt19937& rng
     ok = err <= 2 * plain_err + 1e-7;
     std::snprintf(bar, sizeof bar, "plain %.2e, bar 2x", plain_err);
   }
-  std::printf("  %-5s %-10s %-32s Lq=%-4d Lk=%-4d d=%-3d  rel. error %.2e  (%s)  %s\n", dtype_name(dt),
-              var.isa[0] != '\0' ? var.isa : "f32", c.name, c.Lq, c.Lk, c.d, err, bar, ok ? "ok" : "FAIL");
-  return ok;
+  return report(c, var, err, bar, ok);
 }
 
 }  // namespace
