@@ -204,4 +204,28 @@ struct Shape {
 inline const Shape kShapes[] = {{1, 1, 1, 1, 1, 16, 16},   {2, 3, 17, 4, 2, 64, 64}, {1, 17, 3, 2, 1, 80, 48},
                          {1, 100, 100, 2, 2, 128, 128}, {2, 33, 65, 3, 1, 32, 40}};
 
+/// Squared errors of one case against the float64 reference: the kernel's, and the
+/// plain bf16 pipeline's (the yardstick).
+struct CaseErrors {
+  double fused = 0, plain = 0;
+};
+
+/// Runs run(shape) for every shape of one option case and checks the kernel's error
+/// against the yardstick: per case within 10× the plain error (plus one bf16
+/// rounding of an output of size 1, for cases whose plain error happens to be ~0),
+/// and over all shapes within 2×; the yardstick must measure something.
+template <class Shapes, class Run>
+void ExpectWithinPlainBf16Error(const Shapes& shapes, const OptionCase& oc, const Run& run) {
+  double fused = 0, plain = 0;
+  for (const Shape& s : shapes) {
+    SCOPED_TRACE(std::string(oc.name) + " Lq=" + std::to_string(s.Lq) + " Lk=" + std::to_string(s.Lk) +
+                 " d=" + std::to_string(s.d));
+    const CaseErrors e = run(s);
+    EXPECT_LE(std::sqrt(e.fused), 10.0 * std::sqrt(e.plain) + 1.0 / 256);
+    fused += e.fused, plain += e.plain;
+  }
+  EXPECT_LE(std::sqrt(fused), 2.0 * std::sqrt(plain)) << oc.name;
+  EXPECT_GT(plain, 0.0) << oc.name << ": the yardstick must measure something";
+}
+
 }  // namespace attn::testing
