@@ -29,16 +29,24 @@ void attention_with_mods(const TensorView& q, const TensorView& k, const TensorV
                          const TensorView& lse, const TensorView& probs, const UserMods* mods) {
   const Problem p = make_problem("attention", q, k, v, out, options, lse, probs, mods);
   if (needs_widening(p, options)) {
+    // The kernels read f32 masks: a bf16/f16 mask is widened (it is one copy, read
+    // once per tile), then the call starts again.
+    if (p.mask_dtype == DType::bf16 || p.mask_dtype == DType::f16) {
+      std::vector<float> mask32;
+      const AttentionOptions o = with_f32_mask(options, mask32);
+      attention_with_mods(q, k, v, out, o, lse, probs, mods);
+      return;
+    }
     if (const LowpPath path = bf16_kernel(p, options); path != LowpPath::f32) {
-      if (p.mask_dtype == DType::bf16 || p.mask_dtype == DType::f16) {
-        std::vector<float> mask32;
-        const AttentionOptions o = with_f32_mask(options, mask32);
-        attention_with_mods(q, k, v, out, o, lse, probs, mods);
-        return;
-      }
       if (attention_forward_amx(p, num_threads(), path)) return;
       // Declined (a NaN or ±∞ in q, k or v): the portable path's exact semantics.
     }
+    // The portable path: the f32 kernel widens bf16/f16 rows in its packing step.
+    if (p.dtype != DType::f32) {
+      attention_forward_cpu(p, num_threads());
+      return;
+    }
+    // f32 inputs with Precision::bf16: rounded copies.
     forward_widened(q, k, v, out, options, [&](auto& q32, auto& k32, auto& v32, auto& out32, auto& o) {
       attention_with_mods(q32, k32, v32, out32, o, lse, probs, mods);
     });

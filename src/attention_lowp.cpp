@@ -48,7 +48,9 @@ bool needs_widening(const Problem& p, const AttentionOptions& options) {
 size_t widening_bytes(const Problem& p, const TensorView& q, const TensorView& k, const TensorView& v,
                       const TensorView& out, const AttentionOptions& options) {
   if (!needs_widening(p, options)) return 0;
-  int64_t n = q.numel() + k.numel() + v.numel() + out.numel();
+  // bf16/f16 inputs are widened inside the kernel; only f32 inputs rounded to bf16
+  // (Precision::bf16) are copied.
+  int64_t n = p.dtype == DType::f32 ? q.numel() + k.numel() + v.numel() + out.numel() : 0;
   if (!options.mask.empty() && is_lowp(options.mask.dtype())) n += options.mask.numel();
   return static_cast<size_t>(n) * sizeof(float);
 }

@@ -1,8 +1,10 @@
-// bf16 and f16 inputs (and f32 inputs with Precision::bf16) through the f32 kernels:
-// the portable path. The tensors are widened to f32 copies (exactly: every bf16/f16
-// value is an f32 value), the f32 kernel or reference runs on the copies, and the
+// bf16 and f16 inputs (and f32 inputs with Precision::bf16) through the f32 kernels
+// and the reference, by whole-tensor f32 copies: the tensors are widened (exactly:
+// every bf16/f16 value is an f32 value), the f32 code runs on the copies, and the
 // results are rounded once into the caller's outputs in their dtype. Costs the copies'
-// memory (4 bytes per element of q, k, v, out) and two passes over them.
+// memory (4 bytes per element of q, k, v, out) and two passes over them. The fused
+// forward needs no copies for bf16/f16 inputs (it widens rows where it packs them);
+// the backward, the reference, placed calls and Precision::bf16 still use these.
 #pragma once
 
 #include <functional>
@@ -24,7 +26,8 @@ bool needs_widening(const Problem& p, const AttentionOptions& options);
 /// takes the portable widening path (f16, probabilities, or no bf16 unit).
 LowpPath bf16_kernel(const Problem& p, const AttentionOptions& options);
 
-/// Bytes of the f32 copies that the widening path allocates for this call (0 if none).
+/// Bytes of the f32 copies that attention() makes for this call (0 if none): q, k,
+/// v, out for f32 inputs with Precision::bf16, and a bf16/f16 mask.
 size_t widening_bytes(const Problem& p, const TensorView& q, const TensorView& k, const TensorView& v,
                       const TensorView& out, const AttentionOptions& options);
 

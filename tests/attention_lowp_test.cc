@@ -1,6 +1,7 @@
 // bf16 and f16 attention (issue 11, the portable path, forced with ATTN_ISA=f32): conversions against
 // independent oracles, every option in both dtypes bitwise equal to the f32 kernel on
-// the same (rounded) inputs followed by one rounding, FlashAttention's ≤ 2× rule
+// the same (rounded) inputs followed by one rounding (contiguous and strided, with no
+// f32 copies of the inputs), FlashAttention's ≤ 2× rule
 // against a plain bf16 implementation, the backward, Precision::bf16, NaN semantics,
 // thread independence and the dtype errors.
 #include <gtest/gtest.h>
@@ -115,6 +116,58 @@ TEST(LowPrecisionAttention, EveryOptionEqualsTheF32KernelRoundedOnce) {
       }
     }
   }
+}
+
+// The portable path widens bf16/f16 rows where the f32 kernel packs K/V and loads
+// query tiles, through the views' strides (no contiguous copy is made): buffers laid
+// out [B, H, L, D] and seen as [B, L, H, D], head dims that leave a vector tail, GQA,
+// causal and not. Bitwise the f32 kernel on the same values, rounded once.
+TEST(LowPrecisionAttention, StridedInputsEqualTheF32KernelRoundedOnce) {
+  const ScopedIsa portable("f32");
+  std::mt19937_64 rng = make_rng(17);
+  const Shape shapes[] = {{2, 37, 70, 4, 2, 19, 7}, {1, 65, 130, 2, 1, 64, 33}, {1, 1, 1000, 3, 3, 17, 1}};
+  for (DType dt : {DType::bf16, DType::f16}) {
+    for (const Shape& s : shapes) {
+      for (bool causal : {false, true}) {
+        SCOPED_TRACE(std::string(dtype_name(dt)) + " Lq=" + std::to_string(s.Lq) + " d=" + std::to_string(s.d) +
+                     (causal ? " causal" : ""));
+        LowpCall c(dt, s.B, s.Lq, s.Lk, s.Hq, s.Hkv, s.d, s.dv, rng);
+        auto bhsd = [&](const void* data, DType t, int L, int H, int D) {
+          return TensorView(data, t, {c.B, L, H, D}, {int64_t{H} * L * D, D, int64_t{L} * D, 1});
+        };
+        AttentionOptions o;
+        o.causal = causal ? Causal::BottomRight : Causal::None;
+        attention(bhsd(c.q.data(), dt, s.Lq, s.Hq, s.d), bhsd(c.k.data(), dt, s.Lk, s.Hkv, s.d),
+                  bhsd(c.v.data(), dt, s.Lk, s.Hkv, s.dv), bhsd(c.out.data(), dt, s.Lq, s.Hq, s.dv), o, c.lse_view());
+        std::vector<float> out32(c.out.size()), lse32(c.lse.size());
+        attention(bhsd(c.q32.data(), DType::f32, s.Lq, s.Hq, s.d), bhsd(c.k32.data(), DType::f32, s.Lk, s.Hkv, s.d),
+                  bhsd(c.v32.data(), DType::f32, s.Lk, s.Hkv, s.dv),
+                  bhsd(out32.data(), DType::f32, s.Lq, s.Hq, s.dv), o,
+                  TensorView(lse32.data(), DType::f32, {s.B, s.Hq, s.Lq}));
+        for (size_t i = 0; i < out32.size(); ++i) ASSERT_EQ(c.out[i], c.to(out32[i])) << "out " << i;
+        for (size_t i = 0; i < lse32.size(); ++i) ASSERT_EQ(bits(c.lse[i]), bits(lse32[i])) << "lse " << i;
+      }
+    }
+  }
+}
+
+// The f32 kernel reads bf16/f16 in place: its workspace is the packed K/V and the
+// tiles, with no f32 copy of q, k, v or out on top (only Precision::bf16 copies).
+TEST(LowPrecisionAttention, PortablePathNeedsNoCopiesOfTheInputs) {
+  const ScopedIsa portable("f32");
+  std::mt19937_64 rng = make_rng(19);
+  LowpCall c(DType::f16, 1, 300, 300, 4, 4, 64, 64, rng);
+  const TensorView q = c.view(c.q, 300, 4, 64), k = c.view(c.k, 300, 4, 64), v = c.view(c.v, 300, 4, 64),
+                   out = c.view(c.out, 300, 4, 64);
+  const TensorView q32 = c.view32(c.q32, 300, 4, 64), k32 = c.view32(c.k32, 300, 4, 64),
+                   v32 = c.view32(c.v32, 300, 4, 64);
+  std::vector<float> o32(c.out.size());
+  const TensorView out32 = c.view32(o32, 300, 4, 64);
+  EXPECT_EQ(attention_workspace_bytes(q, k, v, out, {}, 1), attention_workspace_bytes(q32, k32, v32, out32, {}, 1));
+  AttentionOptions rounded;
+  rounded.precision = Precision::bf16;
+  EXPECT_EQ(attention_workspace_bytes(q32, k32, v32, out32, rounded, 1),
+            attention_workspace_bytes(q32, k32, v32, out32, {}, 1) + 4 * sizeof(float) * c.q32.size());
 }
 
 // FlashAttention's yardstick: bf16 inputs, f32 scores and softmax, P rounded to bf16

@@ -39,6 +39,7 @@
 #include "cpu/dropout_tile-inl.h"
 #include "cpu/score_mods-inl.h"
 #include "cpu/tile_kernels-inl.h"
+#include "cpu/storage_rows-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace attn::detail::HWY_NAMESPACE {
@@ -86,14 +87,17 @@ PackLayout MakePackLayout(const Problem& p) {
 
 /// Packs key tile `tile` of (b, hk): K transposed into a [d][Bk] panel, V into
 /// [Bk][dvp] rows; keys beyond Lk and columns beyond dv are zero (P is 0 there,
-/// and 0·0 keeps the products NaN-free).
-void PackTile(const Problem& p, const PackLayout& pl, float* pack, int b, int hk, int tile) {
+/// and 0·0 keeps the products NaN-free). bf16/f16 rows are widened here, through
+/// `buf` (max(d, dv) floats): this is the only pass over K and V in their dtype.
+void PackTile(const Problem& p, const PackLayout& pl, float* pack, int b, int hk, int tile, float* buf) {
   const Sequence& seq = p.seqs[b];
   const int j0 = tile * kBk, nk = std::min(kBk, seq.Lk - j0);
-  PackPanel(p.k + seq.k_offset + hk * p.k_head + int64_t{j0} * p.k_row, p.k_row, nk, p.d,
-            pl.K(pack, p, b, hk) + static_cast<size_t>(tile) * kBk * p.d);
+  const int64_t k0 = seq.k_offset + hk * p.k_head + int64_t{j0} * p.k_row;
+  const int64_t v0 = seq.v_offset + hk * p.v_head + int64_t{j0} * p.v_row;
+  PackPanelRows([&](int j) { return RowF32(p.dtype, p.k, k0 + j * p.k_row, p.d, buf); }, nk, p.d,
+                pl.K(pack, p, b, hk) + static_cast<size_t>(tile) * kBk * p.d);
   float* v = pl.V(pack, p, b, hk) + static_cast<size_t>(j0) * pl.dvp;
-  PackRows(p.v + seq.v_offset + hk * p.v_head + int64_t{j0} * p.v_row, p.v_row, nk, p.dv, pl.dvp, v);
+  PackRowsFrom([&](int j) { return RowF32(p.dtype, p.v, v0 + j * p.v_row, p.dv, buf); }, nk, p.dv, pl.dvp, v);
   pl.VNonFinite(p, b, hk, tile) = !AllFinite(v, static_cast<size_t>(kBk) * pl.dvp);
   TrafficCounters::add(traffic().packed_bytes, static_cast<uint64_t>(nk) * (p.d + p.dv) * sizeof(float));
 }
@@ -112,13 +116,21 @@ struct TileScratch {
   int* hi;       // [Bq]
   int* first;    // [Bq / kRowsPerBlock] per row block: first key vector of the tile it sees
   int* count;    // [Bq / kRowsPerBlock] and how many (0: none)
+  float* row;    // [max(d, dvp)] one q row widened from bf16/f16, or one output row
+
+  /// Floats of the workspace (what WorkspaceBytes counts per thread).
+  static size_t Floats(int d, int dvp) {
+    return RowFloats(d, dvp) + (size_t{kBq} * d + 15) / 16 * 16 + size_t{kBq} * (2 * kBk + dvp + 8 + kLanes) + 64;
+  }
+  static size_t RowFloats(int d, int dvp) { return (static_cast<size_t>(std::max(d, dvp)) + 15) / 16 * 16; }
 
   TileScratch(int d, int dvp) {
     const size_t qf = size_t{kBq} * d, sf = size_t{kBq} * kBk, of = size_t{kBq} * dvp;
     // Each piece starts on a 64-byte boundary (all sizes are multiples of 16 floats).
     const size_t qf16 = (qf + 15) / 16 * 16;
-    float* base = thread_scratch(kSlotTile, qf16 + 2 * sf + of + (8 + kLanes) * kBq + 64);
-    q = base;
+    float* base = thread_scratch(kSlotTile, Floats(d, dvp));
+    row = base;
+    q = row + RowFloats(d, dvp);
     s = q + qf16;
     kept = s + sf;
     o = kept + sf;
@@ -133,14 +145,14 @@ struct TileScratch {
   }
 };
 
-/// Loads the query tile scaled by `scale` (so S needs no extra multiply); zeros
-/// the padding rows.
-void LoadQueryTile(const Problem& p, const float* q, int rows, float* dst) {
+/// Loads the query tile whose row 0 is element q0 of p.q, scaled by `scale` (so S
+/// needs no extra multiply; bf16/f16 rows widened through buf); zeros the padding rows.
+void LoadQueryTile(const Problem& p, int64_t q0, int rows, float* dst, float* buf) {
   const float scale = p.scale;
   for (int r = 0; r < kBq; ++r) {
     float* row = dst + static_cast<size_t>(r) * p.d;
     if (r < rows) {
-      const float* src = q + int64_t{r} * p.q_row;
+      const float* src = RowF32(p.dtype, p.q, q0 + int64_t{r} * p.q_row, p.d, buf);
       for (int c = 0; c < p.d; ++c) row[c] = src[c] * scale;
     } else {
       std::fill(row, row + p.d, 0.0f);
@@ -176,7 +188,7 @@ void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int
     BandOfRow(p, seq, i0 + r, &w.lo[r], &w.hi[r]);
     if (w.lo[r] <= w.hi[r]) jmin = std::min(jmin, w.lo[r]), jmax = std::max(jmax, w.hi[r]);
   }
-  LoadQueryTile(p, p.q + seq.q_offset + h * p.q_head + int64_t{i0} * p.q_row, rows, w.q);
+  LoadQueryTile(p, seq.q_offset + h * p.q_head + int64_t{i0} * p.q_row, rows, w.q, w.row);
   std::fill(w.o, w.o + size_t{kBq} * dvp, 0.0f);
   std::fill(w.m, w.m + kBq, -HUGE_VALF);
   std::fill(w.l, w.l + kBq * kLanes, 0.0f);
@@ -212,15 +224,16 @@ void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int
 
   // Normalise and write out; rows that saw no visible key give 0 and lse −∞;
   // rows whose max or sum is NaN (a NaN score) give NaN.
+  const DType out_dtype = p.out_f32 ? DType::f32 : p.dtype;
   for (int r = 0; r < rows; ++r) {
-    float* dst = p.out + seq.out_offset + h * p.out_head + int64_t{i0 + r} * p.out_row;
     const float* acc = w.o + static_cast<size_t>(r) * dvp;
     const float sum = RowSum(w.l, r);
     const bool none = w.m[r] == -HUGE_VALF;
     const bool nan = std::isnan(w.m[r]) || std::isnan(sum);
     const float inv = none ? 0.0f : nan ? NAN : 1.0f / sum;
-    for (int c = 0; c < p.dv; ++c) dst[c] = acc[c] * inv;
-    if (nan) std::fill(dst, dst + p.dv, NAN);
+    for (int c = 0; c < p.dv; ++c) w.row[c] = acc[c] * inv;
+    if (nan) std::fill(w.row, w.row + p.dv, NAN);
+    StoreRowF32(out_dtype, p.out, seq.out_offset + h * p.out_head + int64_t{i0 + r} * p.out_row, w.row, p.dv);
     if (p.lse != nullptr) {
       // In double, so that m (a score, exact) is not rounded against ln(l).
       p.lse[seq.lse_offset + h * p.lse_h + int64_t{i0 + r} * p.lse_i] =
@@ -292,8 +305,9 @@ void ForwardF32(const Problem& p, int threads) {
   const int npacks = static_cast<int>(packs.size()), ntiles = static_cast<int>(tiles.size());
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
+    std::vector<float> row_buf(static_cast<size_t>(std::max(p.d, p.dv)));
 #pragma omp for schedule(static)
-    for (int i = 0; i < npacks; ++i) PackTile(p, pl, pack, packs[i].b, packs[i].h, packs[i].t);
+    for (int i = 0; i < npacks; ++i) PackTile(p, pl, pack, packs[i].b, packs[i].h, packs[i].t, row_buf.data());
     // Dynamic: causal and windowed tiles differ in cost. Each item is computed the
     // same way on any thread, so the schedule cannot change any bit of the result.
 #pragma omp for schedule(dynamic, 1)
@@ -303,8 +317,7 @@ void ForwardF32(const Problem& p, int threads) {
 
 size_t WorkspaceBytes(const Problem& p, int threads) {
   const PackLayout pl = MakePackLayout(p);
-  const size_t tile = size_t{kBq} * (p.d + 2 * kBk + pl.dvp + 8 + kLanes) + 64;
-  return sizeof(float) * (pl.total + static_cast<size_t>(std::max(1, threads)) * tile);
+  return sizeof(float) * (pl.total + static_cast<size_t>(std::max(1, threads)) * TileScratch::Floats(p.d, pl.dvp));
 }
 
 const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
@@ -324,7 +337,8 @@ size_t attention_forward_workspace_bytes(const Problem& p, int threads) {
 }
 
 void attention_forward_cpu(const Problem& p, int threads) {
-  if (p.dtype != DType::f32) throw std::logic_error("attention_forward_cpu: widen bf16/f16 problems first");
+  if (p.dtype != DType::f32 && p.dtype != DType::bf16 && p.dtype != DType::f16)
+    throw std::logic_error("attention_forward_cpu: q, k, v must be f32, bf16 or f16");
   HWY_DYNAMIC_DISPATCH(ForwardF32)(p, threads);
 }
 

@@ -11,7 +11,9 @@ namespace attn::detail {
 /// Computes p's outputs (out, and lse / probs when requested) with `threads`
 /// OpenMP threads, on the best SIMD target this CPU supports. Bitwise identical
 /// for any thread count: work items are (sequence, head, query tile) and each is
-/// computed the same way whichever thread runs it.
+/// computed the same way whichever thread runs it. q, k, v, out f32, bf16 or f16
+/// (p.dtype): bf16/f16 are widened exactly where K/V are packed and q tiles loaded,
+/// and out rounded once, so the result equals the f32 kernel's on the same values.
 void attention_forward_cpu(const Problem& p, int threads);
 
 /// Bytes of workspace attention_forward_cpu(p, threads) uses (packed K/V + tiles).

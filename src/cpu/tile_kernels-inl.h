@@ -187,30 +187,47 @@ HWY_INLINE bool AllFinite(const float* HWY_RESTRICT x, size_t n) {
   return ok;
 }
 
-/// Packs nk rows of `width` floats (row stride src_ld) transposed into a
-/// [width][Bk] panel; rows nk..Bk are zero. (QkRows reads K, and V, this way.)
-HWY_INLINE void PackPanel(const float* src, int64_t src_ld, int nk, int width, float* dst) {
+/// Packs nk rows of `width` floats (row j at row_at(j), called once per row in
+/// order) transposed into a [width][Bk] panel; rows nk..Bk are zero. (QkRows reads
+/// K, and V, this way.)
+template <class RowAt>
+HWY_INLINE void PackPanelRows(const RowAt& row_at, int nk, int width, float* dst) {
   // Row by row: rows are often 4 KiB apart (H·d floats), so walking a column
   // would touch 64 lines of one L1 set; a row is contiguous, the panel is in L1.
   for (int j = 0; j < kBk; ++j) {
-    const float* row = src + int64_t{j} * src_ld;
-    for (int c = 0; c < width; ++c) dst[static_cast<size_t>(c) * kBk + j] = j < nk ? row[c] : 0.0f;
+    if (j < nk) {
+      const float* row = row_at(j);
+      for (int c = 0; c < width; ++c) dst[static_cast<size_t>(c) * kBk + j] = row[c];
+    } else {
+      for (int c = 0; c < width; ++c) dst[static_cast<size_t>(c) * kBk + j] = 0.0f;
+    }
   }
 }
 
-/// Copies nk rows of `width` floats into Bk rows of `padded` floats (a multiple
-/// of kLanes); the padding columns and rows nk..Bk are zero (0·0 keeps products
-/// of padding NaN-free).
-HWY_INLINE void PackRows(const float* src, int64_t src_ld, int nk, int width, int padded, float* dst) {
+/// PackPanelRows of rows src + j·src_ld.
+HWY_INLINE void PackPanel(const float* src, int64_t src_ld, int nk, int width, float* dst) {
+  PackPanelRows([&](int j) { return src + int64_t{j} * src_ld; }, nk, width, dst);
+}
+
+/// Copies nk rows of `width` floats (row j at row_at(j)) into Bk rows of `padded`
+/// floats (a multiple of kLanes); the padding columns and rows nk..Bk are zero
+/// (0·0 keeps products of padding NaN-free).
+template <class RowAt>
+HWY_INLINE void PackRowsFrom(const RowAt& row_at, int nk, int width, int padded, float* dst) {
   for (int j = 0; j < kBk; ++j) {
     float* row = dst + static_cast<size_t>(j) * padded;
     if (j < nk) {
-      std::memcpy(row, src + int64_t{j} * src_ld, sizeof(float) * width);
+      std::memcpy(row, row_at(j), sizeof(float) * width);
       std::fill(row + width, row + padded, 0.0f);
     } else {
       std::fill(row, row + padded, 0.0f);
     }
   }
+}
+
+/// PackRowsFrom of rows src + j·src_ld.
+HWY_INLINE void PackRows(const float* src, int64_t src_ld, int nk, int width, int padded, float* dst) {
+  PackRowsFrom([&](int j) { return src + int64_t{j} * src_ld; }, nk, width, padded, dst);
 }
 
 /// max(x, lo) that keeps NaN: x86's maxps returns its second operand when either

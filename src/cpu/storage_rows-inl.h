@@ -1,0 +1,66 @@
+// Rows of q, k, v and out in their storage dtype, read and written as f32 by the
+// f32 kernels: bf16/f16 inputs are widened row by row where the kernel packs or loads
+// them (exactly: every bf16/f16 value is an f32 value), and output rows are rounded
+// once on the way out (nearest even, as the tensor conversions round). No f32 copy of
+// a whole tensor is made. Included once per Highway target after tile_kernels-inl.h.
+
+#if defined(ATTN_CPU_STORAGE_ROWS_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef ATTN_CPU_STORAGE_ROWS_INL_H_
+#undef ATTN_CPU_STORAGE_ROWS_INL_H_
+#else
+#define ATTN_CPU_STORAGE_ROWS_INL_H_
+#endif
+
+#include <hwy/highway.h>
+
+#include <cstdint>
+
+#include "attn/tensor.hpp"
+#include "tensor/convert.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace attn::detail::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+/// `width` elements at element `offset` of `base` (a problem's q/k/v pointer, which
+/// points at storage of dtype dt: f32, bf16 or f16) as f32: f32 rows in place, bf16/f16
+/// rows widened into buf (at least `width` floats).
+HWY_INLINE const float* RowF32(DType dt, const void* base, int64_t offset, int width, float* HWY_RESTRICT buf) {
+  if (dt == DType::f32) return static_cast<const float*>(base) + offset;
+  const DF df;
+  const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
+  int c = 0;
+  if (dt == DType::bf16) {
+    const hn::Rebind<hwy::bfloat16_t, DF> dh;
+    for (; c + kLanes <= width; c += kLanes)
+      hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::bfloat16_t*>(src + c))), df, buf + c);
+    for (; c < width; ++c) buf[c] = bf16_to_f32(src[c]);
+  } else {
+    const hn::Rebind<hwy::float16_t, DF> dh;
+    for (; c + kLanes <= width; c += kLanes)
+      hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, reinterpret_cast<const hwy::float16_t*>(src + c))), df, buf + c);
+    for (; c < width; ++c) buf[c] = f16_to_f32(src[c]);
+  }
+  return buf;
+}
+
+/// Writes `width` f32 values to element `offset` of `base` (storage of dtype dt),
+/// rounding to bf16/f16 (nearest even) where dt asks.
+HWY_INLINE void StoreRowF32(DType dt, void* base, int64_t offset, const float* HWY_RESTRICT src, int width) {
+  if (dt == DType::f32) {
+    float* dst = static_cast<float*>(base) + offset;
+    for (int c = 0; c < width; ++c) dst[c] = src[c];
+    return;
+  }
+  uint16_t* dst = static_cast<uint16_t*>(base) + offset;
+  if (dt == DType::bf16) {
+    for (int c = 0; c < width; ++c) dst[c] = f32_to_bf16(src[c]);
+  } else {
+    for (int c = 0; c < width; ++c) dst[c] = f32_to_f16(src[c]);
+  }
+}
+
+}  // namespace attn::detail::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // ATTN_CPU_STORAGE_ROWS_INL_H_
