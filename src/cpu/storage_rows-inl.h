@@ -53,11 +53,20 @@ HWY_INLINE void StoreRowF32(DType dt, void* base, int64_t offset, const float* H
     return;
   }
   uint16_t* dst = static_cast<uint16_t*>(base) + offset;
+  int c = 0;
   if (dt == DType::bf16) {
-    for (int c = 0; c < width; ++c) dst[c] = f32_to_bf16(src[c]);
-  } else {
-    for (int c = 0; c < width; ++c) dst[c] = f32_to_f16(src[c]);
+    for (; c < width; ++c) dst[c] = f32_to_bf16(src[c]);
+    return;
   }
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
+  // F16C's vcvtps2ph rounds to nearest even and quiets NaNs as f32_to_f16 does, bit for
+  // bit. (Highway's emulation on older targets truncates, so they stay scalar.)
+  const DF df;
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  for (; c + kLanes <= width; c += kLanes)
+    hn::StoreU(hn::DemoteTo(dh, hn::LoadU(df, src + c)), dh, reinterpret_cast<hwy::float16_t*>(dst + c));
+#endif
+  for (; c < width; ++c) dst[c] = f32_to_f16(src[c]);
 }
 
 }  // namespace attn::detail::HWY_NAMESPACE
