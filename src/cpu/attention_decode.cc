@@ -265,7 +265,7 @@ struct Item {
 
 template <typename T>
 void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const Item& it, const RowChunk& rc,
-                 Scratch& w, Partial out) {
+                 Scratch& w, Partial out, bool prefetch) {
   const Sequence& seq = p.attn.seqs[it.b];
   const int b = it.b, t0 = it.t0, t1 = it.t1;
   const int rows = rc.rows(), rows_pad = RoundUp(rows, kLanes);
@@ -321,17 +321,13 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
     keys_read += cols;
     const int ahead = std::max(0, std::min(kBk, std::min(t1, last + 1) - (j0 + kPrefetchKeys)));
     walk_rows(j0, std::max(cols, ahead > 0 ? kPrefetchKeys + ahead : 0));
-    // Rows kPrefetchKeys keys ahead, into L2 while this block computes, for 16-
-    // and 8-bit caches. Key c's rows are requested beside key c's work (K in the
-    // score loop, V in the P·V loop), not all at once: a burst of a block's
-    // prefetches fills the line-fill buffers and stalls the core until DRAM
-    // delivers, serialising memory and math. f32 caches go without: there the
-    // hardware prefetchers keep up (each token row is 4 KiB per head group) and
-    // the software requests only took fill buffers from them (Intel Xeon AMX,
-    // 32k-token cache: 61% of read bandwidth with them, 78% without; bf16 and i8
-    // gained 3-7 points).
+    // Rows kPrefetchKeys keys ahead, into L2 while this block computes, when
+    // `prefetch` (see UsePrefetch). Key c's rows are requested beside key c's work
+    // (K in the score loop, V in the P·V loop), not all at once: a burst of a
+    // block's prefetches fills the line-fill buffers and stalls the core until DRAM
+    // delivers, serialising memory and math.
     auto prefetch_next = [&](const CacheTensor& ct, const T* const* rows0, int64_t span, int64_t width, int c0, int nk) {
-      if constexpr (std::is_same_v<T, float>) return;
+      if (!prefetch) return;
       for (int c = c0; c < std::min(c0 + nk, ahead); ++c) {
         const T* row = rows0[kPrefetchKeys + c];
         for (int hh = 0; hh < it.heads; hh += static_cast<int>(span / width)) PrefetchRow(row + hh * ct.head_stride, span);
@@ -476,6 +472,27 @@ void FinishRow(const DecodeProblem& p, int b, int i, int h, const Partial* parts
   StoreRow(p, b, i, h, o.data(), 1.0, static_cast<float>(mx + std::log(total)));
 }
 
+/// Whether ComputeItem asks for cache rows ahead in software: only for 16- and 8-bit
+/// caches, and only when the call reads at least kPrefetchMinBytes. Measured on the
+/// Intel Xeon with AMX (2026-11-23, B = 1, 1 thread): from DRAM the requests gain
+/// 2–10% (bf16 and i8, 64–128 MiB); from L3 they cost 15–25% (bf16, 4–32 MiB), each
+/// request holding a line-fill buffer through L3's latency. f32 caches never: the
+/// hardware prefetchers keep up there (each token row is 4 KiB per head group) and
+/// software requests only took fill buffers from them (32k tokens: 61% of the read
+/// bandwidth with them, 78% without).
+constexpr double kPrefetchMinBytes = 48.0 * (1 << 20);
+
+template <typename T>
+bool UsePrefetch(const DecodeProblem& p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return false;
+  } else {
+    double bytes = 0;
+    for (int b = 0; b < p.B; ++b) bytes += double(p.attn.seqs[b].Lk) * p.Hkv * (p.d + p.dv) * sizeof(T);
+    return bytes >= kPrefetchMinBytes;
+  }
+}
+
 int SplitsOf(const DecodeProblem& p, int lk) {
   if (p.num_splits > 0) return p.num_splits;
   return std::clamp((lk + kAutoSplitKeys - 1) / kAutoSplitKeys, 1, kAutoMaxSplits);
@@ -520,6 +537,7 @@ void Decode(const DecodeProblem& p, int threads) {
   double bytes = 0;
   for (int b = 0; b < p.B; ++b) bytes += double(p.attn.seqs[b].Lk) * p.Hkv * (p.d + p.dv);
   const int nt = bytes < 1e5 ? 1 : std::max(1, threads);
+  const bool prefetch = UsePrefetch<T>(p);
   const int nitems = static_cast<int>(items.size()), ngroups = static_cast<int>(groups.size());
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
@@ -528,7 +546,7 @@ void Decode(const DecodeProblem& p, int threads) {
     std::vector<Partial> ps;
 #pragma omp for schedule(dynamic, 1)
     for (int n = 0; n < nitems; ++n) {
-      ComputeItem<T>(p, qs.data(), dp, dvp, items[n], chunks[items[n].chunk], w, partial(items[n]));
+      ComputeItem<T>(p, qs.data(), dp, dvp, items[n], chunks[items[n].chunk], w, partial(items[n]), prefetch);
     }
 #pragma omp for schedule(static)
     for (int n = 0; n < ngroups; ++n) {
