@@ -24,8 +24,11 @@
 #include "attn/attention.hpp"
 #include "attn/dist.hpp"
 #include "tensor/convert.hpp"
+#include "timing.hpp"
 
 namespace {
+
+using attn::bench::median;
 
 using attn::DType;
 using attn::TensorView;
@@ -37,11 +40,6 @@ struct Config {
   bool causal = false, backward = true;
   std::string dtype = "f32", layout = "zigzag", strategies = "ring,ulysses";
 };
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
 
 // Waits at a barrier without spinning, so that a rank that waits leaves its core to
 // the one that works (MPI_Barrier polls).

@@ -12,18 +12,10 @@
 
 #include "attn/kvcache.hpp"
 #include "tensor/convert.hpp"
+#include "timing.hpp"
 
 namespace attn::bench {
 namespace {
-
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 // Random values in [-1, 1) (i8: -127 .. 127) from a per-index hash, filled in parallel.
 void fill_random(Tensor& t, uint64_t salt) {

@@ -15,12 +15,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <initializer_list>
+#include "timing.hpp"
 
 namespace {
 
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+using attn::bench::now_s;
 
 constexpr long kIters = 20'000'000;
 

@@ -14,14 +14,10 @@
 #include "attn/attention.hpp"
 #include "baseline.hpp"
 #include "tensor/convert.hpp"
+#include "timing.hpp"
 
 namespace attn::bench {
 namespace {
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
 
 template <class Fn>
 double time_ms(Fn&& fn) {

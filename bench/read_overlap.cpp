@@ -15,14 +15,13 @@
 #include <cstdint>
 #include <cstdlib>
 #include <vector>
+#include "timing.hpp"
 
 namespace {
 
-constexpr size_t kChunk = 32 * 1024;  // bytes read between two compute steps
+using attn::bench::now_s;
 
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+constexpr size_t kChunk = 32 * 1024;  // bytes read between two compute steps
 
 /// A dependent chain of n multiply-adds: its latency, not its throughput, is what
 /// it costs, like the serial parts of a softmax. With `next` set, the chain also

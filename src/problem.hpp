@@ -37,9 +37,11 @@ struct Sequence {
 
 struct Problem {
   int B = 0, Hq = 0, Hkv = 0, d = 0, dv = 0;
-  // The dtype of q, k, v, out (and dout, dq, dk, dv). The kernels and the reference
-  // read f32 only: bf16/f16 problems are widened first (attention_lowp.cpp), and the
-  // pointers below are then those of the f32 copies.
+  // The dtype of q, k, v, out (and dout, dq, dk, dv). The pointers below address
+  // storage of that dtype (offsets and strides in elements). The fused forward and the
+  // AMX kernels read bf16/f16 in place; the backward and the reference read f32 only,
+  // so their bf16/f16 problems are widened first (attention_lowp.cpp) and the
+  // pointers are then those of the f32 copies.
   DType dtype = DType::f32;
   const float* q = nullptr;
   const float* k = nullptr;

@@ -40,17 +40,12 @@
 #include "attn/kvcache.hpp"
 #include "attn/tensor.hpp"
 #include "tensor/convert.hpp"
+#include "../timing.hpp"
 
 namespace {
 
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using attn::bench::median;
+using attn::bench::now_s;
 
 std::vector<float> random_floats(size_t n, uint32_t seed) {
   std::vector<float> x(n);

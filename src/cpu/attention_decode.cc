@@ -322,7 +322,7 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
     const int ahead = std::max(0, std::min(kBk, std::min(t1, last + 1) - (j0 + kPrefetchKeys)));
     walk_rows(j0, std::max(cols, ahead > 0 ? kPrefetchKeys + ahead : 0));
     // Rows kPrefetchKeys keys ahead, into L2 while this block computes, when
-    // `prefetch` (see UsePrefetch). Key c's rows are requested beside key c's work
+    // `prefetch` (see kPrefetchMinBytes). Key c's rows are requested beside key c's work
     // (K in the score loop, V in the P·V loop), not all at once: a burst of a
     // block's prefetches fills the line-fill buffers and stalls the core until DRAM
     // delivers, serialising memory and math.
@@ -472,8 +472,8 @@ void FinishRow(const DecodeProblem& p, int b, int i, int h, const Partial* parts
   StoreRow(p, b, i, h, o.data(), 1.0, static_cast<float>(mx + std::log(total)));
 }
 
-/// Whether ComputeItem asks for cache rows ahead in software: only for 16- and 8-bit
-/// caches, and only when the call reads at least kPrefetchMinBytes. Measured on the
+/// ComputeItem asks for cache rows ahead in software only for 16- and 8-bit caches,
+/// and only when the call reads at least this many bytes of them. Measured on the
 /// Intel Xeon with AMX (2026-11-23, B = 1, 1 thread): from DRAM the requests gain
 /// 2–10% (bf16 and i8, 64–128 MiB); from L3 they cost 15–25% (bf16, 4–32 MiB), each
 /// request holding a line-fill buffer through L3's latency. f32 caches never: the
@@ -481,17 +481,6 @@ void FinishRow(const DecodeProblem& p, int b, int i, int h, const Partial* parts
 /// software requests only took fill buffers from them (32k tokens: 61% of the read
 /// bandwidth with them, 78% without).
 constexpr double kPrefetchMinBytes = 48.0 * (1 << 20);
-
-template <typename T>
-bool UsePrefetch(const DecodeProblem& p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return false;
-  } else {
-    double bytes = 0;
-    for (int b = 0; b < p.B; ++b) bytes += double(p.attn.seqs[b].Lk) * p.Hkv * (p.d + p.dv) * sizeof(T);
-    return bytes >= kPrefetchMinBytes;
-  }
-}
 
 int SplitsOf(const DecodeProblem& p, int lk) {
   if (p.num_splits > 0) return p.num_splits;
@@ -537,7 +526,7 @@ void Decode(const DecodeProblem& p, int threads) {
   double bytes = 0;
   for (int b = 0; b < p.B; ++b) bytes += double(p.attn.seqs[b].Lk) * p.Hkv * (p.d + p.dv);
   const int nt = bytes < 1e5 ? 1 : std::max(1, threads);
-  const bool prefetch = UsePrefetch<T>(p);
+  const bool prefetch = !std::is_same_v<T, float> && bytes * sizeof(T) >= kPrefetchMinBytes;
   const int nitems = static_cast<int>(items.size()), ngroups = static_cast<int>(groups.size());
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {

@@ -305,9 +305,9 @@ void ForwardF32(const Problem& p, int threads) {
   const int npacks = static_cast<int>(packs.size()), ntiles = static_cast<int>(tiles.size());
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
-    std::vector<float> row_buf(static_cast<size_t>(std::max(p.d, p.dv)));
+    float* row_buf = TileScratch(p.d, pl.dvp).row;  // this thread's tile workspace, reused below
 #pragma omp for schedule(static)
-    for (int i = 0; i < npacks; ++i) PackTile(p, pl, pack, packs[i].b, packs[i].h, packs[i].t, row_buf.data());
+    for (int i = 0; i < npacks; ++i) PackTile(p, pl, pack, packs[i].b, packs[i].h, packs[i].t, row_buf);
     // Dynamic: causal and windowed tiles differ in cost. Each item is computed the
     // same way on any thread, so the schedule cannot change any bit of the result.
 #pragma omp for schedule(dynamic, 1)
