@@ -86,6 +86,60 @@ TEST(LowPrecisionConvert, F16MatchesTheCompilersFloat16) {
   }
 }
 
+// E4M3 against an oracle built from its definition: the value of each code from the
+// formula in double, and encoding by searching every finite code for the nearest
+// (ties to the even code, beyond 448 saturating).
+using detail::f32_to_f8e4m3;
+using detail::f8e4m3_to_f32;
+using detail::kF8E4M3Max;
+
+double E4m3Value(int c) {
+  const int e = (c >> 3) & 15, m = c & 7;
+  const double mag = e == 0 ? m * std::ldexp(1.0, -9) : (1.0 + m / 8.0) * std::ldexp(1.0, e - 7);
+  return (c & 0x80) ? -mag : mag;
+}
+
+uint8_t E4m3Nearest(float f) {
+  const double a = std::fabs(double{f});
+  int best = 0;
+  for (int c = 1; c <= 0x7e; ++c) {
+    const double dc = std::fabs(E4m3Value(c) - a), db = std::fabs(E4m3Value(best) - a);
+    if (dc < db || (dc == db && c % 2 == 0)) best = c;
+  }
+  return static_cast<uint8_t>(best | (std::signbit(f) ? 0x80 : 0));
+}
+
+TEST(LowPrecisionConvert, F8E4M3MatchesItsDefinition) {
+  for (int c = 0; c < 256; ++c) {
+    const float f = f8e4m3_to_f32(static_cast<uint8_t>(c));
+    if ((c & 0x7f) == 0x7f) {
+      ASSERT_TRUE(std::isnan(f)) << c;
+      ASSERT_EQ(f32_to_f8e4m3(f) & 0x7f, 0x7f);
+      continue;
+    }
+    ASSERT_EQ(double{f}, E4m3Value(c)) << c;
+    ASSERT_EQ(f32_to_f8e4m3(f), c) << c;
+    // Halfway to the next code up (ties) and just either side of it.
+    if ((c & 0x7f) < 0x7e) {
+      const double mid = (E4m3Value(c & 0x7f) + E4m3Value((c & 0x7f) + 1)) / 2 * ((c & 0x80) ? -1 : 1);
+      for (float x : {static_cast<float>(mid), std::nextafter(static_cast<float>(mid), 0.0f),
+                      std::nextafter(static_cast<float>(mid), static_cast<float>(2 * mid))}) {
+        ASSERT_EQ(f32_to_f8e4m3(x), E4m3Nearest(x)) << std::hexfloat << x;
+      }
+    }
+  }
+  std::mt19937_64 rng = make_rng(4);
+  std::uniform_real_distribution<float> exponent(-14.0f, 10.0f);
+  for (int n = 0; n < 200'000; ++n) {
+    const float x = std::exp2(exponent(rng)) * (rng() % 2 ? 1.0f : -1.0f);
+    ASSERT_EQ(f32_to_f8e4m3(x), E4m3Nearest(x)) << std::hexfloat << x;
+  }
+  EXPECT_EQ(f32_to_f8e4m3(1e9f), 0x7e);  // saturates: E4M3 has no infinity
+  EXPECT_EQ(f32_to_f8e4m3(-std::numeric_limits<float>::infinity()), 0xfe);
+  EXPECT_EQ(f32_to_f8e4m3(-0.0f), 0x80);
+  EXPECT_EQ(f8e4m3_to_f32(0x7e), kF8E4M3Max);
+}
+
 TEST(LowPrecisionAttention, EveryOptionEqualsTheF32KernelRoundedOnce) {
   const ScopedIsa portable("f32");  // the portable path (AMX: attention_amx_test.cc)
   std::mt19937_64 rng = make_rng(3);

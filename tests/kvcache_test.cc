@@ -2,7 +2,7 @@
 // against contiguous and paged caches of every dtype, checked against the float64
 // reference on the same logical keys and values (the cache read back after the call
 // and dequantized), on fresh random inputs of odd shapes. Also: the append (rounding,
-// i8 quantization, RoPE in both pairings), nothing else in the cache touched, garbage
+// i8 and f8e4m3 quantization, RoPE in both pairings), nothing else in the cache touched, garbage
 // (NaN) in unused slots and in removed keys never read into a result, split counts,
 // bitwise equality across thread counts, and every argument error.
 #include <gtest/gtest.h>
@@ -56,6 +56,7 @@ float read_elem(DType dt, const void* base, int64_t at) {
     case DType::bf16: return detail::bf16_to_f32(static_cast<const uint16_t*>(base)[at]);
     case DType::f16: return detail::f16_to_f32(static_cast<const uint16_t*>(base)[at]);
     case DType::i8: return static_cast<const int8_t*>(base)[at];
+    case DType::f8e4m3: return detail::f8e4m3_to_f32(static_cast<const uint8_t*>(base)[at]);
     default: return static_cast<const float*>(base)[at];
   }
 }
@@ -65,6 +66,7 @@ void write_elem(DType dt, void* base, int64_t at, float x) {
     case DType::bf16: static_cast<uint16_t*>(base)[at] = detail::f32_to_bf16(x); break;
     case DType::f16: static_cast<uint16_t*>(base)[at] = detail::f32_to_f16(x); break;
     case DType::i8: static_cast<int8_t*>(base)[at] = static_cast<int8_t>(x); break;
+    case DType::f8e4m3: static_cast<uint8_t*>(base)[at] = detail::f32_to_f8e4m3(x); break;
     default: static_cast<float*>(base)[at] = x; break;
   }
 }
@@ -99,14 +101,21 @@ struct KvCase {
     const size_t es = dtype_size(c.cache_dtype);
     k_cache.assign(size_t(pages_total) * page_size * c.Hkv * c.d * es, 0);
     v_cache.assign(size_t(pages_total) * page_size * c.Hkv * c.dv * es, 0);
-    const bool i8 = c.cache_dtype == DType::i8;
-    if (i8) {
+    const bool i8 = c.cache_dtype == DType::i8, e4m3 = c.cache_dtype == DType::f8e4m3;
+    if (i8 || e4m3) {
+      const float top = i8 ? 127.0f : 448.0f;
       k_scale.assign(size_t(pages_total) * page_size * c.Hkv, 0.0f);
       v_scale.assign(size_t(pages_total) * page_size * c.Hkv, 0.0f);
-      for (float& s : k_scale) s = (0.5f + u(rng) * 0.4f) / 127.0f;
-      for (float& s : v_scale) s = (0.5f + u(rng) * 0.4f) / 127.0f;
+      for (float& s : k_scale) s = (0.5f + u(rng) * 0.4f) / top;
+      for (float& s : v_scale) s = (0.5f + u(rng) * 0.4f) / top;
     }
-    std::uniform_int_distribution<int> qi(-127, 127);
+    // i8: any code; E4M3: any finite code (every binade and the subnormals alike).
+    std::uniform_int_distribution<int> qi(-127, 127), qe(0, 253);
+    auto random_code = [&] {
+      if (i8) return float(qi(rng));
+      const int c8 = qe(rng);
+      return detail::f8e4m3_to_f32(static_cast<uint8_t>(c8 < 127 ? c8 : c8 + 1));  // skip 0x7F (NaN)
+    };
     auto fill = [&](std::vector<uint8_t>& buf, int width) {
       const int64_t n = int64_t(buf.size() / es);
       for (int64_t i = 0; i < n; ++i) {
@@ -121,8 +130,8 @@ struct KvCase {
     for (int b = 0; b < c.B; ++b)
       for (int t = 0; t < c.cached[b]; ++t)
         for (int h = 0; h < c.Hkv; ++h) {
-          for (int x = 0; x < c.d; ++x) write_elem(c.cache_dtype, k_cache.data(), k_at(b, t, h) + x, i8 ? float(qi(rng)) : u(rng));
-          for (int x = 0; x < c.dv; ++x) write_elem(c.cache_dtype, v_cache.data(), v_at(b, t, h) + x, i8 ? float(qi(rng)) : u(rng));
+          for (int x = 0; x < c.d; ++x) write_elem(c.cache_dtype, k_cache.data(), k_at(b, t, h) + x, i8 || e4m3 ? random_code() : u(rng));
+          for (int x = 0; x < c.dv; ++x) write_elem(c.cache_dtype, v_cache.data(), v_at(b, t, h) + x, i8 || e4m3 ? random_code() : u(rng));
         }
     const size_t qs = dtype_size(c.q_dtype);
     auto rand_q = [&](std::vector<uint8_t>& buf, size_t n) {
@@ -149,24 +158,25 @@ struct KvCase {
     }
   }
 
+  bool quantized() const { return c.cache_dtype == DType::i8 || c.cache_dtype == DType::f8e4m3; }
   int32_t page_of(int b, int t) const { return c.page == 0 ? b : block_table[size_t(b) * max_blocks + t / page_size]; }
   int64_t k_at(int b, int t, int h) const { return ((int64_t(page_of(b, t)) * page_size + t % page_size) * c.Hkv + h) * c.d; }
   int64_t v_at(int b, int t, int h) const { return ((int64_t(page_of(b, t)) * page_size + t % page_size) * c.Hkv + h) * c.dv; }
   int64_t s_at(int b, int t, int h) const { return (int64_t(page_of(b, t)) * page_size + t % page_size) * c.Hkv + h; }
   float k_value(int b, int t, int h, int x) const {
     const float v = read_elem(c.cache_dtype, k_cache.data(), k_at(b, t, h) + x);
-    return c.cache_dtype == DType::i8 ? v * k_scale[s_at(b, t, h)] : v;
+    return quantized() ? v * k_scale[s_at(b, t, h)] : v;
   }
   float v_value(int b, int t, int h, int x) const {
     const float v = read_elem(c.cache_dtype, v_cache.data(), v_at(b, t, h) + x);
-    return c.cache_dtype == DType::i8 ? v * v_scale[s_at(b, t, h)] : v;
+    return quantized() ? v * v_scale[s_at(b, t, h)] : v;
   }
 
   KVCache cache() {
     KVCache kc;
     kc.k = TensorView(k_cache.data(), c.cache_dtype, {pages_total, page_size, c.Hkv, c.d});
     kc.v = TensorView(v_cache.data(), c.cache_dtype, {pages_total, page_size, c.Hkv, c.dv});
-    if (c.cache_dtype == DType::i8) {
+    if (quantized()) {
       kc.k_scale = TensorView(k_scale.data(), DType::f32, {pages_total, page_size, c.Hkv});
       kc.v_scale = TensorView(v_scale.data(), DType::f32, {pages_total, page_size, c.Hkv});
     }
@@ -254,14 +264,17 @@ void check_append(const KvCase& before, const KvCase& after, const std::string& 
           for (double e : x) amax = std::max(amax, std::fabs(e));
           for (int e = 0; e < width; ++e) {
             const float got = which == 0 ? after.k_value(b, pos, h, e) : after.v_value(b, pos, h, e);
-            const double tol = c.cache_dtype == DType::i8 ? amax / 127 * 0.5 + 1e-6 * amax
-                                                          : rounding(c.cache_dtype) * std::fabs(x[e]) + 2e-7;
+            // E4M3: half an ulp, 2⁻⁴ relative, or half its subnormal step (2⁻¹⁰ of the scale).
+            const double tol = c.cache_dtype == DType::i8       ? amax / 127 * 0.5 + 1e-6 * amax
+                               : c.cache_dtype == DType::f8e4m3 ? std::max(std::fabs(x[e]) / 16, amax / 448 / 1024) + 1e-6 * amax
+                                                                : rounding(c.cache_dtype) * std::fabs(x[e]) + 2e-7;
             ASSERT_NEAR(got, x[e], tol) << name << " appended " << (which ? "v" : "k") << " b" << b << " t" << t
                                         << " h" << h << " e" << e << " (" << seed_note() << ")";
           }
-          if (c.cache_dtype == DType::i8) {
+          if (after.quantized()) {
+            const double top = c.cache_dtype == DType::i8 ? 127 : 448;
             const float s = (which == 0 ? after.k_scale : after.v_scale)[after.s_at(b, pos, h)];
-            EXPECT_NEAR(s, amax / 127, 1e-6 * amax + 1e-12) << name;
+            EXPECT_NEAR(s, amax / top, 1e-6 * amax + 1e-12) << name;
           }
           // Mark the row as expected-changed.
           const int64_t at = which == 0 ? after.k_at(b, pos, h) : after.v_at(b, pos, h);
@@ -336,7 +349,7 @@ void run_and_check(const KvConfig& cfg, std::mt19937_64& rng) {
 
 TEST(KVCache, DecodingMatchesFloat64OnEveryCacheDtypeAndLayout) {
   auto rng = make_rng(1201);
-  for (DType dt : {DType::f32, DType::bf16, DType::f16, DType::i8}) {
+  for (DType dt : {DType::f32, DType::bf16, DType::f16, DType::i8, DType::f8e4m3}) {
     for (int page : {0, 1, 16, 64, 256, 7}) {
       KvConfig c;
       c.B = 3, c.Hq = 8, c.Hkv = 2, c.d = 64, c.dv = 64;
@@ -352,7 +365,7 @@ TEST(KVCache, OddShapesOptionsAndQueryDtypes) {
   auto rng = make_rng(1202);
   std::uniform_int_distribution<int> pick(0, 1 << 30);
   const int ds[] = {1, 3, 8, 17, 64, 80, 128};
-  const DType dts[] = {DType::f32, DType::bf16, DType::f16, DType::i8};
+  const DType dts[] = {DType::f32, DType::bf16, DType::f16, DType::i8, DType::f8e4m3};
   const DType qdts[] = {DType::f32, DType::bf16, DType::f16};
   const int pages[] = {0, 1, 3, 16, 64};
   for (int n = 0; n < 40; ++n) {
@@ -369,7 +382,7 @@ TEST(KVCache, OddShapesOptionsAndQueryDtypes) {
     if (c.Lnew == 0)
       for (int& x : c.cached) x = std::max(x, 1);
     c.page = pages[pick(rng) % 5];
-    c.cache_dtype = dts[pick(rng) % 4];
+    c.cache_dtype = dts[pick(rng) % 5];
     c.q_dtype = qdts[pick(rng) % 3];
     c.causal = pick(rng) % 3 == 0 ? Causal::None : pick(rng) % 5 == 0 ? Causal::TopLeft : Causal::BottomRight;
     if (pick(rng) % 3 == 0) c.window = {int(pick(rng) % 40), pick(rng) % 2 ? -1 : int(pick(rng) % 3)};
@@ -442,17 +455,21 @@ TEST(KVCache, GarbageInRemovedKeysAndUnusedSlotsNeverReachTheOutput) {
   c.cached = {300, 90};
   c.page = 16;
   c.window = {50, -1};
-  KvCase kc(c, rng);
-  // Keys 0..9 are outside every query's window: put NaN and ∞ there.
-  for (int b = 0; b < c.B; ++b)
-    for (int t = 0; t < 10; ++t) {
-      write_elem(c.cache_dtype, kc.k_cache.data(), kc.k_at(b, t, 0), NAN);
-      write_elem(c.cache_dtype, kc.v_cache.data(), kc.v_at(b, t, 0) + 3, INFINITY);
-    }
-  const KvCase before = kc;
-  const Result r = run(kc);
-  check_append(before, kc, "garbage");
-  check_against_reference(kc, r, "garbage");
+  for (DType dt : {DType::f32, DType::f8e4m3}) {  // E4M3 has a NaN code, and no ∞
+    c.cache_dtype = dt;
+    KvCase kc(c, rng);
+    // Keys 0..9 are outside every query's window: put NaN and ∞ there.
+    for (int b = 0; b < c.B; ++b)
+      for (int t = 0; t < 10; ++t) {
+        write_elem(c.cache_dtype, kc.k_cache.data(), kc.k_at(b, t, 0), NAN);
+        write_elem(c.cache_dtype, kc.v_cache.data(), kc.v_at(b, t, 0) + 3, dt == DType::f32 ? INFINITY : NAN);
+      }
+    const KvCase before = kc;
+    const Result r = run(kc);
+    check_append(before, kc, std::string("garbage ") + dtype_name(dt));
+    check_against_reference(kc, r, std::string("garbage ") + dtype_name(dt));
+  }
+  c.cache_dtype = DType::f32;
   // A fully removed row: out 0, lse −∞.
   KvConfig e = c;
   e.window = {-1, -1};
@@ -466,7 +483,7 @@ TEST(KVCache, GarbageInRemovedKeysAndUnusedSlotsNeverReachTheOutput) {
 
 TEST(KVCache, AppendOnlyWritesWhatAttentionWouldSee) {
   auto rng = make_rng(1207);
-  for (DType dt : {DType::f32, DType::bf16, DType::i8}) {
+  for (DType dt : {DType::f32, DType::bf16, DType::i8, DType::f8e4m3}) {
     KvConfig c;
     c.B = 2, c.Hkv = 3, c.d = 10, c.dv = 6, c.Lnew = 5;
     c.cached = {7, 0};
@@ -533,7 +550,7 @@ TEST(KVCache, ErrorsNameTheArgument) {
   KVCache scaled = good;
   std::vector<float> sc(size_t(kc.pages_total) * 4 * c.Hkv);
   scaled.k_scale = TensorView(sc.data(), DType::f32, {kc.pages_total, 4, c.Hkv});
-  expect_attn_error(call(scaled, kc.seqlen_view(), kv), "for i8 caches only");
+  expect_attn_error(call(scaled, kc.seqlen_view(), kv), "for quantized (i8, f8e4m3) caches only");
   // A NaN new key into an i8 cache.
   std::vector<float> sc2(sc.size());
   i8.k_scale = TensorView(sc.data(), DType::f32, {kc.pages_total, 4, c.Hkv});

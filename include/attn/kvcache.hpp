@@ -8,8 +8,9 @@
 //   paged:       cache.k [num_blocks, page_size, Hkv, d] (and v), cache.block_table
 //                int32 [B, max_blocks]: logical position t of sequence b lives in
 //                page block_table[b][t / page_size], row t % page_size. Any page size ≥ 1.
-//   int8 caches: cache.k_scale / v_scale f32 [B, capacity, Hkv] (or [num_blocks,
-//                page_size, Hkv]): key row = k_scale · k (one scale per token and head).
+//   quantized caches (i8, f8e4m3): cache.k_scale / v_scale f32 [B, capacity, Hkv] (or
+//                [num_blocks, page_size, Hkv]): key row = k_scale · k (one scale per
+//                token and head; f8e4m3 codes are OCP E4M3 "e4m3fn", attn/tensor.hpp).
 //   cache_seqlens int32 [B]: tokens already in each sequence's cache.
 //   k_new, v_new [B, Lnew, Hkv, d / dv]: appended in place at positions
 //                cache_seqlens[b] … cache_seqlens[b] + Lnew − 1 before attending.
@@ -20,11 +21,14 @@
 // GQA/MQA (Hq a multiple of Hkv), lse. cache_seqlens is read, not advanced: add Lnew
 // yourself after the call (as with FlashAttention).
 //
-// Dtypes: q, out (and k_new, v_new) f32, bf16 or f16; the cache f32, bf16, f16 or i8
-// (k and v alike). New keys and values are rounded once to the cache's dtype (bf16,
-// f16: nearest even) or quantized (i8: scale = max|x| / 127 per token and head, values
-// round(x / scale) — a token of zeros gets scale 0). The kernel reads the cache in its
-// own dtype, with f32 scores, softmax and accumulation; nothing is re-packed per call.
+// Dtypes: q, out (and k_new, v_new) f32, bf16 or f16; the cache f32, bf16, f16, i8 or
+// f8e4m3 (k and v alike). New keys and values are rounded once to the cache's dtype
+// (bf16, f16: nearest even) or quantized with one scale per token and head (i8: scale
+// = max|x| / 127, values round(x / scale); f8e4m3: scale = max|x| / 448, values
+// x / scale rounded to the nearest E4M3, ties to even — a token of zeros gets scale
+// 0). The kernel reads the cache in its own dtype, with f32 scores, softmax and
+// accumulation; nothing is re-packed per call. An E4M3 NaN code the kernel reads
+// gives NaN, as a NaN in a float cache does.
 //
 // Rotary embeddings on append (FlashAttention's rotary_cos/rotary_sin): f32
 // [max_position, rotary_dim / 2]; the first rotary_dim dimensions of each new key
@@ -49,7 +53,8 @@
 namespace attn {
 
 /// A KV cache in the caller's memory (see the layouts above). block_table empty =
-/// contiguous; k_scale and v_scale are required for i8 caches and refused otherwise.
+/// contiguous; k_scale and v_scale are required for i8 and f8e4m3 caches and refused
+/// otherwise.
 struct KVCache {
   TensorView k, v;
   TensorView k_scale, v_scale;
@@ -79,7 +84,7 @@ inline constexpr int kMaxKVSplits = 256;
 /// attn::Error, naming the argument, before writing anything: shapes, dtypes, a
 /// block_table entry out of range or repeated within a sequence, a page another
 /// sequence uses that this call would write, cache_seqlens + Lnew beyond the
-/// capacity, a non-finite new value for an i8 cache, overlapping outputs.
+/// capacity, a non-finite new value for a quantized cache, overlapping outputs.
 void attention_with_kvcache(const TensorView& q, const KVCache& cache, const TensorView& cache_seqlens,
                             const TensorView& out, const AttentionOptions& options = {},
                             const KVCacheOptions& kv = {}, const TensorView& lse = {});

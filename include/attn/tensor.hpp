@@ -13,12 +13,14 @@ namespace attn {
 
 /// Element types. f32 is what the kernels compute with; boolean (one byte, 0 or 1)
 /// is for masks; i32 for sequence offsets and lengths. bf16 and f16 are storage
-/// types for the low-precision paths; i8 for quantized KV caches (attn/kvcache.hpp).
-enum class DType : uint8_t { f32, bf16, f16, boolean, i32, i8 };
+/// types for the low-precision paths; i8 and f8e4m3 (OCP FP8 E4M3, "e4m3fn": bias 7,
+/// finite to ±448, no infinities, NaN = S.1111.111) for quantized KV caches
+/// (attn/kvcache.hpp).
+enum class DType : uint8_t { f32, bf16, f16, boolean, i32, i8, f8e4m3 };
 
 /// Size of one element in bytes.
 size_t dtype_size(DType t);
-/// "f32", "bf16", "f16", "bool", "i32", "i8".
+/// "f32", "bf16", "f16", "bool", "i32", "i8", "f8e4m3".
 const char* dtype_name(DType t);
 
 /// A view of memory someone else owns: data pointer, element type, shape and

@@ -1,6 +1,6 @@
 // Attention against a KV cache (decoding, chunked prefill): Flash-Decoding's split-KV
-// online softmax, reading the cache in place in its own dtype (f32, bf16, f16, i8),
-// with Highway SIMD and OpenMP threads.
+// online softmax, reading the cache in place in its own dtype (f32, bf16, f16, i8,
+// f8e4m3), with Highway SIMD and OpenMP threads.
 //
 // Work item = (sequence b, every kv head of a token range, row chunk, split). A row
 // chunk is every query row that reads a kv head — the Lq queries of each of the
@@ -9,7 +9,7 @@
 // and taking all kv heads reads whole token rows. A split is a range of whole key
 // blocks; for each block of kBk keys:
 //   S = (scale·Q)·Kᵀ        4 rows × 4 keys per pass, the key rows converted to f32
-//                           once for all rows (i8: times the key's scale)
+//                           once for all rows (i8, f8e4m3: times the key's scale)
 //   S = modifiers (S)       ApplyScoreMods, shared with attention()
 //   P = e^(S − m_new) …     SoftmaxTile, shared with attention()
 //   O = α·O + P·V           8 keys per pass, V rows converted once per chunk of dv
@@ -50,11 +50,39 @@ constexpr int kMaxRows = 64;
 constexpr int kAutoSplitKeys = 256;
 constexpr int kAutoMaxSplits = 64;
 
-/// kLanes cache elements at p, as f32.
+/// An f8e4m3 cache element (OCP E4M3, tensor/convert.hpp): a distinct type for the
+/// templates below, which read it as LoadF32 says.
+struct E4m3 {
+  uint8_t bits;
+};
+
+/// Cache elements that come with a per-token-per-head scale.
+template <typename T>
+constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, E4m3>;
+/// What LoadF32's values are to be multiplied by, besides the scale (see LoadF32).
+template <typename T>
+constexpr float kLoadUnit = std::is_same_v<T, E4m3> ? 256.0f : 1.0f;
+
+/// kLanes cache elements at p, as f32 — for E4M3, as the value · 2⁻⁸ (the kernel
+/// folds 2⁸ into each key's and value's scale): E4M3's bits, shifted into f16's
+/// layout, are an f16 of exactly that value, subnormals included, so the widening is
+/// a shift, a mask and vcvtph2ps rather than a table. The NaN code becomes NaN.
 template <typename T>
 HWY_INLINE VF LoadF32(DF df, const T* HWY_RESTRICT p) {
   if constexpr (std::is_same_v<T, float>) {
     return hn::LoadU(df, p);
+  } else if constexpr (std::is_same_v<T, E4m3>) {
+    const hn::Rebind<uint8_t, DF> d8;
+    const hn::Rebind<uint16_t, DF> d16;
+    const hn::Rebind<int16_t, DF> di16;
+    const hn::Rebind<hwy::float16_t, DF> dh;
+    // s eeee mmm → s 0 eeee mmm 0000000: the byte into the high half, an arithmetic
+    // shift right by one, bit 14 (a copy of the sign) cleared.
+    const auto high = hn::ShiftLeft<8>(hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const uint8_t*>(p))));
+    auto h = hn::And(hn::BitCast(d16, hn::ShiftRight<1>(hn::BitCast(di16, high))), hn::Set(d16, 0xBFFF));
+    const auto nan_bits = hn::Set(d16, 0x3F80);  // eeee mmm all ones: E4M3's NaN
+    h = hn::IfThenElse(hn::Eq(hn::And(h, nan_bits), nan_bits), hn::Set(d16, 0x7E00), h);
+    return hn::PromoteTo(df, hn::BitCast(dh, h));
   } else if constexpr (std::is_same_v<T, int8_t>) {
     const hn::Rebind<int32_t, DF> di;
     const hn::Rebind<int8_t, DF> d8;
@@ -289,7 +317,7 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
   }
   const T* kbase = static_cast<const T*>(p.k.base);
   const T* vbase = static_cast<const T*>(p.v.base);
-  const bool i8 = std::is_same_v<T, int8_t>;
+  const bool quantized = kQuantized<T>;
   const int first = std::max(t0, lo_all), last = std::min(t1 - 1, hi_all);
   // Token rows of the item's heads: one span when the heads are adjacent.
   const int64_t k_span = p.k.head_stride == p.d ? int64_t{it.heads} * p.d : p.d;
@@ -308,7 +336,7 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       const int64_t pg = p.pages[b][page];
       keys0[c] = kbase + pg * p.k.page_stride + int64_t{within} * p.k.row_stride + int64_t{it.hk0} * p.k.head_stride;
       vals0[c] = vbase + pg * p.v.page_stride + int64_t{within} * p.v.row_stride + int64_t{it.hk0} * p.v.head_stride;
-      if constexpr (std::is_same_v<T, int8_t>) {
+      if constexpr (kQuantized<T>) {
         k_scale_at[c] = pg * p.k.scale_page + int64_t{within} * p.k.scale_row;
         v_scale_at[c] = pg * p.v.scale_page + int64_t{within} * p.v.scale_row;
       }
@@ -365,10 +393,10 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       float* l = &w.l[static_cast<size_t>(hh) * rows_pad * kLanes];
       float* alpha = &w.alpha[static_cast<size_t>(hh) * rows_pad];
       float* o = &w.o[static_cast<size_t>(hh) * rows * dvp];
-      if (i8) {
+      if (quantized) {
         for (int cc = 0; cc < cols; ++cc) {
           const float ks = p.k.scale[k_scale_at[cc] + int64_t{hk} * p.k.scale_head];
-          for (int r = 0; r < rows; ++r) s[r * kBk + cc] *= ks;
+          for (int r = 0; r < rows; ++r) s[r * kBk + cc] = s[r * kBk + cc] * ks * kLoadUnit<T>;
         }
       }
       for (int r = 0; r < rows; ++r) std::fill(s + r * kBk + cols, s + (r + 1) * kBk, -HUGE_VALF);
@@ -384,12 +412,12 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
         const VF a = hn::Set(DF(), alpha[r]);
         for (int x = 0; x < dvp; x += kLanes) hn::Store(hn::Mul(a, hn::Load(DF(), o + r * dvp + x)), DF(), o + r * dvp + x);
       }
-      if (i8) {
+      if (quantized) {
         for (int cc = 0; cc < cols; ++cc) {
           const float vs = p.v.scale[v_scale_at[cc] + int64_t{hk} * p.v.scale_head];
           for (int r = 0; r < rows; ++r) {
             float& x = s[r * kBk + cc];
-            if (x != 0.0f) x *= vs;  // a removed key stays 0 whatever its scale
+            if (x != 0.0f) x = x * vs * kLoadUnit<T>;  // a removed key stays 0 whatever its scale
           }
         }
       }
@@ -423,7 +451,7 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
   }
   TrafficCounters::add(traffic().cache_read_bytes,
                        static_cast<uint64_t>(keys_read) * it.heads *
-                           ((p.d + p.dv) * sizeof(T) + (i8 ? 2 * sizeof(float) : 0)));
+                           ((p.d + p.dv) * sizeof(T) + (quantized ? 2 * sizeof(float) : 0)));
   for (int hh = 0; hh < it.heads; ++hh) {
     for (int r = 0; r < rows; ++r) {
       const size_t at = static_cast<size_t>(hh) * rows + r;
@@ -561,6 +589,7 @@ void DecodeDispatch(const DecodeProblem& p, int threads) {
     case DType::bf16: Decode<hwy::bfloat16_t>(p, threads); break;
     case DType::f16: Decode<hwy::float16_t>(p, threads); break;
     case DType::i8: Decode<int8_t>(p, threads); break;
+    case DType::f8e4m3: Decode<E4m3>(p, threads); break;
     default: Decode<float>(p, threads); break;
   }
 }

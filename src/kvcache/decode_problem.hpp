@@ -18,10 +18,15 @@ namespace attn::detail {
 struct CacheTensor {
   void* base = nullptr;
   int64_t page_stride = 0, row_stride = 0, head_stride = 0;
-  // i8 only: the per-(page, row, head) scales.
+  // Quantized caches (i8, f8e4m3) only: the per-(page, row, head) scales.
   float* scale = nullptr;
   int64_t scale_page = 0, scale_row = 0, scale_head = 0;
 };
+
+/// Caches stored as codes with one f32 scale per token and head: value = scale · code.
+inline bool is_quantized_cache(DType t) { return t == DType::i8 || t == DType::f8e4m3; }
+/// The largest code magnitude such a cache uses: 127 (i8) or 448 (E4M3's largest).
+inline float quantized_max(DType t) { return t == DType::i8 ? 127.0f : 448.0f; }
 
 struct DecodeProblem {
   /// Scale, softcap, causal, window and ALiBi as for attention(), and per sequence

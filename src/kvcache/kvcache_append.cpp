@@ -1,5 +1,5 @@
 // The KV cache's write side: new keys and values rotated (RoPE), then rounded to the
-// cache's dtype or quantized to i8 with one scale per token and head; and the
+// cache's dtype or quantized (i8, f8e4m3) with one scale per token and head; and the
 // queries' f32 copy (scaled, rotated) that the decode kernel reads. New tokens are
 // few per call (one per sequence when decoding), so this is plain scalar code.
 #include <algorithm>
@@ -36,14 +36,19 @@ void store_row(const DecodeProblem& p, const CacheTensor& c, int64_t at, int64_t
     case DType::f16:
       for (int i = 0; i < n; ++i) store_f32(p.cache_dtype, c.base, at + i, x[i]);
       break;
-    default: {  // i8: symmetric, one scale per row; the checks made x finite
+    default: {  // i8, f8e4m3: symmetric, one scale per row; the checks made x finite
       float amax = 0.0f;
       for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
-      const float scale = amax / 127.0f;
-      int8_t* dst = static_cast<int8_t*>(c.base) + at;
-      for (int i = 0; i < n; ++i) {
-        const float r = scale > 0.0f ? std::nearbyint(x[i] / scale) : 0.0f;
-        dst[i] = static_cast<int8_t>(std::clamp(r, -127.0f, 127.0f));
+      const float scale = amax / quantized_max(p.cache_dtype);
+      if (p.cache_dtype == DType::i8) {
+        int8_t* dst = static_cast<int8_t*>(c.base) + at;
+        for (int i = 0; i < n; ++i) {
+          const float r = scale > 0.0f ? std::nearbyint(x[i] / scale) : 0.0f;
+          dst[i] = static_cast<int8_t>(std::clamp(r, -127.0f, 127.0f));
+        }
+      } else {  // nearest even E4M3; x / scale can exceed 448 by a rounding, which saturates
+        uint8_t* dst = static_cast<uint8_t*>(c.base) + at;
+        for (int i = 0; i < n; ++i) dst[i] = f32_to_f8e4m3(scale > 0.0f ? x[i] / scale : 0.0f);
       }
       c.scale[scale_at] = scale;
       break;
@@ -70,10 +75,10 @@ void append_to_cache(const DecodeProblem& p) {
       }
     }
   }
-  const bool i8 = p.cache_dtype == DType::i8;
+  const bool quantized = is_quantized_cache(p.cache_dtype);
   TrafficCounters::add(traffic().cache_written_bytes,
                        static_cast<uint64_t>(p.B) * p.Lnew * p.Hkv *
-                           ((p.d + p.dv) * dtype_size(p.cache_dtype) + (i8 ? 2 * sizeof(float) : 0)));
+                           ((p.d + p.dv) * dtype_size(p.cache_dtype) + (quantized ? 2 * sizeof(float) : 0)));
 }
 
 std::vector<float> prepare_queries(const DecodeProblem& p, int multiple) {

@@ -26,8 +26,9 @@ void float4(const Checker& c, const TensorView& t, const char* name, const char*
   c.last_contiguous(t, name);
 }
 
-// An i8 cache stores finite values only: a NaN or ±∞ new key or value is an error.
-void require_finite(const Checker& c, const TensorView& t, const char* name) {
+// A quantized cache (i8, f8e4m3) stores finite values only: a NaN or ±∞ new key or
+// value is an error.
+void require_finite(const Checker& c, const TensorView& t, const char* name, DType cache_dtype) {
   for (int64_t b = 0; b < t.size(0); ++b)
     for (int64_t r = 0; r < t.size(1); ++r)
       for (int64_t h = 0; h < t.size(2); ++h)
@@ -35,7 +36,7 @@ void require_finite(const Checker& c, const TensorView& t, const char* name) {
           const int64_t at = b * t.stride(0) + r * t.stride(1) + h * t.stride(2) + x * t.stride(3);
           if (!std::isfinite(load_f32(t.dtype(), t.data(), at))) {
             c.fail(std::string(name) + "[" + str(b) + ", " + str(r) + ", " + str(h) + ", " + str(x) +
-                   "] is " + std::to_string(load_f32(t.dtype(), t.data(), at)) + ": an i8 cache holds finite values only");
+                   "] is " + std::to_string(load_f32(t.dtype(), t.data(), at)) + ": an " + dtype_name(cache_dtype) + " cache holds finite values only");
           }
         }
 }
@@ -44,8 +45,8 @@ void check_cache(const Checker& c, const KVCache& cache, DecodeProblem& p, int64
   c.require(!cache.k.empty(), "cache.k is required, got none");
   c.require(!cache.v.empty(), "cache.v is required, got none");
   const DType dt = cache.k.dtype();
-  c.require(is_float(dt) || dt == DType::i8,
-            std::string("cache.k must have dtype f32, bf16, f16 or i8, got ") + dtype_name(dt));
+  c.require(is_float(dt) || is_quantized_cache(dt),
+            std::string("cache.k must have dtype f32, bf16, f16, i8 or f8e4m3, got ") + dtype_name(dt));
   c.require(cache.v.dtype() == dt, std::string("cache.v must have the dtype of cache.k (") + dtype_name(dt) +
                                        "), got " + dtype_name(cache.v.dtype()));
   const char* layout = cache.block_table.empty() ? "[B, capacity, Hkv, d]" : "[num_blocks, page_size, Hkv, d]";
@@ -84,14 +85,15 @@ void check_cache(const Checker& c, const KVCache& cache, DecodeProblem& p, int64
   place(cache.k, p.k);
   place(cache.v, p.v);
 
-  const bool i8 = dt == DType::i8;
+  const bool quantized = is_quantized_cache(dt);
   const std::vector<int64_t> scale_shape{cache.k.size(0), cache.k.size(1), cache.k.size(2)};
   for (auto [t, name, ct] : {std::tuple{&cache.k_scale, "cache.k_scale", &p.k}, {&cache.v_scale, "cache.v_scale", &p.v}}) {
-    if (!i8) {
-      c.require(t->empty(), std::string(name) + " is for i8 caches only; this cache is " + dtype_name(dt));
+    if (!quantized) {
+      c.require(t->empty(), std::string(name) + " is for quantized (i8, f8e4m3) caches only; this cache is " +
+                                dtype_name(dt));
       continue;
     }
-    c.require(!t->empty(), std::string(name) + " is required for an i8 cache (f32 [" +
+    c.require(!t->empty(), std::string(name) + " is required for an " + dtype_name(dt) + " cache (f32 [" +
                                (p.paged ? "num_blocks, page_size" : "B, capacity") + ", Hkv]), got none");
     c.tensor(*t, name, DType::f32, 3, "[pages, page_size, Hkv]");
     c.require(t->shape() == scale_shape, std::string(name) + " must have shape " + shape_string(scale_shape) +
@@ -104,7 +106,7 @@ void check_cache(const Checker& c, const KVCache& cache, DecodeProblem& p, int64
     ct->scale_row = t->stride(1);
     ct->scale_head = t->stride(2);
   }
-  if (i8) c.disjoint(cache.k_scale, "cache.k_scale", cache.v_scale, "cache.v_scale");
+  if (quantized) c.disjoint(cache.k_scale, "cache.k_scale", cache.v_scale, "cache.v_scale");
 
   if (!p.paged) {
     c.dim_equals(cache.k, "cache.k", 0, B, "B, the batch of cache_seqlens");
@@ -185,9 +187,9 @@ void check_append(const Checker& c, const KVCacheOptions& kv, const KVCache& cac
     c.disjoint(*t, name, kv.k_new, "kv.k_new");
     c.disjoint(*t, name, kv.v_new, "kv.v_new");
   }
-  if (p.cache_dtype == DType::i8) {
-    require_finite(c, kv.k_new, "kv.k_new");
-    require_finite(c, kv.v_new, "kv.v_new");
+  if (is_quantized_cache(p.cache_dtype)) {
+    require_finite(c, kv.k_new, "kv.k_new", p.cache_dtype);
+    require_finite(c, kv.v_new, "kv.v_new", p.cache_dtype);
   }
   p.Lnew = static_cast<int>(kv.k_new.size(1));
   p.new_dtype = kv.k_new.dtype();

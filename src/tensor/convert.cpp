@@ -57,6 +57,34 @@ uint16_t f32_to_f16(float f) {
   return static_cast<uint16_t>(sign | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13));
 }
 
+float f8e4m3_to_f32(uint8_t c) {
+  const uint32_t sign = uint32_t{c & 0x80u} << 24;
+  const uint32_t exp = (c >> 3) & 0xfu, mant = c & 0x7u;
+  if (exp == 0xf && mant == 0x7) return float_of(sign | 0x7fc00000u);  // NaN
+  if (exp != 0) return float_of(sign | ((exp + 120) << 23) | (mant << 20));
+  // Zero or subnormal: mant · 2^−9, exact in f32.
+  const float mag = static_cast<float>(mant) * 0.001953125f;
+  return sign ? -mag : mag;
+}
+
+uint8_t f32_to_f8e4m3(float f) {
+  const uint32_t u = bits_of(f);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return static_cast<uint8_t>(sign | 0x7fu);  // NaN
+  // Beyond 448 (0x43e00000) saturates: the next step up, 480, would be the NaN code.
+  if (a >= 0x43e00000u) return static_cast<uint8_t>(sign | 0x7eu);
+  if (a < 0x3c800000u) {
+    // Below the smallest normal (2^−6): a multiple of 2^−9, rounded to nearest even.
+    // Adding 2^14 (whose f32 ulp is 2^−9) leaves exactly those bits in the mantissa;
+    // 8 · 2^−9 is the smallest normal, whose code is 8 as well.
+    const float scaled = float_of(a) + 16384.0f;
+    return static_cast<uint8_t>(sign | static_cast<uint8_t>(bits_of(scaled) - bits_of(16384.0f)));
+  }
+  // Normal: rebias the exponent (127 → 7) and round the mantissa 23 → 3 bits.
+  const uint32_t r = a - (uint32_t{120} << 23);
+  return static_cast<uint8_t>(sign | ((r + 0x7ffffu + ((r >> 20) & 1u)) >> 20));
+}
 
 std::vector<float> to_f32_contiguous(const TensorView& src, bool round_bf16) {
   std::vector<float> out(static_cast<size_t>(src.empty() ? 0 : src.numel()));

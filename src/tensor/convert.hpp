@@ -16,6 +16,13 @@ float bf16_to_f32(uint16_t h);
 uint16_t f32_to_bf16(float f);
 float f16_to_f32(uint16_t h);
 uint16_t f32_to_f16(float f);
+/// OCP FP8 E4M3 ("e4m3fn"): bias 7, subnormals down to 2^−9, largest ±448, no
+/// infinities; S.1111.111 is NaN. Encoding rounds to nearest even and saturates:
+/// anything beyond ±448 (±inf included) becomes ±448, NaN stays NaN (0x7F | sign).
+float f8e4m3_to_f32(uint8_t c);
+uint8_t f32_to_f8e4m3(float f);
+/// The largest finite E4M3 value.
+inline constexpr float kF8E4M3Max = 448.0f;
 
 /// Element `at` of an f32, bf16 or f16 array, as an f32.
 inline float load_f32(DType dt, const void* base, int64_t at) {

@@ -19,6 +19,7 @@ size_t dtype_size(DType t) {
     case DType::boolean: return 1;
     case DType::i32: return 4;
     case DType::i8: return 1;
+    case DType::f8e4m3: return 1;
   }
   return 0;
 }
@@ -31,6 +32,7 @@ const char* dtype_name(DType t) {
     case DType::boolean: return "bool";
     case DType::i32: return "i32";
     case DType::i8: return "i8";
+    case DType::f8e4m3: return "f8e4m3";
   }
   return "?";
 }
