@@ -17,7 +17,8 @@
 namespace attn::bench {
 namespace {
 
-// Random values in [-1, 1) (i8: -127 .. 127) from a per-index hash, filled in parallel.
+// Random values in [-1, 1) (i8: -127 .. 127, f8e4m3: -448 .. 448) from a per-index hash,
+// filled in parallel.
 void fill_random(Tensor& t, uint64_t salt) {
   const int64_t n = t.numel();
   const DType dt = t.dtype();
@@ -33,6 +34,7 @@ void fill_random(Tensor& t, uint64_t salt) {
       case DType::bf16: static_cast<uint16_t*>(base)[i] = detail::f32_to_bf16(u); break;
       case DType::f16: static_cast<uint16_t*>(base)[i] = detail::f32_to_f16(u); break;
       case DType::i8: static_cast<int8_t*>(base)[i] = static_cast<int8_t>(u * 127.0f); break;
+      case DType::f8e4m3: static_cast<uint8_t*>(base)[i] = detail::f32_to_f8e4m3(u * detail::kF8E4M3Max); break;
       default: static_cast<float*>(base)[i] = u; break;
     }
   }
@@ -78,13 +80,15 @@ DecodeRow time_decode(const DecodeConfig& c, const DecodeOptions& o) {
   KVCache cache;
   cache.k = kc;
   cache.v = vc;
-  if (c.cache == DType::i8) {
+  const bool quantized = c.cache == DType::i8 || c.cache == DType::f8e4m3;
+  if (quantized) {
+    const float top = c.cache == DType::i8 ? 127.0f : detail::kF8E4M3Max;
     ks = Tensor(DType::f32, {num_blocks, page, c.Hkv});
     vs = Tensor(DType::f32, {num_blocks, page, c.Hkv});
     fill_random(ks, 3);
     fill_random(vs, 4);
     for (Tensor* t : {&ks, &vs})
-      for (int64_t i = 0; i < t->numel(); ++i) t->data_as<float>()[i] = (1.5f + t->data_as<float>()[i]) / 127.0f;
+      for (int64_t i = 0; i < t->numel(); ++i) t->data_as<float>()[i] = (1.5f + t->data_as<float>()[i]) / top;
     cache.k_scale = ks;
     cache.v_scale = vs;
   }
@@ -132,7 +136,7 @@ DecodeRow time_decode(const DecodeConfig& c, const DecodeOptions& o) {
   DecodeRow row;
   row.config = c;
   const double per_token = static_cast<double>(c.Hkv) * 2 * c.d * dtype_size(c.cache) +
-                           (c.cache == DType::i8 ? 2.0 * c.Hkv * sizeof(float) : 0.0);
+                           (quantized ? 2.0 * c.Hkv * sizeof(float) : 0.0);
   row.bytes = per_token * c.L * c.B;
   row.ms = median(ms);
   return row;

@@ -481,6 +481,39 @@ TEST(KVCache, GarbageInRemovedKeysAndUnusedSlotsNeverReachTheOutput) {
   check_against_reference(ek, er, "top-left");
 }
 
+// E4M3's NaN code in a key a query sees makes that query's row NaN, in a value the
+// same column of it, as a NaN in a float cache does; the other kv head's rows stay
+// finite.
+TEST(KVCache, E4m3NanCodeInAVisibleKeyOrValueGivesNaN) {
+  auto rng = make_rng(1208);
+  for (int which = 0; which < 2; ++which) {
+    KvConfig c;
+    c.B = 1, c.Hq = 4, c.Hkv = 2, c.d = 48, c.dv = 48;
+    c.cached = {200};
+    c.Lnew = 0;
+    c.page = 16;
+    c.cache_dtype = DType::f8e4m3;
+    KvCase kc(c, rng);
+    if (which == 0) {
+      static_cast<uint8_t*>(static_cast<void*>(kc.k_cache.data()))[kc.k_at(0, 77, 1) + 5] = 0x7F;
+    } else {
+      static_cast<uint8_t*>(static_cast<void*>(kc.v_cache.data()))[kc.v_at(0, 130, 1) + 9] = 0xFF;
+    }
+    const Result r = run(kc);
+    for (int h = 0; h < c.Hq; ++h) {
+      const bool nan_head = h / (c.Hq / c.Hkv) == 1;
+      for (int x = 0; x < c.dv; ++x) {
+        const float got = read_elem(c.q_dtype, r.out.data(), int64_t(h) * c.dv + x);
+        if (nan_head && (which == 0 || x == 9)) {
+          ASSERT_TRUE(std::isnan(got)) << (which ? "v" : "k") << " head " << h << " x " << x;
+        } else {
+          ASSERT_FALSE(std::isnan(got)) << (which ? "v" : "k") << " head " << h << " x " << x;
+        }
+      }
+    }
+  }
+}
+
 TEST(KVCache, AppendOnlyWritesWhatAttentionWouldSee) {
   auto rng = make_rng(1207);
   for (DType dt : {DType::f32, DType::bf16, DType::i8, DType::f8e4m3}) {

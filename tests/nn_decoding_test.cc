@@ -1,6 +1,7 @@
 // Incremental decoding in the nn modules on attn::attention_with_kvcache:
 // MultiheadAttention::forward_cached and the Transformer decoder's forward_cached
-// against their own full causal forward, for every cache storage (f32, bf16, i8;
+// against their own full causal forward, for every cache storage (f32, bf16, f16, i8,
+// f8e4m3;
 // contiguous and paged with an odd page size); the traffic a decoding run costs
 // (each step reads the cache once and packs nothing); and the errors.
 #include <gtest/gtest.h>
@@ -25,11 +26,11 @@ struct Storage {
 };
 
 // f32 is exact up to summation order; bf16 rounds k and v to 8 bits of mantissa,
-// i8 to 1/254 of each row's largest magnitude.
+// i8 to 1/254 of each row's largest magnitude, f8e4m3 to 3 bits of mantissa (2⁻⁴).
 std::vector<Storage> storages() {
-  // Observed worst: f32 3e-7, bf16 3e-3, i8 6e-3, f16 3e-4; the bars leave 3× or more.
+  // Observed worst: f32 3e-7, bf16 3e-3, i8 6e-3, f16 3e-4, f8e4m3 2.5e-2; the bars leave 3× or more.
   return {{{DType::f32, 0}, 1e-5}, {{DType::f32, 3}, 1e-5}, {{DType::bf16, 16}, 1e-2}, {{DType::i8, 0}, 2e-2},
-          {{DType::i8, 5}, 2e-2}, {{DType::f16, 1}, 2e-3}};
+          {{DType::i8, 5}, 2e-2}, {{DType::f16, 1}, 2e-3}, {{DType::f8e4m3, 0}, 8e-2}, {{DType::f8e4m3, 7}, 8e-2}};
 }
 
 void randomize(nn::Module& m, nn::Rng& rng) {
@@ -150,7 +151,7 @@ TEST(Decoding, EachStepReadsTheCacheOnceAndPacksNothing) {
   const int64_t B = 2, N = 150, Hkv = 2, hd = 8;
   for (const Storage& st : {storages()[1], storages()[3]}) {
     nn::KVCache cache = mha.make_cache(B, N, st.config);
-    const uint64_t row_bytes = 2 * hd * dtype_size(st.config.dtype) + (st.config.dtype == DType::i8 ? 8 : 0);
+    const uint64_t row_bytes = 2 * hd * dtype_size(st.config.dtype) + (st.config.dtype == DType::i8 || st.config.dtype == DType::f8e4m3 ? 8 : 0);
     auto& counters = detail::traffic();
     uint64_t total_read = 0;
     for (int64_t t = 0; t < N; ++t) {

@@ -418,13 +418,17 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
 
 
 def _cache_array(x, name):
-    """A writable NumPy view of a cache (float32, float16, bfloat16 or int8), never a copy."""
-    if _is_torch(x) and str(x.dtype) == "torch.int8":
+    """A writable NumPy view of a cache (float32, float16, bfloat16, int8, or fp8 E4M3 as
+    torch.float8_e4m3fn, ml_dtypes' float8_e4m3fn or uint8 codes), never a copy."""
+    if _is_torch(x) and str(x.dtype) in ("torch.int8", "torch.uint8", "torch.float8_e4m3fn"):
         if x.device.type != "cpu":
             raise ValueError("%s: expected a CPU tensor, got one on %s" % (name, x.device))
-        x = x.detach().numpy()
-    elif not (_is_torch(x)) and isinstance(x, _np.ndarray) and x.dtype == _np.int8:
+        import torch
+        x = x.detach().view(torch.uint8 if str(x.dtype) != "torch.int8" else torch.int8).numpy()
+    elif not (_is_torch(x)) and isinstance(x, _np.ndarray) and x.dtype in (_np.int8, _np.uint8):
         pass
+    elif not (_is_torch(x)) and isinstance(x, _np.ndarray) and x.dtype.name == "float8_e4m3fn":
+        x = x.view(_np.uint8)
     else:
         x = _array(x, name)
     if not x.flags.writeable:
@@ -471,9 +475,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     rotary_dim / 2] if given: keys at their positions, queries at cache_seqlens + Lnew - Lq + i;
     ``rotary_interleaved`` pairs (0,1),(2,3)… else halves), then each sequence attends over its
     cache_seqlens[b] + Lnew keys. ``causal`` is bottom-right aligned (the last query sees every
-    key). The cache may be float32, float16, bfloat16 (torch) or int8 with ``k_scale``/``v_scale``
-    float32 [B or num_blocks, capacity or page_size, Hkv] (key = scale · int8; new tokens are
-    quantized with scale max|x| / 127). q, k, v: float32, float16 or bfloat16. ``num_splits``:
+    key). The cache may be float32, float16, bfloat16 (torch), or quantized with ``k_scale``/
+    ``v_scale`` float32 [B or num_blocks, capacity or page_size, Hkv]: int8 (key = scale · int8;
+    new tokens quantized with scale max|x| / 127) or fp8 E4M3 — torch.float8_e4m3fn, ml_dtypes'
+    float8_e4m3fn or NumPy uint8 holding the codes (key = scale · e4m3; new tokens get scale
+    max|x| / 448 and the nearest E4M3, ties to even). q, k, v: float32, float16 or bfloat16. ``num_splits``:
     0 = automatic split-KV, else the splits per sequence. Returns out [B, Lq, Hq, dv] in q's
     dtype, and lse float32 [B, Hq, Lq] if ``return_softmax_lse``. NumPy or CPU torch alike.
     """

@@ -38,10 +38,11 @@ attn::TensorView view_of(const py::object& obj, const char* name, bool writable,
   else if (f == "?" && info.itemsize == 1) dtype = attn::DType::boolean;
   else if ((f == "i" || f == "l" || f == "<i" || f == "=i") && info.itemsize == 4) dtype = attn::DType::i32;
   else if (f == "b" && info.itemsize == 1) dtype = attn::DType::i8;  // quantized KV caches
+  else if (f == "B" && info.itemsize == 1) dtype = attn::DType::f8e4m3;  // E4M3 codes of fp8 KV caches
   else
     throw py::type_error(std::string(name) + ": unsupported element type (buffer format \"" + f + "\", " +
                          std::to_string(info.itemsize) + " bytes); expected float32, float16 or bfloat16" +
-                         " (int32 for sequence lengths, bool or float32 for masks, int8 for quantized KV caches)");
+                         " (int32 for sequence lengths, bool or float32 for masks, int8 or uint8 E4M3 codes for quantized KV caches)");
   std::vector<int64_t> shape(info.shape.begin(), info.shape.end()), strides;
   for (py::ssize_t s : info.strides) {
     if (s < 0 || s % info.itemsize != 0)

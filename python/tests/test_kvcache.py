@@ -1,5 +1,6 @@
 """attn.attention_with_kvcache and attn.kvcache_append from Python (issue 12): contiguous
-and paged caches (NumPy float32/float16/int8, torch bfloat16) against the float64
+and paged caches (NumPy float32/float16/int8/uint8 E4M3 codes, torch bfloat16 and
+float8_e4m3fn) against the float64
 reference on the logical keys and values, token-by-token decoding equal to causal
 attention over the whole sequence, RoPE on append, and clear errors."""
 import numpy as np
@@ -10,9 +11,21 @@ import attn
 from conftest import reference
 
 
+def e4m3_values(codes):
+    """E4M3 ("e4m3fn") codes as float64, from the format's definition: bias 7,
+    subnormals m · 2^-9, S.1111.111 NaN."""
+    c = np.asarray(codes).astype(np.int64)
+    e, m = (c >> 3) & 15, c & 7
+    mag = np.where(e == 0, m * 2.0 ** -9, (1 + m / 8) * 2.0 ** (e - 7))
+    mag = np.where((c & 0x7F) == 0x7F, np.nan, mag)
+    return np.where(c & 0x80, -mag, mag)
+
+
 def _logical(cache, seqlens, b, block_table=None, scale=None):
     """Sequence b's keys (or values) [Lk, Hkv, d] as float64, dequantized."""
     c = cache.float().numpy() if torch.is_tensor(cache) else cache
+    if c.dtype == np.uint8:
+        c = e4m3_values(c)
     n = int(seqlens[b])
     if block_table is None:
         rows = c[b, :n].astype(np.float64)
@@ -39,7 +52,7 @@ def _check(q, out, lse, k_cache, v_cache, total, block_table=None, k_scale=None,
 
 
 @pytest.mark.parametrize("page", [None, 1, 16, 7])
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8, np.uint8])
 def test_decoding_step_matches_the_reference(rng, page, dtype):
     B, Hq, Hkv, d, cap = 3, 8, 2, 40, 90
     seqlens = np.array([0, 33, 80], dtype=np.int32)
@@ -54,6 +67,12 @@ def test_decoding_step_matches_the_reference(rng, page, dtype):
         v_cache = rng.integers(-127, 128, shape).astype(np.int8)
         k_scale = rng.uniform(0.002, 0.01, shape[:3]).astype(np.float32)
         v_scale = rng.uniform(0.002, 0.01, shape[:3]).astype(np.float32)
+    elif dtype == np.uint8:  # E4M3 codes: every finite one, subnormals included
+        finite = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
+        k_cache = rng.choice(finite, shape)
+        v_cache = rng.choice(finite, shape)
+        k_scale = rng.uniform(0.001, 0.002, shape[:3]).astype(np.float32)
+        v_scale = rng.uniform(0.001, 0.002, shape[:3]).astype(np.float32)
     else:
         k_cache = rng.uniform(-1, 1, shape).astype(dtype)
         v_cache = rng.uniform(-1, 1, shape).astype(dtype)
@@ -68,6 +87,10 @@ def test_decoding_step_matches_the_reference(rng, page, dtype):
     if dtype == np.int8:  # the appended token was quantized: within half a step of k
         appended = _logical(k_cache, total, 1, table, k_scale)[-1]
         assert np.abs(appended - k[1, 0]).max() <= np.abs(k[1, 0]).max() / 127 * 0.51
+    if dtype == np.uint8:  # nearest E4M3: half an ulp (2^-4 relative) or half a subnormal step
+        appended = _logical(k_cache, total, 1, table, k_scale)[-1]
+        bound = np.maximum(np.abs(k[1, 0]) / 16, np.abs(k[1, 0]).max() / 448 / 1024) * 1.01
+        assert (np.abs(appended - k[1, 0]) <= bound).all()
     _check(q, out, lse, k_cache, v_cache, total, table, k_scale, v_scale)
 
 
@@ -135,6 +158,27 @@ def test_kvcache_append_then_decode(rng):
     q = rng.uniform(-1, 1, (B, 1, 4, d)).astype(np.float32)
     out = attn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=12, k_scale=ks, v_scale=vs)
     _check(q, out, None, k_cache, v_cache, np.array([12]), None, ks, vs, causal=False)
+
+
+def test_torch_float8_e4m3fn_cache(rng):
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("this PyTorch (%s) has no float8_e4m3fn" % torch.__version__)
+    B, Hq, Hkv, d = 2, 4, 2, 32
+    k_cache = torch.zeros((B, 20, Hkv, d), dtype=torch.float8_e4m3fn)
+    v_cache = torch.zeros_like(k_cache)
+    ks = torch.zeros((B, 20, Hkv))
+    vs = torch.zeros((B, 20, Hkv))
+    k = torch.from_numpy(rng.uniform(-3, 3, (B, 9, Hkv, d)).astype(np.float32))
+    v = torch.from_numpy(rng.uniform(-3, 3, (B, 9, Hkv, d)).astype(np.float32))
+    attn.kvcache_append(k_cache, v_cache, k, v, cache_seqlens=0, k_scale=ks, v_scale=vs)
+    # PyTorch's own float8 reading of the codes attn wrote, times attn's scales.
+    deq = k_cache[:, :9].float() * ks[:, :9, :, None]
+    assert torch.all((deq - k).abs() <= torch.maximum(k.abs() / 16, k.abs().amax(-1, keepdim=True) / 448 / 1024) * 1.01)
+    q = torch.from_numpy(rng.uniform(-1, 1, (B, 1, Hq, d)).astype(np.float32))
+    out, lse = attn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=9, k_scale=ks, v_scale=vs,
+                                           return_softmax_lse=True)
+    kc, vc = k_cache.view(torch.uint8).numpy(), v_cache.view(torch.uint8).numpy()
+    _check(q, out, lse, kc, vc, np.array([9, 9]), None, ks.numpy(), vs.numpy(), causal=False)
 
 
 def test_errors_are_clear(rng):

@@ -51,37 +51,72 @@ constexpr int kAutoSplitKeys = 256;
 constexpr int kAutoMaxSplits = 64;
 
 /// An f8e4m3 cache element (OCP E4M3, tensor/convert.hpp): a distinct type for the
-/// templates below, which read it as LoadF32 says.
+/// templates below, which read it as LoadF32 says. E4m3Nan is the same code read
+/// with a check for the NaN code (S.1111.111), which costs 3 of the widening's 7
+/// operations (10–16% of a decoding step), so the kernel uses it only for the
+/// passes of keys whose rows hold a NaN code (AnyE4m3Nan, one compare per 64 codes).
 struct E4m3 {
   uint8_t bits;
 };
+struct E4m3Nan {
+  uint8_t bits;
+};
+template <typename T>
+constexpr bool kIsE4m3 = std::is_same_v<T, E4m3> || std::is_same_v<T, E4m3Nan>;
 
 /// Cache elements that come with a per-token-per-head scale.
 template <typename T>
-constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, E4m3>;
+constexpr bool kQuantized = std::is_same_v<T, int8_t> || kIsE4m3<T>;
 /// What LoadF32's values are to be multiplied by, besides the scale (see LoadF32).
 template <typename T>
-constexpr float kLoadUnit = std::is_same_v<T, E4m3> ? 256.0f : 1.0f;
+constexpr float kLoadUnit = kIsE4m3<T> ? 256.0f : 1.0f;
+
+/// True when one of the n E4M3 codes at p is the NaN code.
+HWY_INLINE bool AnyE4m3Nan(const uint8_t* HWY_RESTRICT p, int64_t n) {
+  const hn::ScalableTag<uint8_t> d8;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d8));
+  // The largest magnitude seen: the NaN code's, 0x7F, is the largest there is.
+  const auto magnitude = hn::Set(d8, 0x7F);
+  auto top = hn::Zero(d8);
+  int64_t i = 0;
+  for (; i + lanes <= n; i += lanes) top = hn::Max(top, hn::And(hn::LoadU(d8, p + i), magnitude));
+  bool any = i > 0 && !hn::AllFalse(d8, hn::Eq(top, magnitude));
+  for (; i < n; ++i) any |= (p[i] & 0x7F) == 0x7F;
+  return any;
+}
+
+/// Calls f with a null pointer of the type the cache's elements are to be read as:
+/// T, or for an E4M3 cache E4m3Nan when `nan_codes` (see E4m3Nan).
+template <typename T, typename F>
+HWY_INLINE void ReadAs(bool nan_codes, F&& f) {
+  if constexpr (std::is_same_v<T, E4m3>) {
+    if (nan_codes) return f(static_cast<const E4m3Nan*>(nullptr));
+  }
+  f(static_cast<const T*>(nullptr));
+}
 
 /// kLanes cache elements at p, as f32 — for E4M3, as the value · 2⁻⁸ (the kernel
 /// folds 2⁸ into each key's and value's scale): E4M3's bits, shifted into f16's
 /// layout, are an f16 of exactly that value, subnormals included, so the widening is
-/// a shift, a mask and vcvtph2ps rather than a table. The NaN code becomes NaN.
+/// a shift, a mask and vcvtph2ps rather than a table. E4m3Nan turns the NaN code
+/// into NaN; E4m3 would read it as 480 (the kernel only uses it on rows without).
 template <typename T>
 HWY_INLINE VF LoadF32(DF df, const T* HWY_RESTRICT p) {
   if constexpr (std::is_same_v<T, float>) {
     return hn::LoadU(df, p);
-  } else if constexpr (std::is_same_v<T, E4m3>) {
-    const hn::Rebind<uint8_t, DF> d8;
+  } else if constexpr (kIsE4m3<T>) {
+    const hn::Rebind<int8_t, DF> d8;
     const hn::Rebind<uint16_t, DF> d16;
     const hn::Rebind<int16_t, DF> di16;
     const hn::Rebind<hwy::float16_t, DF> dh;
-    // s eeee mmm → s 0 eeee mmm 0000000: the byte into the high half, an arithmetic
-    // shift right by one, bit 14 (a copy of the sign) cleared.
-    const auto high = hn::ShiftLeft<8>(hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const uint8_t*>(p))));
-    auto h = hn::And(hn::BitCast(d16, hn::ShiftRight<1>(hn::BitCast(di16, high))), hn::Set(d16, 0xBFFF));
-    const auto nan_bits = hn::Set(d16, 0x3F80);  // eeee mmm all ones: E4M3's NaN
-    h = hn::IfThenElse(hn::Eq(hn::And(h, nan_bits), nan_bits), hn::Set(d16, 0x7E00), h);
+    // s eeee mmm → s 0 eeee mmm 0000000: sign-extended to 16 bits and shifted left by
+    // 7, bit 14 (a copy of the sign) cleared.
+    const auto wide = hn::BitCast(d16, hn::PromoteTo(di16, hn::LoadU(d8, reinterpret_cast<const int8_t*>(p))));
+    auto h = hn::And(hn::ShiftLeft<7>(wide), hn::Set(d16, 0xBFFF));
+    if constexpr (std::is_same_v<T, E4m3Nan>) {
+      const auto nan_bits = hn::Set(d16, 0x3F80);  // eeee mmm all ones: E4M3's NaN
+      h = hn::IfThenElse(hn::Eq(hn::And(h, nan_bits), nan_bits), hn::Set(d16, 0x7E00), h);
+    }
     return hn::PromoteTo(df, hn::BitCast(dh, h));
   } else if constexpr (std::is_same_v<T, int8_t>) {
     const hn::Rebind<int32_t, DF> di;
@@ -361,6 +396,20 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
         for (int hh = 0; hh < it.heads; hh += static_cast<int>(span / width)) PrefetchRow(row + hh * ct.head_stride, span);
       }
     };
+    // E4M3 caches: whether keys c … c + nk − 1 hold a NaN code in the item's heads.
+    auto nan_codes = [&](const CacheTensor& ct, const T* const* rows0, int64_t span, int64_t width, int c, int nk) {
+      if constexpr (!std::is_same_v<T, E4m3>) {
+        return false;
+      } else {
+        bool any = false;
+        for (int k = c; k < c + nk; ++k) {
+          for (int hh = 0; hh < it.heads; hh += static_cast<int>(span / width)) {
+            any |= AnyE4m3Nan(reinterpret_cast<const uint8_t*>(rows0[k] + hh * ct.head_stride), span);
+          }
+        }
+        return any;
+      }
+    };
     // Scores of every head, key by key (token order: each token's heads are adjacent).
     auto head_keys = [&](int c, int hh, int nk, const T** out_keys) {
       for (int k = 0; k < nk; ++k) out_keys[k] = keys0[c + k] + hh * p.k.head_stride;
@@ -371,11 +420,15 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       const T* kk[kKeysPerPass];
       auto scores = [&](auto nk_tag, int c) {
         constexpr int nk = decltype(nk_tag)::value;
-        for (int hh = 0; hh < it.heads; ++hh) {
-          head_keys(c, hh, nk, kk);
-          DotRowGroups<T, nk>(&w.q[static_cast<size_t>(hh) * rows * dp], dp, rows, kk, p.d,
-                              &w.s[static_cast<size_t>(hh) * rows_pad * kBk] + c, kBk);
-        }
+        ReadAs<T>(nan_codes(p.k, keys0, k_span, p.d, c, nk), [&](auto tag) {
+          using U = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+          for (int hh = 0; hh < it.heads; ++hh) {
+            head_keys(c, hh, nk, kk);
+            DotRowGroups<U, nk>(&w.q[static_cast<size_t>(hh) * rows * dp], dp, rows,
+                                reinterpret_cast<const U* const*>(kk), p.d,
+                                &w.s[static_cast<size_t>(hh) * rows_pad * kBk] + c, kBk);
+          }
+        });
       };
       int c = 0;
       for (; c + kKeysPerPass <= cols; c += kKeysPerPass) {
@@ -430,22 +483,26 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       for (int c = 0; c < cols; c += kPvKeys) {
         const int nk = std::min(kPvKeys, cols - c);
         prefetch_next(p.v, vals0, v_span, p.dv, c, c + kPvKeys < cols ? kPvKeys : kBk - c);
-        for (int hh = 0; hh < it.heads; ++hh) {
-          if (!active[hh]) continue;
-          for (int k = 0; k < nk; ++k) vv[k] = vals0[c + k] + hh * p.v.head_stride;
-          const float* s = &w.s[static_cast<size_t>(hh) * rows_pad * kBk] + c;
-          float* o = &w.o[static_cast<size_t>(hh) * rows * dvp];
-          switch (nk) {
-            case 8: PvKeys<T, 8>(s, kBk, rows, vv, p.dv, o, dvp); break;
-            case 7: PvKeys<T, 7>(s, kBk, rows, vv, p.dv, o, dvp); break;
-            case 6: PvKeys<T, 6>(s, kBk, rows, vv, p.dv, o, dvp); break;
-            case 5: PvKeys<T, 5>(s, kBk, rows, vv, p.dv, o, dvp); break;
-            case 4: PvKeys<T, 4>(s, kBk, rows, vv, p.dv, o, dvp); break;
-            case 3: PvKeys<T, 3>(s, kBk, rows, vv, p.dv, o, dvp); break;
-            case 2: PvKeys<T, 2>(s, kBk, rows, vv, p.dv, o, dvp); break;
-            default: PvKeys<T, 1>(s, kBk, rows, vv, p.dv, o, dvp); break;
+        ReadAs<T>(nan_codes(p.v, vals0, v_span, p.dv, c, nk), [&](auto tag) {
+          using U = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+          const U* const* vu = reinterpret_cast<const U* const*>(vv);
+          for (int hh = 0; hh < it.heads; ++hh) {
+            if (!active[hh]) continue;
+            for (int k = 0; k < nk; ++k) vv[k] = vals0[c + k] + hh * p.v.head_stride;
+            const float* s = &w.s[static_cast<size_t>(hh) * rows_pad * kBk] + c;
+            float* o = &w.o[static_cast<size_t>(hh) * rows * dvp];
+            switch (nk) {
+              case 8: PvKeys<U, 8>(s, kBk, rows, vu, p.dv, o, dvp); break;
+              case 7: PvKeys<U, 7>(s, kBk, rows, vu, p.dv, o, dvp); break;
+              case 6: PvKeys<U, 6>(s, kBk, rows, vu, p.dv, o, dvp); break;
+              case 5: PvKeys<U, 5>(s, kBk, rows, vu, p.dv, o, dvp); break;
+              case 4: PvKeys<U, 4>(s, kBk, rows, vu, p.dv, o, dvp); break;
+              case 3: PvKeys<U, 3>(s, kBk, rows, vu, p.dv, o, dvp); break;
+              case 2: PvKeys<U, 2>(s, kBk, rows, vu, p.dv, o, dvp); break;
+              default: PvKeys<U, 1>(s, kBk, rows, vu, p.dv, o, dvp); break;
+            }
           }
-        }
+        });
       }
     }
   }

@@ -256,8 +256,8 @@ KVCache allocate_kv_cache(int64_t batch, int64_t capacity, int64_t Hkv, int64_t 
     throw Error("make_cache: batch and capacity must be ≥ 1, got " + str(batch) + " and " + str(capacity));
   if (capacity > INT32_MAX) throw Error("make_cache: capacity must fit in int32, got " + str(capacity));
   const DType dt = config.dtype;
-  if (dt != DType::f32 && dt != DType::bf16 && dt != DType::f16 && dt != DType::i8)
-    throw Error(std::string("make_cache: storage dtype must be f32, bf16, f16 or i8, got ") + dtype_name(dt));
+  if (dt != DType::f32 && dt != DType::bf16 && dt != DType::f16 && dt != DType::i8 && dt != DType::f8e4m3)
+    throw Error(std::string("make_cache: storage dtype must be f32, bf16, f16, i8 or f8e4m3, got ") + dtype_name(dt));
   if (config.page_size < 0) throw Error("make_cache: page_size must be 0 (contiguous) or ≥ 1, got " + str(config.page_size));
   KVCache c;
   c.batch = batch;
@@ -275,7 +275,7 @@ KVCache allocate_kv_cache(int64_t batch, int64_t capacity, int64_t Hkv, int64_t 
   }
   c.k = Tensor(dt, {rows[0], rows[1], Hkv, hd});
   c.v = Tensor(dt, {rows[0], rows[1], Hkv, hd});
-  if (dt == DType::i8) {
+  if (dt == DType::i8 || dt == DType::f8e4m3) {
     c.k_scale = Tensor(DType::f32, {rows[0], rows[1], Hkv});
     c.v_scale = Tensor(DType::f32, {rows[0], rows[1], Hkv});
   }

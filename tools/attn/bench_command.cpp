@@ -54,7 +54,11 @@ int run_decode(const BenchArgs& a, int all, const Write& write) {
   if (!a.dtypes.empty()) {
     o.dtypes.clear();
     for (const std::string& t : a.dtypes) {
-      o.dtypes.push_back(t == "bf16" ? DType::bf16 : t == "f16" ? DType::f16 : t == "i8" ? DType::i8 : DType::f32);
+      o.dtypes.push_back(t == "bf16"     ? DType::bf16
+                         : t == "f16"    ? DType::f16
+                         : t == "i8"     ? DType::i8
+                         : t == "f8e4m3" ? DType::f8e4m3
+                                         : DType::f32);
     }
   }
   std::printf("attn bench --decode on %s (%d cores)\n", cpu_model().c_str(), all);
@@ -99,7 +103,7 @@ Command add_bench_command(CLI::App& app) {
   sub->add_option("--dtype", args->dtypes,
                   "dtypes of q, k, v, out: f32, bf16, f16 (default f32); bf16 runs on AMX tiles where "
                   "the CPU has them (ATTN_ISA forces a path)")
-      ->check(CLI::IsMember({"f32", "bf16", "f16", "i8"}));
+      ->check(CLI::IsMember({"f32", "bf16", "f16", "i8", "f8e4m3"}));
   sub->add_flag("--no-baseline", args->no_baseline, "skip the cblas baseline");
   sub->add_flag("--backward", args->backward,
                 "time attention_backward (GFLOP/s count 2.5× the forward's flops); the baseline "
@@ -107,7 +111,7 @@ Command add_bench_command(CLI::App& app) {
   sub->add_flag("--decode", args->decode,
                 "the decode table instead: attention_with_kvcache, Lq=1, Hq=32, Hkv=8, d=128, one token "
                 "appended per call; GB/s of cache read beside the measured read bandwidth. --sizes are "
-                "cache lengths (default 1024 8192 32768 131072), --dtype f32/bf16/f16/i8 the cache's");
+                "cache lengths (default 1024 8192 32768 131072), --dtype f32/bf16/f16/i8/f8e4m3 the cache's");
   sub->add_option("--batches", args->batches, "decode: batch sizes (default 1 8)")->check(CLI::Range(1, 4096));
   sub->add_option("--pages", args->pages, "decode: page sizes, 0 = contiguous (default 16 256)")
       ->check(CLI::Range(0, 1 << 20));
@@ -132,7 +136,8 @@ Command add_bench_command(CLI::App& app) {
     const int all = omp_get_num_procs();
     if (args->decode) return run_decode(*args, all, write);
     for (const std::string& t : args->dtypes) {
-      if (t == "i8") throw attn::Error("bench: --dtype i8 is a KV cache dtype; use it with --decode");
+      if (t == "i8" || t == "f8e4m3")
+        throw attn::Error("bench: --dtype " + t + " is a KV cache dtype; use it with --decode");
     }
     bench::TableOptions o;
     o.threads = {1};

@@ -31,19 +31,21 @@ struct MultiheadAttentionConfig {
 
 /// How a module's KV cache is stored (see attn/kvcache.hpp for the layouts).
 struct KVCacheConfig {
-  DType dtype = DType::f32;  ///< f32, bf16, f16, or i8 (quantized on append, one scale per token and head)
+  /// f32, bf16, f16, or i8 / f8e4m3 (quantized on append, one scale per token and head)
+  DType dtype = DType::f32;
   int64_t page_size = 0;     ///< 0: contiguous [B, capacity, Hkv, hd]; ≥ 1: pages of this many positions
 };
 
 /// Keys and values of the positions decoded so far, per layer, in the storage
 /// attn::attention_with_kvcache reads in place: k and v [B, capacity, Hkv, hd]
 /// (contiguous) or [B·⌈capacity / page_size⌉, page_size, Hkv, hd] with block_table
-/// int32 [B, ⌈capacity / page_size⌉] (paged); k_scale and v_scale f32 for i8.
+/// int32 [B, ⌈capacity / page_size⌉] (paged); k_scale and v_scale f32 for i8 and
+/// f8e4m3.
 /// Positions [0, length) of every sequence are valid; seqlens (int32 [B]) holds
 /// length for each sequence, as the kernel wants it.
 struct KVCache {
   Tensor k, v;
-  Tensor k_scale, v_scale;  ///< i8 caches only: [.., Hkv] beside k and v
+  Tensor k_scale, v_scale;  ///< i8 and f8e4m3 caches only: [.., Hkv] beside k and v
   Tensor block_table;       ///< paged caches only
   Tensor seqlens;
   int64_t length = 0;
