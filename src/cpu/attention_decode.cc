@@ -52,9 +52,9 @@ constexpr int kAutoMaxSplits = 64;
 
 /// An f8e4m3 cache element (OCP E4M3, tensor/convert.hpp): a distinct type for the
 /// templates below, which read it as LoadF32 says. E4m3Nan is the same code read
-/// with a check for the NaN code (S.1111.111), which costs 3 of the widening's 7
-/// operations (10–16% of a decoding step), so the kernel uses it only for the
-/// passes of keys whose rows hold a NaN code (AnyE4m3Nan, one compare per 64 codes).
+/// with a check for the NaN code (S.1111.111), which adds 3 operations to the
+/// widening's 4 per 16 codes (10–16% of a decoding step), so the kernel uses it only
+/// for the passes of keys whose rows hold a NaN code (AnyE4m3Nan, a max per 64 codes).
 struct E4m3 {
   uint8_t bits;
 };
