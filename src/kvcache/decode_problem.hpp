@@ -8,6 +8,7 @@
 
 #include "attn/kvcache.hpp"
 #include "problem.hpp"
+#include "tensor/convert.hpp"
 
 namespace attn::detail {
 
@@ -26,7 +27,7 @@ struct CacheTensor {
 /// Caches stored as codes with one f32 scale per token and head: value = scale · code.
 inline bool is_quantized_cache(DType t) { return t == DType::i8 || t == DType::f8e4m3; }
 /// The largest code magnitude such a cache uses: 127 (i8) or 448 (E4M3's largest).
-inline float quantized_max(DType t) { return t == DType::i8 ? 127.0f : 448.0f; }
+inline float quantized_max(DType t) { return t == DType::i8 ? 127.0f : kF8E4M3Max; }
 
 struct DecodeProblem {
   /// Scale, softcap, causal, window and ALiBi as for attention(), and per sequence
