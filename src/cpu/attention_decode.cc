@@ -359,8 +359,10 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
   const int64_t v_span = p.v.head_stride == p.dv ? int64_t{it.heads} * p.dv : p.dv;
   // Rows of keys j0 … j0 + kBk + kPrefetchKeys − 1 (this block and the prefetch
   // distance past it), from one walk over the pages: a division per block rather
-  // than four per key (a page-16 cache spent ~15% of its time in them).
-  constexpr int kPrefetchKeys = 16;
+  // than four per key (a page-16 cache spent ~15% of its time in them). The distance:
+  // 8 keys (two score passes) ahead, measured on the Intel Xeon with AMX at 32k bf16
+  // and i8 tokens with head-by-head requests: 6 to 16 keys within 3%, 4 keys 5–12% slower.
+  constexpr int kPrefetchKeys = 8;
   constexpr int kRows = kBk + kPrefetchKeys;
   const T* keys0[kRows];
   const T* vals0[kRows];
@@ -384,17 +386,15 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
     keys_read += cols;
     const int ahead = std::max(0, std::min(kBk, std::min(t1, last + 1) - (j0 + kPrefetchKeys)));
     walk_rows(j0, std::max(cols, ahead > 0 ? kPrefetchKeys + ahead : 0));
-    // Rows kPrefetchKeys keys ahead, into L2 while this block computes, when
-    // `prefetch` (see kPrefetchMinBytes). Key c's rows are requested beside key c's work
-    // (K in the score loop, V in the P·V loop), not all at once: a burst of a
-    // block's prefetches fills the line-fill buffers and stalls the core until DRAM
-    // delivers, serialising memory and math.
-    auto prefetch_next = [&](const CacheTensor& ct, const T* const* rows0, int64_t span, int64_t width, int c0, int nk) {
+    // Key c + kPrefetchKeys's rows of kv head hh, into L2 while this block computes,
+    // when `prefetch` (see kPrefetchMinBytes): requested beside key c's work on head hh
+    // (K in the score loop, V in the P·V loop), one head's slice at a time. Larger
+    // bursts (a key's rows of every head, or a block's) fill the line-fill buffers,
+    // which software requests hold until DRAM answers, and stall the core until
+    // memory delivers, serialising memory and math (measured: see kPrefetchKeys).
+    auto prefetch_head = [&](const CacheTensor& ct, const T* const* rows0, int hh, int width, int c0, int nk) {
       if (!prefetch) return;
-      for (int c = c0; c < std::min(c0 + nk, ahead); ++c) {
-        const T* row = rows0[kPrefetchKeys + c];
-        for (int hh = 0; hh < it.heads; hh += static_cast<int>(span / width)) PrefetchRow(row + hh * ct.head_stride, span);
-      }
+      for (int c = c0; c < std::min(c0 + nk, ahead); ++c) PrefetchRow(rows0[kPrefetchKeys + c] + hh * ct.head_stride, width);
     };
     // E4M3 caches: whether keys c … c + nk − 1 hold a NaN code in the item's heads.
     auto nan_codes = [&](const CacheTensor& ct, const T* const* rows0, int64_t span, int64_t width, int c, int nk) {
@@ -423,6 +423,7 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
         ReadAs<T>(nan_codes(p.k, keys0, k_span, p.d, c, nk), [&](auto tag) {
           using U = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
           for (int hh = 0; hh < it.heads; ++hh) {
+            prefetch_head(p.k, keys0, hh, p.d, c, nk);
             head_keys(c, hh, nk, kk);
             DotRowGroups<U, nk>(&w.q[static_cast<size_t>(hh) * rows * dp], dp, rows,
                                 reinterpret_cast<const U* const*>(kk), p.d,
@@ -431,11 +432,7 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
         });
       };
       int c = 0;
-      for (; c + kKeysPerPass <= cols; c += kKeysPerPass) {
-        prefetch_next(p.k, keys0, k_span, p.d, c, kKeysPerPass);
-        scores(std::integral_constant<int, kKeysPerPass>(), c);
-      }
-      prefetch_next(p.k, keys0, k_span, p.d, c, kBk - c);
+      for (; c + kKeysPerPass <= cols; c += kKeysPerPass) scores(std::integral_constant<int, kKeysPerPass>(), c);
       for (; c < cols; ++c) scores(std::integral_constant<int, 1>(), c);
     }
     bool active[kMaxItemRows];
@@ -482,11 +479,11 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       const T* vv[kPvKeys];
       for (int c = 0; c < cols; c += kPvKeys) {
         const int nk = std::min(kPvKeys, cols - c);
-        prefetch_next(p.v, vals0, v_span, p.dv, c, c + kPvKeys < cols ? kPvKeys : kBk - c);
         ReadAs<T>(nan_codes(p.v, vals0, v_span, p.dv, c, nk), [&](auto tag) {
           using U = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
           const U* const* vu = reinterpret_cast<const U* const*>(vv);
           for (int hh = 0; hh < it.heads; ++hh) {
+            prefetch_head(p.v, vals0, hh, p.dv, c, nk);
             if (!active[hh]) continue;
             for (int k = 0; k < nk; ++k) vv[k] = vals0[c + k] + hh * p.v.head_stride;
             const float* s = &w.s[static_cast<size_t>(hh) * rows_pad * kBk] + c;
@@ -557,14 +554,12 @@ void FinishRow(const DecodeProblem& p, int b, int i, int h, const Partial* parts
   StoreRow(p, b, i, h, o.data(), 1.0, static_cast<float>(mx + std::log(total)));
 }
 
-/// ComputeItem asks for cache rows ahead in software only for 16- and 8-bit caches,
-/// and only when the call reads at least this many bytes of them. Measured on the
-/// Intel Xeon with AMX (2026-11-23, B = 1, 1 thread): from DRAM the requests gain
-/// 2–10% (bf16 and i8, 64–128 MiB); from L3 they cost 15–25% (bf16, 4–32 MiB), each
-/// request holding a line-fill buffer through L3's latency. f32 caches never: the
-/// hardware prefetchers keep up there (each token row is 4 KiB per head group) and
-/// software requests only took fill buffers from them (32k tokens: 61% of the read
-/// bandwidth with them, 78% without).
+/// ComputeItem asks for cache rows ahead in software only when the call reads at
+/// least this many bytes of cache. Measured on the Intel Xeon with AMX (2026-11-23,
+/// B = 1, 1 and 2 threads, head-by-head requests 8 keys ahead): from DRAM they gain
+/// 28–40% for bf16, 15–21% for i8, 19–28% for f8e4m3 and 7–13% for f32 (32k and 128k
+/// tokens); from L3 (1k–8k tokens of bf16 or i8) they cost 0–4%, each request holding
+/// a line-fill buffer through L3's latency.
 constexpr double kPrefetchMinBytes = 48.0 * (1 << 20);
 
 int SplitsOf(const DecodeProblem& p, int lk) {
@@ -611,7 +606,7 @@ void Decode(const DecodeProblem& p, int threads) {
   double bytes = 0;
   for (int b = 0; b < p.B; ++b) bytes += double(p.attn.seqs[b].Lk) * p.Hkv * (p.d + p.dv);
   const int nt = bytes < 1e5 ? 1 : std::max(1, threads);
-  const bool prefetch = !std::is_same_v<T, float> && bytes * sizeof(T) >= kPrefetchMinBytes;
+  const bool prefetch = bytes * sizeof(T) >= kPrefetchMinBytes;
   const int nitems = static_cast<int>(items.size()), ngroups = static_cast<int>(groups.size());
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
