@@ -392,9 +392,15 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
     // bursts (a key's rows of every head, or a block's) fill the line-fill buffers,
     // which software requests hold until DRAM answers, and stall the core until
     // memory delivers, serialising memory and math (measured: see kPrefetchKeys).
-    auto prefetch_head = [&](const CacheTensor& ct, const T* const* rows0, int hh, int width, int c0, int nk) {
+    // With head 0, the keys' scales too (i8, f8e4m3): a page's scales lie apart from
+    // its rows, so at small pages each page would start with a scale read from DRAM.
+    auto prefetch_head = [&](const CacheTensor& ct, const T* const* rows0, const int64_t* scale_at, int hh, int width,
+                             int c0, int nk) {
       if (!prefetch) return;
-      for (int c = c0; c < std::min(c0 + nk, ahead); ++c) PrefetchRow(rows0[kPrefetchKeys + c] + hh * ct.head_stride, width);
+      for (int c = c0; c < std::min(c0 + nk, ahead); ++c) {
+        PrefetchRow(rows0[kPrefetchKeys + c] + hh * ct.head_stride, width);
+        if (kQuantized<T> && hh == 0) PrefetchLineL2(reinterpret_cast<const char*>(ct.scale + scale_at[kPrefetchKeys + c] + int64_t{it.hk0} * ct.scale_head));
+      }
     };
     // E4M3 caches: whether keys c … c + nk − 1 hold a NaN code in the item's heads.
     auto nan_codes = [&](const CacheTensor& ct, const T* const* rows0, int64_t span, int64_t width, int c, int nk) {
@@ -423,7 +429,7 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
         ReadAs<T>(nan_codes(p.k, keys0, k_span, p.d, c, nk), [&](auto tag) {
           using U = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
           for (int hh = 0; hh < it.heads; ++hh) {
-            prefetch_head(p.k, keys0, hh, p.d, c, nk);
+            prefetch_head(p.k, keys0, k_scale_at, hh, p.d, c, nk);
             head_keys(c, hh, nk, kk);
             DotRowGroups<U, nk>(&w.q[static_cast<size_t>(hh) * rows * dp], dp, rows,
                                 reinterpret_cast<const U* const*>(kk), p.d,
@@ -483,7 +489,7 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
           using U = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
           const U* const* vu = reinterpret_cast<const U* const*>(vv);
           for (int hh = 0; hh < it.heads; ++hh) {
-            prefetch_head(p.v, vals0, hh, p.dv, c, nk);
+            prefetch_head(p.v, vals0, v_scale_at, hh, p.dv, c, nk);
             if (!active[hh]) continue;
             for (int k = 0; k < nk; ++k) vv[k] = vals0[c + k] + hh * p.v.head_stride;
             const float* s = &w.s[static_cast<size_t>(hh) * rows_pad * kBk] + c;
