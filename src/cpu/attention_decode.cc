@@ -399,7 +399,10 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       if (!prefetch) return;
       for (int c = c0; c < std::min(c0 + nk, ahead); ++c) {
         PrefetchRow(rows0[kPrefetchKeys + c] + hh * ct.head_stride, width);
-        if (kQuantized<T> && hh == 0) PrefetchLineL2(reinterpret_cast<const char*>(ct.scale + scale_at[kPrefetchKeys + c] + int64_t{it.hk0} * ct.scale_head));
+        if constexpr (kQuantized<T>) {
+          const float* scales = ct.scale + scale_at[kPrefetchKeys + c] + int64_t{it.hk0} * ct.scale_head;
+          if (hh == 0) PrefetchLineL2(reinterpret_cast<const char*>(scales));
+        }
       }
     };
     // E4M3 caches: whether keys c … c + nk − 1 hold a NaN code in the item's heads.
