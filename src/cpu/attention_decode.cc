@@ -445,6 +445,13 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       for (; c < cols; ++c) scores(std::integral_constant<int, 1>(), c);
     }
     bool active[kMaxItemRows];
+    // The block's keys' (values') scales of one kv head, times kLoadUnit (a power of
+    // two, so the product is exact), 1 past `cols`: a vector multiplies a row of S.
+    HWY_ALIGN float scales[kBk];
+    auto gather_scales = [&](const CacheTensor& ct, const int64_t* scale_at, int hk, int n, float* out) {
+      for (int cc = 0; cc < n; ++cc) out[cc] = ct.scale[scale_at[cc] + int64_t{hk} * ct.scale_head] * kLoadUnit<T>;
+      for (int cc = n; cc < kBk; ++cc) out[cc] = 1.0f;
+    };
     for (int hh = 0; hh < it.heads; ++hh) {
       const int hk = it.hk0 + hh;
       float* s = &w.s[static_cast<size_t>(hh) * rows_pad * kBk];
@@ -452,10 +459,12 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       float* l = &w.l[static_cast<size_t>(hh) * rows_pad * kLanes];
       float* alpha = &w.alpha[static_cast<size_t>(hh) * rows_pad];
       float* o = &w.o[static_cast<size_t>(hh) * rows * dvp];
-      if (quantized) {
-        for (int cc = 0; cc < cols; ++cc) {
-          const float ks = p.k.scale[k_scale_at[cc] + int64_t{hk} * p.k.scale_head];
-          for (int r = 0; r < rows; ++r) s[r * kBk + cc] = s[r * kBk + cc] * ks * kLoadUnit<T>;
+      if (quantized) {  // S · the keys' scales, a row of vectors at a time
+        gather_scales(p.k, k_scale_at, hk, cols, scales);
+        for (int r = 0; r < rows; ++r) {
+          for (int x = 0; x < kBk; x += kLanes) {
+            hn::Store(hn::Mul(hn::Load(DF(), s + r * kBk + x), hn::Load(DF(), scales + x)), DF(), s + r * kBk + x);
+          }
         }
       }
       for (int r = 0; r < rows; ++r) std::fill(s + r * kBk + cols, s + (r + 1) * kBk, -HUGE_VALF);
@@ -471,12 +480,13 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
         const VF a = hn::Set(DF(), alpha[r]);
         for (int x = 0; x < dvp; x += kLanes) hn::Store(hn::Mul(a, hn::Load(DF(), o + r * dvp + x)), DF(), o + r * dvp + x);
       }
-      if (quantized) {
-        for (int cc = 0; cc < cols; ++cc) {
-          const float vs = p.v.scale[v_scale_at[cc] + int64_t{hk} * p.v.scale_head];
-          for (int r = 0; r < rows; ++r) {
-            float& x = s[r * kBk + cc];
-            if (x != 0.0f) x = x * vs * kLoadUnit<T>;  // a removed key stays 0 whatever its scale
+      if (quantized) {  // P · the values' scales; a removed key's p stays 0 whatever its scale
+        gather_scales(p.v, v_scale_at, hk, cols, scales);
+        for (int r = 0; r < rows; ++r) {
+          for (int x = 0; x < kBk; x += kLanes) {
+            const VF pv = hn::Load(DF(), s + r * kBk + x);
+            const VF scaled = hn::Mul(pv, hn::Load(DF(), scales + x));
+            hn::Store(hn::IfThenElseZero(hn::Ne(pv, hn::Zero(DF())), scaled), DF(), s + r * kBk + x);
           }
         }
       }
