@@ -446,11 +446,12 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
     }
     bool active[kMaxItemRows];
     // The block's keys' (values') scales of one kv head, times kLoadUnit (a power of
-    // two, so the product is exact), 1 past `cols`: a vector multiplies a row of S.
+    // two, so the product is exact), and 1 for the columns from `cols` on: one vector
+    // of them multiplies a vector of a row of S or P.
     HWY_ALIGN float scales[kBk];
-    auto gather_scales = [&](const CacheTensor& ct, const int64_t* scale_at, int hk, int n, float* out) {
-      for (int cc = 0; cc < n; ++cc) out[cc] = ct.scale[scale_at[cc] + int64_t{hk} * ct.scale_head] * kLoadUnit<T>;
-      for (int cc = n; cc < kBk; ++cc) out[cc] = 1.0f;
+    auto gather_scales = [&](const CacheTensor& ct, const int64_t* scale_at, int hk) {
+      for (int cc = 0; cc < cols; ++cc) scales[cc] = ct.scale[scale_at[cc] + int64_t{hk} * ct.scale_head] * kLoadUnit<T>;
+      for (int cc = cols; cc < kBk; ++cc) scales[cc] = 1.0f;
     };
     for (int hh = 0; hh < it.heads; ++hh) {
       const int hk = it.hk0 + hh;
@@ -460,7 +461,7 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       float* alpha = &w.alpha[static_cast<size_t>(hh) * rows_pad];
       float* o = &w.o[static_cast<size_t>(hh) * rows * dvp];
       if (quantized) {  // S · the keys' scales, a row of vectors at a time
-        gather_scales(p.k, k_scale_at, hk, cols, scales);
+        gather_scales(p.k, k_scale_at, hk);
         for (int r = 0; r < rows; ++r) {
           for (int x = 0; x < kBk; x += kLanes) {
             hn::Store(hn::Mul(hn::Load(DF(), s + r * kBk + x), hn::Load(DF(), scales + x)), DF(), s + r * kBk + x);
@@ -481,7 +482,7 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
         for (int x = 0; x < dvp; x += kLanes) hn::Store(hn::Mul(a, hn::Load(DF(), o + r * dvp + x)), DF(), o + r * dvp + x);
       }
       if (quantized) {  // P · the values' scales; a removed key's p stays 0 whatever its scale
-        gather_scales(p.v, v_scale_at, hk, cols, scales);
+        gather_scales(p.v, v_scale_at, hk);
         for (int r = 0; r < rows; ++r) {
           for (int x = 0; x < kBk; x += kLanes) {
             const VF pv = hn::Load(DF(), s + r * kBk + x);
