@@ -515,7 +515,14 @@ ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, i
       band |= TileNeedsBand(place);
     }
     float mult = p.scale;
-    if (mods || band) {
+    if (!mods && band) {
+      // Only the band: −∞ is −∞ in any units, so mask the raw products of the tiles
+      // it cuts (a causal diagonal's one or two) and leave the scale to the softmax.
+      for (int s0 = 0; s0 < width; s0 += kBk) {
+        const TilePlace place{b, h, i0, rows, j0 + s0, std::min(kBk, seq.Lk - j0 - s0), w.lo, w.hi};
+        if (TileNeedsBand(place)) ApplyScoreMods(p, seq, place, sc + s0, kW, true);
+      }
+    } else if (mods) {
       const DF df;
       for (int r = 0; r < kQ; ++r) {
         float* row = sc + r * kW;
