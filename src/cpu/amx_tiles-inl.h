@@ -128,12 +128,12 @@ HWY_INLINE ATTN_AMX void StoreBf16x2(VF lo, VF hi, bf16* dst) {
 }
 
 /// 2^x for probabilities that will be rounded to bf16 (8 bits), in 5 vector ops:
-/// f = x − ⌊x⌋ by vreduceps, a degree-3 polynomial fitted to 2^f on [0, 1) (minimax
-/// relative error 8.6e-5 with 2^0 = 1 exact: 1/23 of bf16's half-ulp 2^−9, which P
-/// is rounded to before P·V, so the rounding still dominates; Exp2NonPositive's
-/// degree 6 gives 1.2e-7), and vscalefps, which multiplies by 2^⌊x⌋ itself. −∞ gives exactly 0 (vreduceps(−∞) = 0 and
-/// 2^−∞ = 0), NaN gives NaN, results below the normal range round into subnormals.
-/// The softmax is what limits the AMX kernel (see ForwardBlock), so every op counts.
+/// f = x − ⌊x⌋ by vreduceps, a degree-3 polynomial fitted to 2^f on [0, 1), and
+/// vscalefps, which multiplies by 2^⌊x⌋ itself. The polynomial's minimax relative
+/// error is 8.6e-5 with 2^0 = 1 exact: 1/23 of bf16's half-ulp 2^−9, to which P is
+/// rounded before P·V (Exp2NonPositive's degree 6 gives 1.2e-7). −∞ gives exactly 0
+/// (vreduceps(−∞) = 0 and 2^−∞ = 0), NaN gives NaN, results below the normal range
+/// round into subnormals. Every op counts where the softmax sets the pace (d = 64).
 HWY_INLINE ATTN_AMX VF Exp2Probability(VF x) {
   const __m512 f = _mm512_reduce_ps(x.raw, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   __m512 e = _mm512_set1_ps(0.0770671974f);

@@ -113,7 +113,7 @@ AmxLayout MakeAmxLayout(const Problem& p) {
 /// this head's are packed.
 inline void PrefetchRows(const Problem& p, const float* base, int64_t at0, int64_t row, int width, int t, int count,
                          int limit) {
-  const size_t elem = p.dtype == DType::f32 ? sizeof(float) : sizeof(uint16_t);
+  const size_t elem = dtype_size(p.dtype);
   const char* bytes = reinterpret_cast<const char*>(base);
   for (int n = 0; n < count; ++n) {
     const int j = t * count + n;
@@ -525,21 +525,12 @@ ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, i
     job.Start();
     pending_pv = -1;
 
-    // Modifiers and masks on each 64-key tile that needs them, in natural units.
-    bool band = false;
-    for (int s0 = 0; s0 < width; s0 += kBk) {
-      const TilePlace place{b, h, i0, rows, j0 + s0, std::min(kBk, seq.Lk - j0 - s0), w.lo, w.hi};
-      band |= TileNeedsBand(place);
-    }
+    // Modifiers and masks on each 64-key tile, in natural units. Without modifiers
+    // only the band can remove keys, and −∞ is −∞ in any units: it masks the raw
+    // products of the tiles it cuts (a causal diagonal's one or two) and the scale
+    // is left to the softmax.
     float mult = p.scale;
-    if (!mods && band) {
-      // Only the band: −∞ is −∞ in any units, so mask the raw products of the tiles
-      // it cuts (a causal diagonal's one or two) and leave the scale to the softmax.
-      for (int s0 = 0; s0 < width; s0 += kBk) {
-        const TilePlace place{b, h, i0, rows, j0 + s0, std::min(kBk, seq.Lk - j0 - s0), w.lo, w.hi};
-        if (TileNeedsBand(place)) ApplyScoreMods(p, seq, place, sc + s0, kW, true);
-      }
-    } else if (mods) {
+    if (mods) {
       const DF df;
       for (int r = 0; r < kQ; ++r) {
         float* row = sc + r * kW;
@@ -548,10 +539,11 @@ ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, i
         }
       }
       mult = 1.0f;
-      for (int s0 = 0; s0 < width; s0 += kBk) {
-        const TilePlace place{b, h, i0, rows, j0 + s0, std::min(kBk, seq.Lk - j0 - s0), w.lo, w.hi};
-        ApplyScoreMods(p, seq, place, sc + s0, kW, TileNeedsBand(place));
-      }
+    }
+    for (int s0 = 0; s0 < width; s0 += kBk) {
+      const TilePlace place{b, h, i0, rows, j0 + s0, std::min(kBk, seq.Lk - j0 - s0), w.lo, w.hi};
+      const bool band = TileNeedsBand(place);
+      if (mods || band) ApplyScoreMods(p, seq, place, sc + s0, kW, band);
     }
     const bool visible = UpdateMaxima(sc, width, mult, w.m, w.alpha, w.tmp, job);
     if (visible) {
