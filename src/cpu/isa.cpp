@@ -49,6 +49,7 @@ CpuFeatures detect() {
   if (amx) {
     f.amx_refused = avx3 ? request_tile_permission() : "no AVX-512";
     f.amx_bf16 = f.amx_refused.empty();
+    f.amx_int8 = f.amx_bf16 && cpuid_bit(7, 0, kEdx, 25);
   }
 #endif
   return f;
@@ -84,6 +85,8 @@ LowpPath lowp_path() {
   }
   throw Error("ATTN_ISA must be amx, avx512bf16 or f32, got \"" + want + "\"");
 }
+
+bool decode_i8_on_tiles() { return cpu_features().amx_int8 && lowp_path() == LowpPath::amx; }
 
 const char* lowp_path_name(LowpPath path) {
   switch (path) {

@@ -21,6 +21,7 @@ enum class LowpPath { amx, avx512bf16, f32 };
 /// a refusal makes amx unavailable, never an error.
 struct CpuFeatures {
   bool amx_bf16 = false;     // CPUID and OS permission, usable
+  bool amx_int8 = false;     // the same for AMX-INT8 (tdpbssd, tdpbusd)
   bool avx512_bf16 = false;  // CPUID
   std::string amx_refused;   // why amx is unusable when CPUID has it ("" otherwise)
 };
@@ -32,6 +33,10 @@ const CpuFeatures& cpu_features();
 /// else avx512bf16 on CPUs without AMX in CPUID; else f32. (A CPU whose OS refuses
 /// AMX takes f32: on Intel's AMX cores vdpbf16ps runs at half the f32 FMA rate.)
 LowpPath lowp_path();
+
+/// Whether the decode kernel reads i8 caches with AMX-INT8 tiles: the CPU and OS
+/// allow it and lowp_path() is amx (so ATTN_ISA=f32 forces the vector kernel).
+bool decode_i8_on_tiles();
 
 /// "amx", "avx512bf16" or "f32".
 const char* lowp_path_name(LowpPath path);
