@@ -379,8 +379,10 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
   // than four per key (a page-16 cache spent ~15% of its time in them). The distance:
   // 8 keys (two score passes) ahead, measured on the Intel Xeon with AMX at 32k bf16
   // and i8 tokens with head-by-head requests: 6 to 16 keys within 3%, 4 keys 5–12% slower.
+  // The tile path walks the next block too: it requests that block's rows while this
+  // one computes (see pump_next below).
   constexpr int kPrefetchKeys = 8;
-  constexpr int kRows = kBk + kPrefetchKeys;
+  constexpr int kRows = std::max(2 * kBk, kBk + kPrefetchKeys);
   const T* keys0[kRows];
   const T* vals0[kRows];
   int64_t k_scale_at[kRows], v_scale_at[kRows];
@@ -402,7 +404,9 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
     const int cols = std::min(kBk, t1 - j0);
     keys_read += cols;
     const int ahead = std::max(0, std::min(kBk, std::min(t1, last + 1) - (j0 + kPrefetchKeys)));
-    walk_rows(j0, std::max(cols, ahead > 0 ? kPrefetchKeys + ahead : 0));
+    // Keys of the next block the tile path will read (its rows are keys0[kBk + i]).
+    const int next_n = on_tiles && prefetch && cols == kBk ? std::max(0, std::min(kBk, std::min(t1, last + 1) - (j0 + kBk))) : 0;
+    walk_rows(j0, next_n > 0 ? kBk + next_n : std::max(cols, ahead > 0 ? kPrefetchKeys + ahead : 0));
     // Key c + kPrefetchKeys's rows of kv head hh, into L2 while this block computes,
     // when `prefetch` (see kPrefetchMinBytes): requested beside key c's work on head hh
     // (K in the score loop, V in the P·V loop), one head's slice at a time. Larger
@@ -444,9 +448,11 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
 #if ATTN_DECODE_AMX_I8
       if constexpr (std::is_same_v<T, int8_t>) {
         ScoresBlockI8(keys0, p.k.head_stride, it.heads, cols, p.d, rows, *tiles, w.s.get(),
-                      static_cast<size_t>(rows_pad) * kBk, kBk, [&](int hh) {
-                        prefetch_head(p.k, keys0, k_scale_at, hh, p.d, 0, cols);
-                        prefetch_head(p.v, vals0, v_scale_at, hh, p.dv, 0, cols);
+                      static_cast<size_t>(rows_pad) * kBk, kBk, [&](int hh, int g) {
+                        if (!prefetch) return;
+                        for (int c = 16 * g; c < std::min(16 * g + 16, cols); ++c) {
+                          PrefetchRow(vals0[c] + hh * p.v.head_stride, p.dv);
+                        }
                       });
       }
 #endif
@@ -549,8 +555,21 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
     if (on_tiles) {
 #if ATTN_DECODE_AMX_I8
       if constexpr (std::is_same_v<T, int8_t>) {
+        // The next block's key and value rows of head hh, keys 4k … 4k + 3, into L2
+        // (and with head 0 their scales): called once per key quad of each head's
+        // P·V, so the block's ~2,000 line requests are spread through its work
+        // rather than issued in bursts, which stall the core (see kPrefetchKeys).
+        auto pump_next = [&](int hh, int k) {
+          for (int i = 4 * k; i < std::min(4 * k + 4, next_n); ++i) {
+            PrefetchRow(keys0[kBk + i] + hh * p.k.head_stride, p.d);
+            if (hh == 0) {
+              PrefetchLineL2(reinterpret_cast<const char*>(p.k.scale + k_scale_at[kBk + i] + int64_t{it.hk0} * p.k.scale_head));
+              PrefetchLineL2(reinterpret_cast<const char*>(p.v.scale + v_scale_at[kBk + i] + int64_t{it.hk0} * p.v.scale_head));
+            }
+          }
+        };
         PvBlockI8(w.s.get(), static_cast<size_t>(rows_pad) * kBk, kBk, active, vals0, p.v.head_stride, it.heads, cols,
-                  rows, p.dv, obase, static_cast<size_t>(rows) * ldo, ldo, *tiles);
+                  rows, p.dv, obase, static_cast<size_t>(rows) * ldo, ldo, *tiles, pump_next);
       }
 #endif
     } else {

@@ -199,10 +199,12 @@ inline bool QueryDigitTiles(const float* q, size_t dp, int rows, int d, int8_t* 
 /// products go to cbuf + 256·g. Groups whose rows are not evenly strided whole
 /// chunks (pages under 16, odd d, the block's last keys) are copied to staging
 /// (4 groups × 16 rows × ⌈d/64⌉·64 bytes) first, zero-padded.
+template <class Pump>
 inline ATTN_AMX_INT8 void ScoreTilesI8(const int8_t* const* keys, int64_t head_off, int nvalid, int d,
-                                       const int8_t* qtiles, int8_t* staging, int32_t* cbuf) {
+                                       const int8_t* qtiles, int8_t* staging, int32_t* cbuf, Pump&& pump) {
   const int chunks = (d + 63) / 64, width = chunks * 64;
   for (int g = 0; g * 16 < nvalid; ++g) {
+    pump(g);
     const int nv = std::min(16, nvalid - 16 * g);
     const int8_t* const* kr = keys + 16 * g;
     bool direct = d % 64 == 0 && nv == 16;
@@ -262,18 +264,17 @@ inline void CombineScoresI8(const int32_t* cbuf, int nvalid, const float* weight
 }
 
 /// S rows of every kv head for one block: keys[c] + hh·head_stride is key c's row of
-/// head hh (c < nvalid); head hh's rows at s + hh·s_head, stride ld; before_head(hh)
-/// runs before head hh's tiles (the caller's prefetches). Head hh's tiles run while
-/// the vector units combine head hh − 1's.
-template <class BeforeHead>
+/// head hh (c < nvalid); head hh's rows at s + hh·s_head, stride ld. Head hh's
+/// tiles run while the vector units combine head hh − 1's. pump(hh, g) runs before
+/// each 16-key group g of head hh (the caller's prefetches, spread through the work).
+template <class Pump>
 inline ATTN_AMX_INT8 void ScoresBlockI8(const int8_t* const* keys, int64_t head_stride, int heads, int nvalid, int d,
                                         int rows, DecodeTilesScratch& w, float* s, size_t s_head, size_t ld,
-                                        BeforeHead&& before_head) {
+                                        Pump&& pump) {
   for (int hh = 0; hh <= heads; ++hh) {
     if (hh < heads) {
-      before_head(hh);
       ScoreTilesI8(keys, hh * head_stride, nvalid, d, w.qtiles.get() + hh * w.qtile_bytes, w.staging.get(),
-                   w.cbuf_s.get() + (hh % 2) * 1024);
+                   w.cbuf_s.get() + (hh % 2) * 1024, [&](int g) { pump(hh, g); });
     }
     if (hh > 0) {
       const int prev = hh - 1;
@@ -401,19 +402,26 @@ inline void PvBlockI8Scalar(const float* p, size_t ld, int rows, const int8_t* c
 /// vals[c] + hh·head_stride (c < nvalid), its O at o + hh·o_head (stride ldo,
 /// columns permuted); heads with active[hh] false are skipped. Head hh's tiles run
 /// while the vector units prepare head hh + 1's P digits and value tiles.
+/// pump(hh, k) runs once for each of head hh's 16 key quads (the caller's
+/// prefetches, spread through the work).
+template <class Pump>
 inline ATTN_AMX_INT8 void PvBlockI8(const float* s, size_t s_head, size_t ld, const bool* active,
                                     const int8_t* const* vals, int64_t head_stride, int heads, int nvalid, int rows,
-                                    int dv, float* o, size_t o_head, size_t ldo, DecodeTilesScratch& w) {
+                                    int dv, float* o, size_t o_head, size_t ldo, DecodeTilesScratch& w, Pump&& pump) {
   const int ntiles = w.vtiles_n;
   auto prepare = [&](int hh) {
-    if (!active[hh]) return 0;
     const int buf = hh % 2;
-    const int status = ProbabilityDigitsI8(s + hh * s_head, ld, rows, w.ptile.get() + buf * kTileBytes,
-                                           w.units.get() + 16 * buf);
-    if (status != 1) return status;
+    const int status = active[hh] ? ProbabilityDigitsI8(s + hh * s_head, ld, rows, w.ptile.get() + buf * kTileBytes,
+                                                        w.units.get() + 16 * buf)
+                                   : 0;
+    if (status != 1) {
+      for (int k = 0; k < 16; ++k) pump(hh, k);
+      return status;
+    }
     int8_t* vt = w.vtiles.get() + buf * w.vtile_bytes;
     const int chunks = (dv + 63) / 64;
     for (int k = 0; k < 16; ++k) {
+      pump(hh, k);
       const int8_t* quad[4];
       for (int i = 0; i < 4; ++i) quad[i] = 4 * k + i < nvalid ? vals[4 * k + i] + hh * head_stride : nullptr;
       for (int ch = 0; ch < chunks; ++ch) PackValueQuad(quad, ch, dv, vt, k);
