@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -445,6 +446,50 @@ TEST(KVCache, BitwiseIdenticalForAnyThreadCount) {
       EXPECT_TRUE(results[n].out == results[0].out) << "threads differ, splits " << splits;
       EXPECT_TRUE(std::memcmp(results[n].lse.data(), results[0].lse.data(), results[0].lse.size() * 4) == 0);
     }
+  }
+}
+
+// i8 caches take AMX-INT8 tiles where the CPU has them (up to 4 query rows per kv
+// head; digits of the queries and probabilities, src/cpu/decode_amx_i8-inl.h) and
+// the vector kernel otherwise; ATTN_ISA=f32 forces the vector kernel. Both against
+// float64, over the tile path's cases: rows 1–4 and more, evenly strided key rows
+// (contiguous, pages ≥ 16) and staged ones (odd pages, d not a multiple of 64, a
+// block's last keys), dv under and over 64, and negative value scales (which the
+// append never writes: the tile path adds those blocks in f32).
+TEST(KVCache, I8CachesOnTilesAndOnTheVectorKernel) {
+  const char* saved = std::getenv("ATTN_ISA");
+  const std::string restore = saved != nullptr ? saved : "";
+  auto rng = make_rng(1210);
+  struct Shape {
+    int Hq, Hkv, Lq, d, dv, page;
+  };
+  const Shape shapes[] = {{8, 2, 1, 128, 128, 0},  {8, 2, 1, 64, 64, 16},  {4, 4, 1, 128, 128, 256},
+                          {6, 2, 1, 80, 48, 7},    {8, 2, 1, 17, 130, 1},  {4, 1, 2, 64, 64, 16},
+                          {2, 1, 3, 32, 32, 3},    {16, 2, 1, 64, 64, 64}, {8, 8, 1, 256, 96, 0}};
+  for (const char* isa : {"", "f32"}) {
+    if (*isa != '\0') {
+      setenv("ATTN_ISA", isa, 1);
+    } else {
+      unsetenv("ATTN_ISA");
+    }
+    for (const Shape& sh : shapes) {
+      for (bool negative_scales : {false, true}) {
+        KvConfig c;
+        c.B = 2, c.Hq = sh.Hq, c.Hkv = sh.Hkv, c.Lq = c.Lnew = sh.Lq, c.d = sh.d, c.dv = sh.dv, c.page = sh.page;
+        c.cached = {1000, 77};
+        c.cache_dtype = DType::i8;
+        KvCase kc(c, rng);
+        if (negative_scales)
+          for (size_t n = 0; n < kc.v_scale.size(); n += 5) kc.v_scale[n] = -kc.v_scale[n];
+        const Result r = run(kc);
+        check_against_reference(kc, r, c.name() + " ATTN_ISA=" + isa + (negative_scales ? " negative v scales" : ""));
+      }
+    }
+  }
+  if (saved != nullptr) {
+    setenv("ATTN_ISA", restore.c_str(), 1);
+  } else {
+    unsetenv("ATTN_ISA");
   }
 }
 
