@@ -731,7 +731,7 @@ void Decode(const DecodeProblem& p, int threads) {
     if (on_tiles) {
       tiles = std::make_unique<DecodeTilesScratch>(p.d, p.dv, p.Hkv, kMaxItemRows);
 #if ATTN_DECODE_AMX_I8
-      ConfigureDecodeTiles();
+      ConfigureTiles();
 #endif
     }
 #pragma omp for schedule(dynamic, 1)
@@ -740,7 +740,7 @@ void Decode(const DecodeProblem& p, int threads) {
                      tiles.get());
     }
 #if ATTN_DECODE_AMX_I8
-    if (on_tiles) ReleaseDecodeTiles();
+    if (on_tiles) ReleaseTiles();
 #endif
 #pragma omp for schedule(static)
     for (int n = 0; n < ngroups; ++n) {

@@ -13,7 +13,8 @@
 // rounding is 2⁻²⁴ relative), so the kernel stays at f32 accuracy against the
 // float64 reference on the dequantized cache (kvcache_test, bench/kvcache_error).
 //
-// Tiles (palette 1, all 16 rows × 64 bytes), configured once per thread and call:
+// Tiles (palette 1, all 16 rows × 64 bytes: amx_tiles-inl.h's ConfigureTiles), set once
+// per thread and call:
 //   scores  C 0 / 3 (16 keys × 16 int32 columns; column g·4 + r = digit g of query
 //           row r), K 1 / 7 (16 key rows × 64 int8 dims, straight from the cache
 //           when evenly strided: contiguous caches, pages of 16 or more), the query
@@ -40,6 +41,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu/amx_tiles-inl.h"  // ConfigureTiles, ReleaseTiles: the same 16 × 64-byte palette
 #include "cpu/tile_kernels-inl.h"
 
 #if defined(__x86_64__)
@@ -108,21 +110,6 @@ constexpr int kTileBytes = 1024;
 /// ch·4 + u, column L·4 + j, i.e. it swaps x's bit fields [2, 4) and [4, 6).
 /// Its own inverse.
 HWY_INLINE int PermutedColumn(int x) { return (x & ~63) | (((x >> 2) & 3) << 4) | (((x >> 4) & 3) << 2) | (x & 3); }
-
-inline ATTN_AMX_INT8 void ConfigureDecodeTiles() {
-  alignas(64) uint8_t cfg[64] = {};
-  cfg[0] = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg[16 + 2 * t] = 64;  // bytes per row (little-endian uint16)
-    cfg[48 + t] = 16;      // rows
-  }
-  // GCC 12's _tile_loadconfig claims to read 8 bytes only; without the barrier the
-  // stores above are dropped as dead (see ConfigureTiles in amx_tiles-inl.h).
-  __asm__ volatile("" : : "r"(cfg) : "memory");
-  _tile_loadconfig(cfg);
-}
-
-inline ATTN_AMX_INT8 void ReleaseDecodeTiles() { _tile_release(); }
 
 /// One kv head's query rows (q: `rows` ≤ 4 rows of dp floats, zero past d, dp a
 /// multiple of 16) as digit tiles: for each 64-dim chunk a tile (kTileBytes) whose
