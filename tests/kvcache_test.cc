@@ -500,14 +500,14 @@ TEST(KVCache, GarbageInRemovedKeysAndUnusedSlotsNeverReachTheOutput) {
   c.cached = {300, 90};
   c.page = 16;
   c.window = {50, -1};
-  for (DType dt : {DType::f32, DType::f8e4m3}) {  // E4M3 has a NaN code, and no ∞
+  for (DType dt : {DType::f32, DType::bf16, DType::f8e4m3}) {  // E4M3 has a NaN code, and no ∞
     c.cache_dtype = dt;
     KvCase kc(c, rng);
     // Keys 0..9 are outside every query's window: put NaN and ∞ there.
     for (int b = 0; b < c.B; ++b)
       for (int t = 0; t < 10; ++t) {
         write_elem(c.cache_dtype, kc.k_cache.data(), kc.k_at(b, t, 0), NAN);
-        write_elem(c.cache_dtype, kc.v_cache.data(), kc.v_at(b, t, 0) + 3, dt == DType::f32 ? INFINITY : NAN);
+        write_elem(c.cache_dtype, kc.v_cache.data(), kc.v_at(b, t, 0) + 3, dt == DType::f8e4m3 ? NAN : INFINITY);
       }
     const KvCase before = kc;
     const Result r = run(kc);
