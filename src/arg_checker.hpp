@@ -17,6 +17,31 @@ class Checker {
  public:
   explicit Checker(const char* fn) : fn_(fn) {}
 
+  // The device every tensor of the call must be on, and the argument that decided it
+  // (by default the CPU, decided by the function itself: it runs on the CPU only).
+  void set_device(const Device& device, const char* decided_by) {
+    device_ = device;
+    device_owner_ = decided_by;
+  }
+  const Device& device() const { return device_; }
+
+  // A tensor (present or not) must be on the call's device.
+  void on_device(const TensorView& t, const char* name) const {
+    if (t.empty() || t.device().same_memory(device_)) return;
+    if (device_owner_ == nullptr) {
+      fail(std::string(name) + " is on " + t.device().describe() + ", but " + fn_ +
+           " takes tensors in host memory (device cpu) only");
+    }
+    fail(std::string(name) + " is on " + t.device().describe() + " but " + device_owner_ + " is on " +
+         device_.describe() + ": every tensor of one call must be on the same device");
+  }
+  // Small int32 metadata (cu_seqlens, key_lengths) may also stay in host memory when the
+  // call runs on a device: it is read on the host either way.
+  void metadata_on_device_or_host(const TensorView& t, const char* name) const {
+    if (!t.empty() && t.device().is_cpu()) return;
+    on_device(t, name);
+  }
+
   [[noreturn]] void fail(const std::string& what) const {
     throw Error(std::string(fn_) + ": " + what);
   }
@@ -28,6 +53,7 @@ class Checker {
   void tensor(const TensorView& t, const char* name, DType dt, int rank,
               const char* layout) const {
     if (t.empty()) fail(std::string(name) + " is required, got none");
+    on_device(t, name);
     if (t.dtype() != dt) {
       const bool lowp = dt == DType::bf16 || dt == DType::f16;
       fail(std::string(name) + " must have dtype " + dtype_name(dt) +
@@ -100,6 +126,8 @@ class Checker {
 
  private:
   const char* fn_;
+  Device device_;
+  const char* device_owner_ = nullptr;
 };
 
 }  // namespace attn::detail

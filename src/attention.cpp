@@ -10,6 +10,7 @@
 #include "cpu/attention_forward.hpp"
 #include "cpu/attention_forward_amx.hpp"
 #include "cpu/isa.hpp"
+#include "device.hpp"
 #include "problem.hpp"
 #include "reference/attention_backward_reference.hpp"
 #include "reference/attention_reference.hpp"
@@ -27,7 +28,13 @@ LowpPath bf16_kernel(const Problem& p, const AttentionOptions& options) {
 void attention_with_mods(const TensorView& q, const TensorView& k, const TensorView& v,
                          const TensorView& out, const AttentionOptions& options,
                          const TensorView& lse, const TensorView& probs, const UserMods* mods) {
-  const Problem p = make_problem("attention", q, k, v, out, options, lse, probs, mods);
+  if (q.device().is_cuda()) {
+    attention_forward_cuda("attention", q, k, v, out, options, lse, probs, mods);
+    return;
+  }
+  // on_device: the call runs where q is (here the CPU), so that a device tensor among the
+  // others is reported as a mix of devices.
+  const Problem p = make_problem("attention", q, k, v, out, options, lse, probs, mods, /*on_device=*/true);
   if (needs_widening(p, options)) {
     // The kernels read f32 masks: a bf16/f16 mask is widened (it is one copy, read
     // once per tile), then the call starts again.
@@ -116,6 +123,11 @@ void attention_backward_with_mods(const TensorView& q, const TensorView& k, cons
                                   const TensorView& dk, const TensorView& dv,
                                   const AttentionOptions& options, const TensorView& dbias,
                                   const UserMods* mods) {
+  if (q.device().is_cuda()) {
+    Checker("attention_backward")
+        .fail("q is on " + q.device().describe() +
+              ", but the CUDA backend has no backward yet: run the backward on tensors in host memory");
+  }
   const BackwardProblem bp = make_backward_problem("attention_backward", q, k, v, out, lse, dout,
                                                    dq, dk, dv, options, dbias, mods);
   if (needs_widening(bp.fwd, options)) {

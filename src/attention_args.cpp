@@ -12,16 +12,27 @@
 
 #include "arg_checker.hpp"
 #include "block_mask_args.hpp"
+#include "device.hpp"
 #include "problem.hpp"
 #include "tensor/overlap.hpp"
 
 namespace attn::detail {
 namespace {
 
-std::vector<int32_t> read_i32(const TensorView& t) {
+// A rank-1 int32 tensor's elements, read on the host (copied first when it is in a
+// device's memory).
+std::vector<int32_t> read_i32(const Checker& c, const TensorView& t, const char* name) {
   std::vector<int32_t> v(static_cast<size_t>(t.size(0)));
+  if (v.empty()) return v;
+  const int64_t stride = t.stride(0);
+  std::vector<int32_t> device_copy;
   const int32_t* p = t.data_as<const int32_t>();
-  for (size_t i = 0; i < v.size(); ++i) v[i] = p[static_cast<int64_t>(i) * t.stride(0)];
+  if (!t.device().is_cpu()) {
+    device_copy.resize(static_cast<size_t>((t.size(0) - 1) * stride + 1));
+    copy_to_host(c, device_copy.data(), t, device_copy.size() * sizeof(int32_t), name);
+    p = device_copy.data();
+  }
+  for (size_t i = 0; i < v.size(); ++i) v[i] = p[static_cast<int64_t>(i) * stride];
   return v;
 }
 
@@ -34,7 +45,9 @@ std::vector<int32_t> check_cu_seqlens(const Checker& c, const TensorView& t, con
             std::string(name) + " must be a rank-1 i32 tensor of length B+1 >= 2, got " +
                 t.describe());
   c.require(t.data() != nullptr, std::string(name) + " has a null data pointer");
-  std::vector<int32_t> cu = read_i32(t);
+  c.nonnegative_strides(t, name);
+  c.metadata_on_device_or_host(t, name);
+  std::vector<int32_t> cu = read_i32(c, t, name);
   c.require(cu[0] >= 0, std::string(name) + "[0] must be >= 0, got " + std::to_string(cu[0]));
   for (size_t i = 1; i < cu.size(); ++i) {
     if (cu[i] < cu[i - 1]) {
@@ -188,7 +201,9 @@ void bind_sequences(const Checker& c, const TensorView& q, const TensorView& k, 
     c.require(t.rank() == 1 && t.size(0) == p->B,
               "key_lengths must be i32 [B] with B=" + std::to_string(p->B) + ", got " + t.describe());
     c.require(t.data() != nullptr || p->B == 0, "key_lengths has a null data pointer");
-    key_lengths = read_i32(t);
+    c.nonnegative_strides(t, "key_lengths");
+    c.metadata_on_device_or_host(t, "key_lengths");
+    key_lengths = read_i32(c, t, "key_lengths");
   }
   const std::vector<int32_t>& cu_q = e->cu_q;
   const std::vector<int32_t>& cu_k = e->cu_k;
@@ -237,6 +252,7 @@ void bind_alibi(const Checker& c, const TensorView& t, Problem* p) {
                                        ", Hq=" + std::to_string(p->Hq) + ", got " + t.describe());
   c.require(t.data() != nullptr, "alibi_slopes has a null data pointer");
   c.nonnegative_strides(t, "alibi_slopes");
+  c.on_device(t, "alibi_slopes");
   p->alibi = t.data_as<const float>();
   p->alibi_h = t.stride(t.rank() - 1);
   p->alibi_b = per_batch ? t.stride(0) : 0;
@@ -254,6 +270,7 @@ void bind_mask(const Checker& c, const TensorView& m, const Extent& e, Problem* 
   c.require(m.rank() <= 4, "mask must have rank <= 4 (broadcast over [B, Hq, Lq, Lk]), got " + m.describe());
   c.require(m.data() != nullptr || m.numel() == 0, "mask has a null data pointer");
   c.nonnegative_strides(m, "mask");
+  c.on_device(m, "mask");
   const int64_t full[4] = {p->B, p->Hq, e.max_lq, e.max_lk};
   const char* names[4] = {"B", "Hq", e.varlen ? "max seqlen_q" : "Lq", e.varlen ? "max seqlen_k" : "Lk"};
   for (int i = 0; i < m.rank(); ++i) {
@@ -364,8 +381,14 @@ void broadcast_strides(const TensorView& t, int64_t strides[4]) {
 
 Problem make_problem(const char* fn, const TensorView& q, const TensorView& k, const TensorView& v,
                      const TensorView& out, const AttentionOptions& opt, const TensorView& lse,
-                     const TensorView& probs, const UserMods* mods) {
-  const Checker c(fn);
+                     const TensorView& probs, const UserMods* mods, bool on_device) {
+  Checker c(fn);
+  // The call runs where q is (a function that runs on the CPU only keeps the default,
+  // so that a device tensor is an error, never a host read of device memory).
+  if (on_device && !q.empty()) c.set_device(q.device(), "q");
+  c.on_device(probs, "probs");
+  c.on_device(opt.block_mask.blocks, "options.block_mask.blocks");
+  c.on_device(opt.block_mask.tiles, "options.block_mask.tiles");
   Extent e;
   e.varlen = !opt.cu_seqlens_q.empty() || !opt.cu_seqlens_k.empty();
   e.o = e.varlen ? 0 : 1;

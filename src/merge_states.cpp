@@ -43,8 +43,15 @@ std::vector<int64_t> check(const TensorView& out_a, const TensorView& lse_a, con
     lse_shape = {out_a.size(1), out_a.size(0)};
   }
   const std::string lse_form = out_a.rank() == 4 ? "[B, H, L]" : "[H, total]";
+  auto on_cpu = [](const TensorView& t, const char* name) {
+    if (!t.device().is_cpu()) {
+      fail(std::string(name) + " is on " + t.device().describe() +
+           ", but merge_attention_states takes tensors in host memory (device cpu) only");
+    }
+  };
   auto check_out = [&](const TensorView& t, const char* name) {
     if (t.empty()) fail(std::string(name) + " is required, got none");
+    on_cpu(t, name);
     if (t.dtype() != dt) {
       fail(std::string(name) + " must have dtype " + dtype_name(dt) + " (the dtype of out_a), got " +
            dtype_name(t.dtype()));
@@ -59,6 +66,7 @@ std::vector<int64_t> check(const TensorView& out_a, const TensorView& lse_a, con
   };
   auto check_lse = [&](const TensorView& t, const char* name) {
     if (t.empty()) fail(std::string(name) + " is required, got none");
+    on_cpu(t, name);
     if (t.dtype() != DType::f32) fail(std::string(name) + " must have dtype f32, got " + dtype_name(t.dtype()));
     if (t.shape() != lse_shape) {
       fail(std::string(name) + " must be " + lse_form + " = " + detail::shape_string(lse_shape) + " for out_a " +

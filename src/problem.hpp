@@ -146,10 +146,14 @@ void broadcast_strides(const TensorView& t, int64_t strides[4]);
 /// steps of one concern each (attention_args.cpp: bind_qkv, bind_scalars,
 /// bind_sequences, bind_alibi, bind_mask, bind_block_mask, bind_lse_probs,
 /// check_forward_overlaps), in that order, so the first bad argument is reported.
-/// `fn` names the public function in messages.
+/// `fn` names the public function in messages. Every tensor must be in host memory,
+/// unless `on_device` (the CUDA path), where every tensor must be on q's device
+/// (cu_seqlens and key_lengths may also be in host memory; device copies are read
+/// through a synchronous copy). The pointers are then device pointers.
 Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
                      const TensorView& v, const TensorView& out, const AttentionOptions& opt,
-                     const TensorView& lse, const TensorView& probs, const UserMods* mods);
+                     const TensorView& lse, const TensorView& probs, const UserMods* mods,
+                     bool on_device = false);
 
 /// The same for attention_backward(): lse is required; dout is shaped like out,
 /// dq like q, dk like k, dv like v; dbias like the (additive) mask.

@@ -138,6 +138,14 @@ struct AttentionOptions {
 /// (the explicit softmax probabilities, 0 where masked) when those views are given.
 /// Throws attn::Error (naming the argument) before writing anything if an argument
 /// is invalid. Bitwise identical results for any number of threads.
+///
+/// On a CUDA device (every tensor placed with TensorView::on(Device::cuda(...)); needs
+/// a build with the CUDA backend, see cuda_status()): runs asynchronously on q's
+/// stream, with the same semantics, for bf16 and f16 inputs (f32 inputs with
+/// Precision::bf16), d = dv ∈ {64, 96, 128, 256}, and every option except probs,
+/// block_mask, bf16/f16 masks and user modifiers (each an attn::Error naming it).
+/// cu_seqlens and key_lengths may be on the device (read back with a synchronous copy,
+/// for checking) or in host memory.
 void attention(const TensorView& q, const TensorView& k, const TensorView& v,
                const TensorView& out, const AttentionOptions& options = {},
                const TensorView& lse = {}, const TensorView& probs = {});
@@ -221,6 +229,15 @@ struct CpuInfo {
   /// f16 inputs always take "f32" (bf16 cannot hold f16 values exactly).
   std::string bf16_path;
 };
+
+/// The CUDA backend of this build, for device `device`: `built` when attn was compiled
+/// with it (nvcc found at configure time), `unusable` "" when that device can run it,
+/// else why not (no backend, no driver, no such device, older than sm_80).
+struct CudaStatus {
+  bool built = false;
+  std::string unusable;
+};
+CudaStatus cuda_status(int device = 0);
 
 /// Detects the CPU's features (once) and reads ATTN_ISA (each call). Throws
 /// attn::Error when ATTN_ISA names an unknown path or one this machine cannot run.

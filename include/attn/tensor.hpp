@@ -23,13 +23,36 @@ size_t dtype_size(DType t);
 /// "f32", "bf16", "f16", "bool", "i32", "i8", "f8e4m3".
 const char* dtype_name(DType t);
 
+/// Where a tensor's memory lives: host memory (the default) or one CUDA device, with
+/// the CUDA stream (a cudaStream_t, here as void* so that this header needs no CUDA)
+/// that work on it is ordered on; nullptr is the device's default stream. Every tensor
+/// of one call must be on the same device; the call runs there, on q's stream
+/// (attention() on a CUDA device needs a build with the CUDA backend, attn::cuda).
+struct Device {
+  enum class Type : uint8_t { cpu, cuda };
+  Type type = Type::cpu;
+  int index = 0;            // the CUDA device ordinal (0 for the CPU)
+  void* stream = nullptr;   // cudaStream_t; nullptr = the default stream
+
+  static Device cpu() { return {}; }
+  static Device cuda(int index = 0, void* stream = nullptr) { return {Type::cuda, index, stream}; }
+  bool is_cpu() const { return type == Type::cpu; }
+  bool is_cuda() const { return type == Type::cuda; }
+  /// Same memory space (type and index; the stream is not compared).
+  bool same_memory(const Device& o) const { return type == o.type && index == o.index; }
+  /// "cpu" or "cuda:0".
+  std::string describe() const;
+};
+
 /// A view of memory someone else owns: data pointer, element type, shape and
 /// strides (in elements). At most 8 dimensions.
 ///
 ///   TensorView(ptr, DType::f32, {B, L, H, d})            // contiguous, row-major
 ///   TensorView(ptr, DType::f32, {B, L, H, d}, strides)   // any strides, e.g. a BHSD
 ///                                                        // buffer seen as BSHD
-/// A default-constructed view is "absent" (used for optional arguments).
+/// A default-constructed view is "absent" (used for optional arguments). Views are on
+/// the CPU unless placed on a device with on():
+///   TensorView(dev_ptr, DType::bf16, {B, L, H, d}).on(Device::cuda(0, stream))
 class TensorView {
  public:
   static constexpr int kMaxRank = 8;
@@ -57,7 +80,17 @@ class TensorView {
   template <class T>
   T* data_as() const { return static_cast<T*>(const_cast<void*>(data_)); }
 
-  /// "f32[2, 17, 8, 64]" (strides appended when not contiguous), for messages.
+  /// The device whose memory data() points into (Device::cpu() unless set with on()).
+  const Device& device() const { return device_; }
+  /// The same view, placed on `device` (data() must point into that device's memory).
+  TensorView on(const Device& device) const {
+    TensorView t = *this;
+    t.device_ = device;
+    return t;
+  }
+
+  /// "f32[2, 17, 8, 64]" (strides appended when not contiguous; " on cuda:0" for a
+  /// device view), for messages.
   std::string describe() const;
 
  private:
@@ -66,6 +99,7 @@ class TensorView {
   int rank_ = -1;
   int64_t shape_[kMaxRank] = {};
   int64_t strides_[kMaxRank] = {};
+  Device device_;
 };
 
 /// Owning, contiguous, 64-byte-aligned storage. Converts to a TensorView.

@@ -11,6 +11,10 @@ void dropout_mask(const TensorView& mask, float dropout_p, uint64_t seed, uint64
     throw Error("dropout_mask: mask must be a boolean [B, Hq, Lq, Lk] tensor, got " + mask.describe());
   }
   if (mask.data() == nullptr && mask.numel() > 0) throw Error("dropout_mask: mask has a null data pointer");
+  if (!mask.device().is_cpu()) {
+    throw Error("dropout_mask: mask is on " + mask.device().describe() +
+                ", but dropout_mask takes tensors in host memory (device cpu) only");
+  }
   if (!(dropout_p >= 0.0f && dropout_p < 1.0f)) {
     std::ostringstream os;
     os << "dropout_mask: dropout_p must be in [0, 1), got " << dropout_p;

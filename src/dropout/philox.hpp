@@ -8,13 +8,22 @@
 #include <array>
 #include <cstdint>
 
+// The CUDA kernels draw the same numbers from this same code (src/cuda/): under nvcc
+// these functions are compiled for the device as well (std::array and std::min are
+// constexpr there with --expt-relaxed-constexpr).
+#if defined(__CUDACC__)
+#define ATTN_HOST_DEVICE __host__ __device__
+#else
+#define ATTN_HOST_DEVICE
+#endif
+
 namespace attn::detail {
 
 using PhiloxCounter = std::array<uint32_t, 4>;
 using PhiloxKey = std::array<uint32_t, 2>;
 
 /// Ten rounds of Philox-4x32: four 32-bit random words for one counter.
-inline PhiloxCounter philox4x32_10(PhiloxCounter c, PhiloxKey k) {
+ATTN_HOST_DEVICE inline PhiloxCounter philox4x32_10(PhiloxCounter c, PhiloxKey k) {
   constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;  // round multipliers
   constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;  // Weyl key increments
   for (int round = 0; round < 10; ++round) {
@@ -32,7 +41,7 @@ inline PhiloxCounter philox4x32_10(PhiloxCounter c, PhiloxKey k) {
 /// below p·2^32.
 class DropoutRng {
  public:
-  DropoutRng(float p, uint64_t seed, uint64_t offset, int num_heads)
+  ATTN_HOST_DEVICE DropoutRng(float p, uint64_t seed, uint64_t offset, int num_heads)
       : threshold_(p <= 0.0f ? 0u
                              : static_cast<uint32_t>(std::min(4294967295.0, double(p) * 4294967296.0))),
         key_{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32) ^ static_cast<uint32_t>(offset >> 32)},
@@ -40,7 +49,7 @@ class DropoutRng {
         heads_(num_heads) {}
 
   /// Four decisions (keys j4·4 … j4·4+3) as a bit mask: bit n set = kept.
-  unsigned keep4(int b, int h, int i, int j4) const {
+  ATTN_HOST_DEVICE unsigned keep4(int b, int h, int i, int j4) const {
     const PhiloxCounter w = philox4x32_10(
         {static_cast<uint32_t>(j4), static_cast<uint32_t>(i),
          static_cast<uint32_t>(b) * static_cast<uint32_t>(heads_) + static_cast<uint32_t>(h), offset_},
@@ -48,7 +57,7 @@ class DropoutRng {
     return unsigned{w[0] >= threshold_} | unsigned{w[1] >= threshold_} << 1 |
            unsigned{w[2] >= threshold_} << 2 | unsigned{w[3] >= threshold_} << 3;
   }
-  bool keep(int b, int h, int i, int j) const { return (keep4(b, h, i, j >> 2) >> (j & 3)) & 1u; }
+  ATTN_HOST_DEVICE bool keep(int b, int h, int i, int j) const { return (keep4(b, h, i, j >> 2) >> (j & 3)) & 1u; }
 
  private:
   uint32_t threshold_;

@@ -251,6 +251,7 @@ void check_options(const Checker& c, const AttentionOptions& o, DecodeProblem& p
               "options.alibi_slopes must be [Hq] = [" + str(p.Hq) + "] or [B, Hq] = [" + str(p.B) + ", " + str(p.Hq) +
                   "], got " + s.describe());
     c.nonnegative_strides(s, "options.alibi_slopes");
+    c.on_device(s, "options.alibi_slopes");
     a.alibi = s.data_as<const float>();
     a.alibi_b = s.rank() == 2 ? s.stride(0) : 0;
     a.alibi_h = s.stride(s.rank() - 1);

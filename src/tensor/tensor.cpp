@@ -154,7 +154,12 @@ std::string TensorView::describe() const {
     for (int i = 0; i < rank_; ++i) os << (i ? ", " : "") << strides_[i];
     os << "]";
   }
+  if (!device_.is_cpu()) os << " on " << device_.describe();
   return os.str();
+}
+
+std::string Device::describe() const {
+  return is_cpu() ? std::string("cpu") : "cuda:" + std::to_string(index);
 }
 
 void Tensor::FreeAligned::operator()(void* p) const { std::free(p); }

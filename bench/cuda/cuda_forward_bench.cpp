@@ -1,0 +1,94 @@
+// attention() on a CUDA device (issue 13's forward table): B·N = 16k tokens, H·d = 2048,
+// bf16, non-causal and causal, d = 64 and 128. Times with CUDA events around repeated
+// calls after warm-ups on random inputs (never constants) and prints one line per shape:
+// the median of the repeats in ms and TFLOP/s, counting 4·N²·d per head (half for
+// causal). Run beside bench/peers/cuda_sdpa.py (PyTorch's SDPA, same shapes) in one
+// command, so that the two tables come from one machine state (scripts/gpu-check.sh).
+//
+//   cuda_forward_bench [repeats=20]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <random>
+#include <vector>
+
+#include "attn/attention.hpp"
+
+namespace {
+
+#define CHECK_CUDA(call)                                                                 \
+  do {                                                                                   \
+    const cudaError_t e = (call);                                                        \
+    if (e != cudaSuccess) {                                                              \
+      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e));                    \
+      std::exit(1);                                                                      \
+    }                                                                                    \
+  } while (0)
+
+uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int repeats = argc > 1 ? std::atoi(argv[1]) : 20;
+  if (const std::string why = attn::cuda_status(0).unusable; !why.empty()) {
+    std::fprintf(stderr, "cuda_forward_bench: no usable GPU: %s\n", why.c_str());
+    return 2;
+  }
+  cudaDeviceProp prop{};
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  std::printf("| d | N | B | H | causal | ms (median of %d) | TFLOP/s |\n|---|---|---|---|---|---|---|\n", repeats);
+  std::mt19937 rng(1234);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  const int64_t tokens = 16384, width = 2048;
+  for (int d : {64, 128}) {
+    const int H = static_cast<int>(width / d);
+    std::vector<uint16_t> host(static_cast<size_t>(tokens * width));
+    for (auto& x : host) x = to_bf16(u(rng));
+    void *q, *k, *v, *out;
+    const size_t bytes = host.size() * 2;
+    for (void** p : {&q, &k, &v, &out}) CHECK_CUDA(cudaMalloc(p, bytes));
+    for (void* p : {q, k, v}) CHECK_CUDA(cudaMemcpy(p, host.data(), bytes, cudaMemcpyHostToDevice));
+    for (int N : {512, 1024, 2048, 4096, 8192, 16384}) {
+      const int B = static_cast<int>(tokens / N);
+      for (bool causal : {false, true}) {
+        const attn::Device gpu = attn::Device::cuda(0);
+        auto view = [&](void* p) { return attn::TensorView(p, attn::DType::bf16, {B, N, H, d}).on(gpu); };
+        attn::AttentionOptions o;
+        o.causal = causal ? attn::Causal::TopLeft : attn::Causal::None;
+        for (int w = 0; w < 3; ++w) attn::attention(view(q), view(k), view(v), view(out), o);
+        std::vector<float> ms;
+        cudaEvent_t start, stop;
+        CHECK_CUDA(cudaEventCreate(&start));
+        CHECK_CUDA(cudaEventCreate(&stop));
+        for (int r = 0; r < repeats; ++r) {
+          CHECK_CUDA(cudaEventRecord(start));
+          attn::attention(view(q), view(k), view(v), view(out), o);
+          CHECK_CUDA(cudaEventRecord(stop));
+          CHECK_CUDA(cudaEventSynchronize(stop));
+          float t = 0;
+          CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+          ms.push_back(t);
+        }
+        std::sort(ms.begin(), ms.end());
+        const double med = ms[ms.size() / 2];
+        const double flops = 4.0 * double(N) * N * d * H * B * (causal ? 0.5 : 1.0);
+        std::printf("| %d | %d | %d | %d | %s | %.3f | %.1f |\n", d, N, B, H, causal ? "yes" : "no", med,
+                    flops / (med * 1e-3) / 1e12);
+        CHECK_CUDA(cudaEventDestroy(start));
+        CHECK_CUDA(cudaEventDestroy(stop));
+      }
+    }
+    for (void* p : {q, k, v, out}) CHECK_CUDA(cudaFree(p));
+  }
+  return 0;
+}

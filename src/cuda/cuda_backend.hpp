@@ -1,0 +1,79 @@
+// The interface between attn_core and the CUDA backend (attn_cuda, built from the .cu
+// files beside this header when nvcc is found). Plain structs and functions only, so
+// that attn_core compiles without CUDA and the backend without the core: attn_core
+// checks the arguments, builds these parameters and turns a non-empty error string into
+// an attn::Error. Pointers in the parameters are device pointers unless marked host.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace attn::cuda {
+
+/// Element types the kernels read and write (the order is attn::DType's, for the
+/// dtypes the GPU path takes).
+enum class Elem : uint8_t { f32, bf16, f16 };
+
+/// One sequence of the batch: offsets (in elements) of its row 0, head 0 in q, k, v,
+/// out and lse; its query and key counts; the bottom-right diagonal shift.
+struct SeqDesc {
+  int64_t q_offset, k_offset, v_offset, out_offset, lse_offset;
+  int32_t Lq, Lk;  // Lk: the keys in use (key_lengths applied)
+  int64_t align;   // query i's diagonal key is i + align (before q_pos0 / k_pos0)
+};
+
+/// Everything one forward call needs. Semantics are attention()'s (attn/attention.hpp).
+struct ForwardParams {
+  Elem in = Elem::bf16;     // dtype of q, k, v and out; f32 inputs are rounded to bf16 (Precision::bf16)
+  int B = 0, Hq = 0, Hkv = 0, d = 0;  // dv = d on the GPU path
+  int max_lq = 0;           // the longest sequence's queries (grid size)
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;
+  int64_t q_row = 0, q_head = 0, k_row = 0, k_head = 0, v_row = 0, v_head = 0;
+  int64_t out_row = 0, out_head = 0;
+  const SeqDesc* seqs_host = nullptr;  // host memory, B entries; copied to the device
+
+  float scale = 1.0f;
+  float softcap = 0.0f;     // 0 = off
+  int causal = 0;           // 0 none, 1 top-left, 2 bottom-right
+  int window_left = -1, window_right = -1;
+
+  const float* alibi = nullptr;        // slope of (b, h) at b·alibi_b + h·alibi_h
+  int64_t alibi_b = 0, alibi_h = 0;
+
+  // Mask element (b, h, i, j) at b·mask_b + h·mask_h + i·mask_i + j·mask_j; at most one.
+  const uint8_t* bool_mask = nullptr;
+  const float* add_mask = nullptr;
+  int64_t mask_b = 0, mask_h = 0, mask_i = 0, mask_j = 0;
+
+  float* lse = nullptr;                // lse(b, h, i) at seq.lse_offset + h·lse_h + i·lse_i
+  int64_t lse_h = 0, lse_i = 0;
+
+  // Dropout (keyed exactly as the CPU's: dropout/philox.hpp) at global positions.
+  float dropout_p = 0.0f;
+  uint64_t seed = 0, offset = 0;
+  int heads_total = 0, h0 = 0;
+  int64_t q_pos0 = 0, k_pos0 = 0;
+
+  int device = 0;           // CUDA ordinal
+  void* stream = nullptr;   // cudaStream_t
+};
+
+/// The head dimensions the kernels are compiled for.
+bool supported_head_dim(int d);
+
+/// Runs the fused forward on params.stream (asynchronously). Returns "" or why not.
+std::string forward(const ForwardParams& params);
+
+/// "" when CUDA device `device` can run the kernels (a driver, the device exists, and
+/// it is sm_80 or newer), else why not.
+std::string device_usable(int device);
+
+/// Copies `bytes` from device memory to host memory, ordered on `stream`, and waits
+/// for it. Returns "" or the CUDA error.
+std::string copy_to_host(void* dst, const void* src, size_t bytes, int device, void* stream);
+
+}  // namespace attn::cuda

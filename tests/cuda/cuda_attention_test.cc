@@ -1,0 +1,320 @@
+// attention() on a CUDA device (issue 13), against the float64 reference on the host:
+// every option the GPU path has, bf16 and f16, head dims 64/96/128/256 and odd lengths,
+// under FlashAttention's rule (error ≤ 2× that of a plain implementation with the same
+// rounding: bf16/f16 inputs, exact softmax, P rounded before P·V, f32 accumulation),
+// pooled per option with a 10× screen per case. Also varlen and key lengths, fully
+// masked rows, non-finite values of removed keys, dropout drawing the CPU's decisions,
+// user streams, and the GPU path's argument errors.
+//
+// Every test skips, saying why, where no usable GPU is present (cuda_status()).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attention_harness.hpp"
+#include "attn/attention.hpp"
+#include "lowp_harness.hpp"
+
+namespace attn::testing {
+namespace {
+
+#define SKIP_WITHOUT_GPU()                                                        \
+  if (const std::string why = cuda_status(0).unusable; !why.empty()) {           \
+    GTEST_SKIP() << "no usable GPU: " << why;                                     \
+  }
+
+#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+const Device kGpu = Device::cuda(0);
+
+// A device copy of a host array, freed on destruction.
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
+    if (bytes_ > 0) EXPECT_EQ(cudaMalloc(&ptr_, bytes_), cudaSuccess);
+  }
+  template <class T>
+  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size() * sizeof(T)) {
+    if (bytes_ > 0) EXPECT_EQ(cudaMemcpy(ptr_, host.data(), bytes_, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  ~DeviceBuffer() {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void* get() const { return ptr_; }
+  template <class T>
+  void to_host(std::vector<T>& host) const {
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(host.data(), ptr_, host.size() * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// The same view over a device copy of its memory (from its first element to its last).
+TensorView on_gpu(const TensorView& t, std::vector<std::unique_ptr<DeviceBuffer>>& keep) {
+  if (t.empty()) return t;
+  int64_t span = 1;
+  for (int i = 0; i < t.rank(); ++i) span += (t.size(i) - 1) * t.stride(i);
+  std::vector<uint8_t> bytes(static_cast<size_t>(span) * dtype_size(t.dtype()));
+  std::memcpy(bytes.data(), t.data(), bytes.size());
+  keep.push_back(std::make_unique<DeviceBuffer>(bytes));
+  return TensorView(keep.back()->get(), t.dtype(), t.shape(), t.strides()).on(kGpu);
+}
+
+// Option cases the GPU path has: the CPU suites' (lowp_harness.hpp) less the mask in the
+// input dtype, which the GPU path rejects.
+std::vector<OptionCase> gpu_option_cases() {
+  std::vector<OptionCase> cases;
+  for (OptionCase& oc : option_cases()) {
+    if (std::string(oc.name) != "mask in the input dtype") cases.push_back(std::move(oc));
+  }
+  return cases;
+}
+
+// Head dims 64, 96, 128, 256 with odd lengths (1, 3, 17, 1000), GQA and MQA.
+const Shape kGpuShapes[] = {{1, 1, 1, 1, 1, 64, 64},      {2, 3, 17, 4, 2, 64, 64},     {1, 17, 3, 2, 1, 96, 96},
+                            {1, 100, 100, 2, 2, 128, 128}, {2, 33, 65, 3, 1, 128, 128}, {1, 70, 1000, 2, 1, 64, 64},
+                            {1, 129, 300, 1, 1, 256, 256}, {1, 1000, 37, 2, 2, 96, 96}};
+
+// One call on the GPU and its yardsticks: the reference (float64 on the rounded inputs)
+// and the plain implementation built from the reference's probabilities.
+CaseErrors run_gpu_case(DType dt, const Shape& s, const OptionCase& oc, std::mt19937_64& rng) {
+  LowpCall c(dt, s.B, s.Lq, s.Lk, s.Hq, s.Hkv, s.d, s.dv, rng);
+  OptionStore store;
+  AttentionOptions o = oc.make(store, c, rng);
+  const AttentionOptions host_options = o;
+  std::vector<std::unique_ptr<DeviceBuffer>> keep;
+  o.mask = on_gpu(o.mask, keep);
+  o.alibi_slopes = on_gpu(o.alibi_slopes, keep);
+  const TensorView q = on_gpu(c.view(c.q, s.Lq, s.Hq, s.d), keep), k = on_gpu(c.view(c.k, s.Lk, s.Hkv, s.d), keep),
+                   v = on_gpu(c.view(c.v, s.Lk, s.Hkv, s.dv), keep);
+  DeviceBuffer out(c.out.size() * 2), lse(c.lse.size() * 4);
+  attention(q, k, v, TensorView(out.get(), dt, {s.B, s.Lq, s.Hq, s.dv}).on(kGpu), o,
+            TensorView(lse.get(), DType::f32, {s.B, s.Hq, s.Lq}).on(kGpu));
+  out.to_host(c.out);
+  lse.to_host(c.lse);
+
+  std::vector<float> ref(c.out.size()), ref_lse(c.lse.size()), probs(size_t(s.B) * s.Hq * s.Lq * s.Lk);
+  attention_reference(c.view32(c.q32, s.Lq, s.Hq, s.d), c.view32(c.k32, s.Lk, s.Hkv, s.d),
+                      c.view32(c.v32, s.Lk, s.Hkv, s.dv), c.view32(ref, s.Lq, s.Hq, s.dv), host_options,
+                      TensorView(ref_lse.data(), DType::f32, {s.B, s.Hq, s.Lq}),
+                      TensorView(probs.data(), DType::f32, {s.B, s.Hq, s.Lq, s.Lk}));
+  CaseErrors e;
+  const int group = s.Hq / s.Hkv;
+  for (int b = 0; b < s.B; ++b)
+    for (int i = 0; i < s.Lq; ++i)
+      for (int h = 0; h < s.Hq; ++h) {
+        const float* p = probs.data() + ((size_t(b) * s.Hq + h) * s.Lq + i) * s.Lk;
+        const float l = ref_lse[(size_t(b) * s.Hq + h) * s.Lq + i];
+        const float l_gpu = c.lse[(size_t(b) * s.Hq + h) * s.Lq + i];
+        EXPECT_EQ(std::isinf(l), std::isinf(l_gpu)) << "lse b=" << b << " h=" << h << " i=" << i;
+        if (std::isfinite(l)) EXPECT_NEAR(l_gpu, l, 1e-4 * std::max(1.0f, std::fabs(l))) << "lse";
+        for (int x = 0; x < s.dv; ++x) {
+          float acc = 0;
+          for (int j = 0; j < s.Lk; ++j)
+            acc += c.from(c.to(p[j])) * c.v32[((size_t(b) * s.Lk + j) * s.Hkv + h / group) * s.dv + x];
+          const size_t at = ((size_t(b) * s.Lq + i) * s.Hq + h) * s.dv + x;
+          const double r = ref[at], got = c.from(c.out[at]), plain = c.from(c.to(acc));
+          EXPECT_FALSE(std::isnan(got)) << at;
+          if (std::isinf(l)) EXPECT_EQ(got, 0.0) << "fully masked row b=" << b << " h=" << h << " i=" << i;
+          e.fused += (got - r) * (got - r);
+          e.plain += (plain - r) * (plain - r);
+        }
+      }
+  return e;
+}
+
+class CudaForward : public ::testing::TestWithParam<DType> {};
+INSTANTIATE_TEST_SUITE_P(Dtypes, CudaForward, ::testing::Values(DType::bf16, DType::f16),
+                         [](const ::testing::TestParamInfo<DType>& i) { return std::string(dtype_name(i.param)); });
+
+TEST_P(CudaForward, EveryOptionWithinTwiceThePlainError) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng = make_rng(1301);
+  for (const OptionCase& oc : gpu_option_cases()) {
+    ExpectWithinPlainBf16Error(kGpuShapes, oc, [&](const Shape& s) { return run_gpu_case(GetParam(), s, oc, rng); });
+  }
+}
+
+TEST_P(CudaForward, LongOddSequences) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng = make_rng(1302);
+  const Shape shapes[] = {{1, 4097, 4097, 2, 1, 128, 128}};
+  for (const OptionCase& oc : gpu_option_cases()) {
+    if (std::string(oc.name) != "plain" && std::string(oc.name) != "causal") continue;
+    ExpectWithinPlainBf16Error(shapes, oc, [&](const Shape& s) { return run_gpu_case(GetParam(), s, oc, rng); });
+  }
+}
+
+// Runs the same bf16 call on the GPU and on the CPU (the tested CPU kernels) and
+// returns the largest difference of the outputs; lse must agree to f32 rounding.
+double max_gpu_cpu_difference(LowpCall& c, const AttentionOptions& host_options, bool packed, int total_q, int total_k) {
+  std::vector<std::unique_ptr<DeviceBuffer>> keep;
+  auto shape = [&](int L, int H, int D) {
+    return packed ? std::vector<int64_t>{L, H, D} : std::vector<int64_t>{c.B, L, H, D};
+  };
+  const int Lq = packed ? total_q : c.Lq, Lk = packed ? total_k : c.Lk;
+  const TensorView q(c.q.data(), c.dt, shape(Lq, c.Hq, c.d)), k(c.k.data(), c.dt, shape(Lk, c.Hkv, c.d)),
+      v(c.v.data(), c.dt, shape(Lk, c.Hkv, c.dv));
+  const std::vector<int64_t> lse_shape =
+      packed ? std::vector<int64_t>{c.Hq, total_q} : std::vector<int64_t>{c.B, c.Hq, c.Lq};
+  std::vector<uint16_t> cpu_out(c.out.size()), gpu_out(c.out.size());
+  std::vector<float> cpu_lse(c.lse.size()), gpu_lse(c.lse.size());
+  attention(q, k, v, TensorView(cpu_out.data(), c.dt, shape(Lq, c.Hq, c.dv)), host_options,
+            TensorView(cpu_lse.data(), DType::f32, lse_shape));
+  AttentionOptions o = host_options;
+  o.alibi_slopes = on_gpu(o.alibi_slopes, keep);
+  o.cu_seqlens_q = on_gpu(o.cu_seqlens_q, keep);  // device metadata (host metadata: HostMetadata below)
+  o.cu_seqlens_k = on_gpu(o.cu_seqlens_k, keep);
+  o.key_lengths = on_gpu(o.key_lengths, keep);
+  DeviceBuffer out(gpu_out.size() * 2), lse(gpu_lse.size() * 4);
+  attention(on_gpu(q, keep), on_gpu(k, keep), on_gpu(v, keep), TensorView(out.get(), c.dt, shape(Lq, c.Hq, c.dv)).on(kGpu),
+            o, TensorView(lse.get(), DType::f32, lse_shape).on(kGpu));
+  out.to_host(gpu_out);
+  lse.to_host(gpu_lse);
+  double worst = 0;
+  for (size_t i = 0; i < gpu_out.size(); ++i) {
+    const double a = c.from(gpu_out[i]), b = c.from(cpu_out[i]);
+    if (std::isnan(a) != std::isnan(b)) return INFINITY;
+    if (!std::isnan(a)) worst = std::max(worst, std::fabs(a - b));
+  }
+  for (size_t i = 0; i < gpu_lse.size(); ++i) {
+    if (std::isinf(cpu_lse[i])) {
+      EXPECT_EQ(gpu_lse[i], cpu_lse[i]) << "lse " << i;
+    } else {
+      EXPECT_NEAR(gpu_lse[i], cpu_lse[i], 1e-4 * std::max(1.0f, std::fabs(cpu_lse[i]))) << "lse " << i;
+    }
+  }
+  return worst;
+}
+
+TEST_P(CudaForward, VarlenAndKeyLengthsAgreeWithTheCpu) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng = make_rng(1303);
+  // Packed: sequences of 1, 17, 0, 130 queries over 5, 200, 3, 130 keys.
+  std::vector<int32_t> cu_q{0, 1, 18, 18, 148}, cu_k{0, 5, 205, 208, 338};
+  LowpCall packed(GetParam(), 1, 148, 338, 4, 2, 64, 64, rng);
+  for (Causal causal : {Causal::None, Causal::TopLeft, Causal::BottomRight}) {
+    AttentionOptions o;
+    o.cu_seqlens_q = TensorView(cu_q.data(), DType::i32, {5});
+    o.cu_seqlens_k = TensorView(cu_k.data(), DType::i32, {5});
+    o.causal = causal;
+    EXPECT_LT(max_gpu_cpu_difference(packed, o, true, 148, 338), 0.03) << "varlen causal=" << int(causal);
+  }
+  // Padded batch with key lengths 0 (every row fully masked), 1 and 90.
+  LowpCall padded(GetParam(), 3, 40, 90, 2, 1, 128, 128, rng);
+  std::vector<int32_t> lengths{0, 1, 90};
+  AttentionOptions o;
+  o.key_lengths = TensorView(lengths.data(), DType::i32, {3});
+  o.causal = Causal::BottomRight;
+  o.window = {7, 0};
+  EXPECT_LT(max_gpu_cpu_difference(padded, o, false, 0, 0), 0.03);
+}
+
+TEST_P(CudaForward, HostMetadataWorksToo) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng = make_rng(1304);
+  LowpCall c(GetParam(), 2, 33, 50, 2, 2, 64, 64, rng);
+  std::vector<int32_t> lengths{7, 50};
+  std::vector<std::unique_ptr<DeviceBuffer>> keep;
+  AttentionOptions o;
+  o.key_lengths = TensorView(lengths.data(), DType::i32, {2});  // host memory
+  DeviceBuffer out(c.out.size() * 2);
+  attention(on_gpu(c.view(c.q, 33, 2, 64), keep), on_gpu(c.view(c.k, 50, 2, 64), keep),
+            on_gpu(c.view(c.v, 50, 2, 64), keep), TensorView(out.get(), c.dt, {2, 33, 2, 64}).on(kGpu), o);
+  std::vector<uint16_t> gpu(c.out.size());
+  out.to_host(gpu);
+  attention(c.view(c.q, 33, 2, 64), c.view(c.k, 50, 2, 64), c.view(c.v, 50, 2, 64), c.view(c.out, 33, 2, 64), o);
+  for (size_t i = 0; i < gpu.size(); ++i) EXPECT_NEAR(c.from(gpu[i]), c.from(c.out[i]), 0.03) << i;
+}
+
+TEST_P(CudaForward, DropoutDrawsTheCpusDecisions) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng = make_rng(1305);
+  LowpCall c(GetParam(), 2, 70, 133, 3, 1, 64, 64, rng);
+  for (float p : {0.1f, 0.5f}) {
+    AttentionOptions o;
+    o.dropout_p = p;
+    o.seed = 77;
+    o.offset = 5;
+    o.causal = Causal::BottomRight;
+    // A different mask would move outputs by ~p·|v|; the rounding differences are ~1e-2.
+    EXPECT_LT(max_gpu_cpu_difference(c, o, false, 0, 0), 0.03) << "p=" << p;
+  }
+}
+
+TEST_P(CudaForward, ValuesOfRemovedKeysNeverReachAnOutput) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng = make_rng(1306);
+  LowpCall c(GetParam(), 1, 70, 90, 2, 1, 64, 64, rng);
+  c.v[7 * 64 + 3] = c.to(INFINITY);  // key 7: rows 0..6 cannot see it under top-left causal
+  c.v[80 * 64 + 5] = c.to(NAN);      // key 80: beyond every row's band
+  AttentionOptions o;
+  o.causal = Causal::TopLeft;
+  std::vector<std::unique_ptr<DeviceBuffer>> keep;
+  DeviceBuffer out(c.out.size() * 2);
+  attention(on_gpu(c.view(c.q, 70, 2, 64), keep), on_gpu(c.view(c.k, 90, 1, 64), keep),
+            on_gpu(c.view(c.v, 90, 1, 64), keep), TensorView(out.get(), c.dt, {1, 70, 2, 64}).on(kGpu), o);
+  out.to_host(c.out);
+  for (int i = 0; i < 70; ++i)
+    for (int h = 0; h < 2; ++h)
+      for (int x = 0; x < 64; ++x) {
+        const float y = c.from(c.out[(size_t(i) * 2 + h) * 64 + x]);
+        if (i >= 7 && x == 3) {
+          EXPECT_TRUE(std::isinf(y)) << "row " << i << " sees key 7's +inf";
+        } else {
+          EXPECT_TRUE(std::isfinite(y)) << "row " << i << " head " << h << " column " << x;
+        }
+      }
+}
+
+TEST(CudaStreams, RunsOnTheStreamOfQ) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng = make_rng(1307);
+  LowpCall c(DType::bf16, 1, 300, 300, 2, 2, 128, 128, rng);
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const Device dev = Device::cuda(0, stream);
+  std::vector<std::unique_ptr<DeviceBuffer>> keep;
+  DeviceBuffer out(c.out.size() * 2);
+  attention(on_gpu(c.view(c.q, 300, 2, 128), keep).on(dev), on_gpu(c.view(c.k, 300, 2, 128), keep).on(dev),
+            on_gpu(c.view(c.v, 300, 2, 128), keep).on(dev), TensorView(out.get(), DType::bf16, {1, 300, 2, 128}).on(dev));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  std::vector<uint16_t> gpu(c.out.size());
+  out.to_host(gpu);
+  attention(c.view(c.q, 300, 2, 128), c.view(c.k, 300, 2, 128), c.view(c.v, 300, 2, 128), c.view(c.out, 300, 2, 128));
+  for (size_t i = 0; i < gpu.size(); ++i) EXPECT_NEAR(c.from(gpu[i]), c.from(c.out[i]), 0.03) << i;
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
+TEST(CudaErrors, UnsupportedShapesAndOptionsAreNamed) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng = make_rng(1308);
+  std::vector<std::unique_ptr<DeviceBuffer>> keep;
+  LowpCall c(DType::bf16, 1, 5, 5, 1, 1, 80, 80, rng);
+  const TensorView q = on_gpu(c.view(c.q, 5, 1, 80), keep);
+  expect_attn_error([&] { attention(q, q, q, on_gpu(c.view(c.out, 5, 1, 80), keep)); },
+                    "head dim d = 80 is not supported on CUDA devices");
+  LowpCall m(DType::bf16, 1, 5, 5, 1, 1, 64, 64, rng);
+  const TensorView q64 = on_gpu(m.view(m.q, 5, 1, 64), keep), o64 = on_gpu(m.view(m.out, 5, 1, 64), keep);
+  expect_attn_error([&] { attention(q64, m.view(m.k, 5, 1, 64), q64, o64); },
+                    "k is on cpu but q is on cuda:0");
+  std::vector<uint16_t> mask(25);
+  AttentionOptions o;
+  o.mask = on_gpu(TensorView(mask.data(), DType::bf16, {5, 5}), keep);
+  expect_attn_error([&] { attention(q64, q64, q64, o64, o); }, "options.mask on a CUDA device must be f32 or bool");
+}
+
+}  // namespace
+}  // namespace attn::testing
