@@ -47,30 +47,7 @@ CaseErrors run_kernel_case(const char* path, const Shape& s, const OptionCase& o
                       c.view32(c.v32, s.Lk, s.Hkv, s.dv), c.view32(ref, s.Lq, s.Hq, s.dv), t,
                       TensorView(lse.data(), DType::f32, {s.B, s.Hq, s.Lq}),
                       TensorView(probs.data(), DType::f32, {s.B, s.Hq, s.Lq, s.Lk}));
-  CaseErrors e;
-  const int group = s.Hq / s.Hkv;
-  for (int b = 0; b < s.B; ++b)
-    for (int i = 0; i < s.Lq; ++i)
-      for (int h = 0; h < s.Hq; ++h) {
-        const float* p = probs.data() + ((size_t(b) * s.Hq + h) * s.Lq + i) * s.Lk;
-        const float l = lse[(size_t(b) * s.Hq + h) * s.Lq + i];
-        const float l_kernel = c.lse[(size_t(b) * s.Hq + h) * s.Lq + i];
-        // lse: the same −∞ rows, and the scores' f32 rounding at most.
-        EXPECT_EQ(std::isinf(l), std::isinf(l_kernel)) << "lse b=" << b << " h=" << h << " i=" << i;
-        if (std::isfinite(l)) EXPECT_NEAR(l_kernel, l, 1e-4 * std::max(1.0f, std::fabs(l)));
-        for (int x = 0; x < s.dv; ++x) {
-          float acc = 0;
-          for (int j = 0; j < s.Lk; ++j)
-            acc += detail::round_to_bf16(p[j]) * c.v32[((size_t(b) * s.Lk + j) * s.Hkv + h / group) * s.dv + x];
-          const size_t at = ((size_t(b) * s.Lq + i) * s.Hq + h) * s.dv + x;
-          const double r = ref[at], fused = bf16_to_f32(c.out[at]), plain = detail::round_to_bf16(acc);
-          EXPECT_FALSE(std::isnan(fused)) << at;
-          if (std::isinf(l)) EXPECT_EQ(fused, 0.0) << "fully masked row b=" << b << " h=" << h << " i=" << i;
-          e.fused += (fused - r) * (fused - r);
-          e.plain += (plain - r) * (plain - r);
-        }
-      }
-  return e;
+  return compare_with_reference(c, ref, lse, probs);
 }
 
 // Parameter: the kernel path ("amx" or "avx512bf16"), forced with ATTN_ISA.

@@ -4,6 +4,7 @@
 // the score path, the shapes, and a guard that forces a kernel path via ATTN_ISA.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -209,6 +210,38 @@ inline const Shape kShapes[] = {{1, 1, 1, 1, 1, 16, 16},   {2, 3, 17, 4, 2, 64, 
 struct CaseErrors {
   double fused = 0, plain = 0;
 };
+
+/// A kernel's out and lse (c.out, c.lse) against the reference's (ref, ref_lse, and its
+/// probabilities probs [B, Hq, Lq, Lk]), with the yardstick built from those probabilities
+/// (every option included): out = round(Σ_j round(P_ij)·v_j) in f32, rounded to c's dtype.
+/// Checks lse (the same −∞ rows, f32 rounding at most) and that fully masked rows are 0;
+/// returns the kernel's and the yardstick's squared errors.
+inline CaseErrors compare_with_reference(const LowpCall& c, const std::vector<float>& ref,
+                                         const std::vector<float>& ref_lse, const std::vector<float>& probs) {
+  CaseErrors e;
+  const int group = c.Hq / c.Hkv;
+  for (int b = 0; b < c.B; ++b)
+    for (int i = 0; i < c.Lq; ++i)
+      for (int h = 0; h < c.Hq; ++h) {
+        const float* p = probs.data() + ((size_t(b) * c.Hq + h) * c.Lq + i) * c.Lk;
+        const float l = ref_lse[(size_t(b) * c.Hq + h) * c.Lq + i];
+        const float l_kernel = c.lse[(size_t(b) * c.Hq + h) * c.Lq + i];
+        EXPECT_EQ(std::isinf(l), std::isinf(l_kernel)) << "lse b=" << b << " h=" << h << " i=" << i;
+        if (std::isfinite(l)) EXPECT_NEAR(l_kernel, l, 1e-4 * std::max(1.0f, std::fabs(l)));
+        for (int x = 0; x < c.dv; ++x) {
+          float acc = 0;
+          for (int j = 0; j < c.Lk; ++j)
+            acc += c.from(c.to(p[j])) * c.v32[((size_t(b) * c.Lk + j) * c.Hkv + h / group) * c.dv + x];
+          const size_t at = ((size_t(b) * c.Lq + i) * c.Hq + h) * c.dv + x;
+          const double r = ref[at], got = c.from(c.out[at]), plain = c.from(c.to(acc));
+          EXPECT_FALSE(std::isnan(got)) << at;
+          if (std::isinf(l)) EXPECT_EQ(got, 0.0) << "fully masked row b=" << b << " h=" << h << " i=" << i;
+          e.fused += (got - r) * (got - r);
+          e.plain += (plain - r) * (plain - r);
+        }
+      }
+  return e;
+}
 
 /// Runs run(shape) for every shape of one option case and checks the kernel's error
 /// against the yardstick: per case within 10× the plain error (plus one bf16

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "attn/attention.hpp"
+#include "tensor/convert.hpp"
 
 namespace {
 
@@ -29,11 +30,6 @@ namespace {
     }                                                                                    \
   } while (0)
 
-uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 }  // namespace
 
@@ -53,7 +49,7 @@ int main(int argc, char** argv) {
   for (int d : {64, 128}) {
     const int H = static_cast<int>(width / d);
     std::vector<uint16_t> host(static_cast<size_t>(tokens * width));
-    for (auto& x : host) x = to_bf16(u(rng));
+    for (auto& x : host) x = attn::detail::f32_to_bf16(u(rng));
     void *q, *k, *v, *out;
     const size_t bytes = host.size() * 2;
     for (void** p : {&q, &k, &v, &out}) CHECK_CUDA(cudaMalloc(p, bytes));

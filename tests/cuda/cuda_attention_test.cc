@@ -110,29 +110,7 @@ CaseErrors run_gpu_case(DType dt, const Shape& s, const OptionCase& oc, std::mt1
                       c.view32(c.v32, s.Lk, s.Hkv, s.dv), c.view32(ref, s.Lq, s.Hq, s.dv), host_options,
                       TensorView(ref_lse.data(), DType::f32, {s.B, s.Hq, s.Lq}),
                       TensorView(probs.data(), DType::f32, {s.B, s.Hq, s.Lq, s.Lk}));
-  CaseErrors e;
-  const int group = s.Hq / s.Hkv;
-  for (int b = 0; b < s.B; ++b)
-    for (int i = 0; i < s.Lq; ++i)
-      for (int h = 0; h < s.Hq; ++h) {
-        const float* p = probs.data() + ((size_t(b) * s.Hq + h) * s.Lq + i) * s.Lk;
-        const float l = ref_lse[(size_t(b) * s.Hq + h) * s.Lq + i];
-        const float l_gpu = c.lse[(size_t(b) * s.Hq + h) * s.Lq + i];
-        EXPECT_EQ(std::isinf(l), std::isinf(l_gpu)) << "lse b=" << b << " h=" << h << " i=" << i;
-        if (std::isfinite(l)) EXPECT_NEAR(l_gpu, l, 1e-4 * std::max(1.0f, std::fabs(l))) << "lse";
-        for (int x = 0; x < s.dv; ++x) {
-          float acc = 0;
-          for (int j = 0; j < s.Lk; ++j)
-            acc += c.from(c.to(p[j])) * c.v32[((size_t(b) * s.Lk + j) * s.Hkv + h / group) * s.dv + x];
-          const size_t at = ((size_t(b) * s.Lq + i) * s.Hq + h) * s.dv + x;
-          const double r = ref[at], got = c.from(c.out[at]), plain = c.from(c.to(acc));
-          EXPECT_FALSE(std::isnan(got)) << at;
-          if (std::isinf(l)) EXPECT_EQ(got, 0.0) << "fully masked row b=" << b << " h=" << h << " i=" << i;
-          e.fused += (got - r) * (got - r);
-          e.plain += (plain - r) * (plain - r);
-        }
-      }
-  return e;
+  return compare_with_reference(c, ref, ref_lse, probs);
 }
 
 class CudaForward : public ::testing::TestWithParam<DType> {};
