@@ -1,0 +1,88 @@
+// The score of one (query row, key) as attention() defines it, and the dropout
+// decisions, on the GPU: shared by the forward and the backward kernels so that both
+// see the same scores. The CPU's rules (cpu/score_mods-inl.h, dropout/philox.hpp).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/cuda_backend.hpp"
+#include "dropout/philox.hpp"
+
+namespace attn::cuda {
+
+/// The band of query row i (positions in the sequence): keys lo..hi survive causal,
+/// window and key length; lo > hi means none. attention()'s rule (BandOfRow), in the
+/// whole sequence's positions for a placed call. lo and hi never decrease with i.
+struct Band {
+  int64_t lo, hi;
+};
+__device__ __forceinline__ Band band_of_row(const ForwardParams& p, const SeqDesc& s, int64_t i) {
+  const int64_t at = i + p.q_pos0;
+  const int64_t shifted = at + s.align;
+  int64_t first = p.k_pos0, last = p.k_pos0 + s.Lk - 1;
+  if (p.causal == 1) last = min(last, at);
+  if (p.causal == 2) last = min(last, shifted);
+  if (p.window_left >= 0) first = max(first, shifted - p.window_left);
+  if (p.window_right >= 0) last = min(last, shifted + p.window_right);
+  return {first - p.k_pos0, last - p.k_pos0};
+}
+
+/// The score of row i and key j from the raw product q_i·k_j, in attention()'s order:
+/// scale, softcap, ALiBi (slope of this head), masks, band (−∞ outside it).
+/// *cap_grad receives ∂score/∂(scale·q·k): 1 − tanh² under softcap, else 1.
+__device__ __forceinline__ float modified_score(const ForwardParams& p, const SeqDesc& s, int b, int h, float slope,
+                                                int64_t i, int64_t j, const Band& band, float raw,
+                                                float* cap_grad = nullptr) {
+  float x = raw * p.scale;
+  float grad = 1.0f;
+  if (p.softcap > 0.0f) {
+    const float th = tanhf(x / p.softcap);
+    x = p.softcap * th;
+    grad = 1.0f - th * th;
+  }
+  if (p.alibi != nullptr) x -= slope * fabsf(static_cast<float>(i + p.q_pos0 + s.align - (j + p.k_pos0)));
+  if (i < s.Lq && j < s.Lk) {
+    const int64_t at = b * p.mask_b + h * p.mask_h + i * p.mask_i + j * p.mask_j;
+    if (p.add_mask != nullptr) x += p.add_mask[at];
+    if (p.bool_mask != nullptr && p.bool_mask[at] == 0) x = -INFINITY;
+  }
+  if (j < band.lo || j > band.hi) x = -INFINITY;
+  if (cap_grad != nullptr) *cap_grad = grad;
+  return x;
+}
+
+/// The ALiBi slope of (sequence b, head h); 0 without ALiBi.
+__device__ __forceinline__ float alibi_slope(const ForwardParams& p, int b, int h) {
+  return p.alibi != nullptr ? p.alibi[b * p.alibi_b + h * p.alibi_h] : 0.0f;
+}
+
+/// The dropout generator of a call, keyed as the CPU's.
+__device__ __forceinline__ detail::DropoutRng dropout_rng(const ForwardParams& p) {
+  return detail::DropoutRng(p.dropout_p, p.seed, p.offset, p.heads_total);
+}
+
+/// Whether the probability of (row i, key j) of (sequence b, head h) is kept, at the
+/// call's global positions.
+__device__ __forceinline__ bool dropout_keep(const detail::DropoutRng& rng, const ForwardParams& p, int b, int h,
+                                             int64_t i, int64_t j) {
+  return rng.keep(b, h + p.h0, static_cast<int>(i + p.q_pos0), static_cast<int>(j + p.k_pos0));
+}
+
+/// The decisions of keys j (even) and j + 1 of one row: one Philox draw when both lie
+/// in one group of four.
+__device__ __forceinline__ void dropout_keep_pair(const detail::DropoutRng& rng, const ForwardParams& p, int b, int h,
+                                                  int64_t i, int64_t j, bool& keep0, bool& keep1) {
+  const int ig = static_cast<int>(i + p.q_pos0);
+  const int64_t jg = j + p.k_pos0;
+  const int hg = h + p.h0;
+  if (jg % 2 == 0) {
+    const unsigned bits = rng.keep4(b, hg, ig, static_cast<int>(jg / 4));
+    const int at = static_cast<int>(jg % 4);
+    keep0 = (bits >> at) & 1u, keep1 = (bits >> (at + 1)) & 1u;
+  } else {
+    keep0 = rng.keep(b, hg, ig, static_cast<int>(jg));
+    keep1 = rng.keep(b, hg, ig, static_cast<int>(jg + 1));
+  }
+}
+
+}  // namespace attn::cuda
