@@ -124,12 +124,13 @@ void attention_backward_with_mods(const TensorView& q, const TensorView& k, cons
                                   const AttentionOptions& options, const TensorView& dbias,
                                   const UserMods* mods) {
   if (q.device().is_cuda()) {
-    Checker("attention_backward")
-        .fail("q is on " + q.device().describe() +
-              ", but the CUDA backend has no backward yet: run the backward on tensors in host memory");
+    attention_backward_cuda("attention_backward", q, k, v, out, lse, dout, dq, dk, dv, options, dbias, mods);
+    return;
   }
+  // on_device: the call runs where q is (the CPU), so that a device tensor among the
+  // others is reported as a mix of devices.
   const BackwardProblem bp = make_backward_problem("attention_backward", q, k, v, out, lse, dout,
-                                                   dq, dk, dv, options, dbias, mods);
+                                                   dq, dk, dv, options, dbias, mods, /*on_device=*/true);
   if (needs_widening(bp.fwd, options)) {
     if (const LowpPath path = bf16_kernel(bp.fwd, options); path != LowpPath::f32) {
       if (bp.fwd.mask_dtype == DType::bf16 || bp.fwd.mask_dtype == DType::f16) {

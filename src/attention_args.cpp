@@ -414,11 +414,12 @@ BackwardProblem make_backward_problem(const char* fn, const TensorView& q, const
                                       const TensorView& lse, const TensorView& dout,
                                       const TensorView& dq, const TensorView& dk,
                                       const TensorView& dv, const AttentionOptions& opt,
-                                      const TensorView& dbias, const UserMods* mods) {
-  const Checker c(fn);
+                                      const TensorView& dbias, const UserMods* mods, bool on_device) {
+  Checker c(fn);
+  if (on_device && !q.empty()) c.set_device(q.device(), "q");
   if (lse.empty()) c.fail("lse is required (the forward's logsumexp), got none");
   BackwardProblem bp;
-  bp.fwd = make_problem(fn, q, k, v, out, opt, lse, {}, mods);
+  bp.fwd = make_problem(fn, q, k, v, out, opt, lse, {}, mods, on_device);
   const Problem& p = bp.fwd;
   const bool varlen = !opt.cu_seqlens_q.empty();
 

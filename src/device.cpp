@@ -1,6 +1,7 @@
 // Device calls (device.hpp): the CUDA backend when built, clear errors when not.
 #include "device.hpp"
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -40,17 +41,16 @@ void copy_to_host(const Checker& c, void* dst, const TensorView& t, size_t bytes
 #endif
 }
 
-void attention_forward_cuda(const char* fn, const TensorView& q, const TensorView& k, const TensorView& v,
-                            const TensorView& out, const AttentionOptions& options, const TensorView& lse,
-                            const TensorView& probs, const UserMods* mods) {
-  const Checker c(fn);
+namespace {
+
+// Options the GPU path does not have yet fail here, by name: never a silent slow path.
+void check_gpu_options(const Checker& c, const TensorView& q, const AttentionOptions& options,
+                       const UserMods* mods) {
   require_cuda_device(c, q, "q");
-  // Options the GPU path does not have yet fail here, by name: never a silent slow path.
   if (mods != nullptr) {
     c.fail("score_mod and mask_mod (user modifiers, compiled for the CPU) are not supported on " +
            q.device().describe() + "; use the built-in options, or tensors in host memory");
   }
-  if (!probs.empty()) c.fail("probs (the explicit probabilities) is not supported on CUDA devices yet");
   if (!options.block_mask.empty()) c.fail("options.block_mask is not supported on CUDA devices yet");
   if (!options.mask.empty() && options.mask.dtype() != DType::f32 && options.mask.dtype() != DType::boolean) {
     c.fail(std::string("options.mask on a CUDA device must be f32 or bool, got ") + dtype_name(options.mask.dtype()));
@@ -59,8 +59,13 @@ void attention_forward_cuda(const char* fn, const TensorView& q, const TensorVie
     c.fail("f32 inputs on a CUDA device need options.precision = Precision::bf16 (the GPU kernels multiply "
            "bf16 operands on the tensor cores, with f32 softmax and accumulation; TF32 is not built)");
   }
-  const Problem p = make_problem(fn, q, k, v, out, options, lse, probs, mods, /*on_device=*/true);
+}
+
 #ifdef ATTN_WITH_CUDA
+// The kernels' view of a checked problem: shapes, strides, options and the sequence
+// table (kept alive in `seqs` until the launch).
+cuda::ForwardParams forward_params(const Checker& c, const Problem& p, const Device& device,
+                                   std::vector<cuda::SeqDesc>& seqs) {
   if (p.dv != p.d) {
     c.fail("v's head dim (" + std::to_string(p.dv) + ") must equal q's (" + std::to_string(p.d) +
            ") on a CUDA device");
@@ -77,7 +82,7 @@ void attention_forward_cuda(const char* fn, const TensorView& q, const TensorVie
   f.q = p.q, f.k = p.k, f.v = p.v, f.out = p.out;
   f.q_row = p.q_row, f.q_head = p.q_head, f.k_row = p.k_row, f.k_head = p.k_head;
   f.v_row = p.v_row, f.v_head = p.v_head, f.out_row = p.out_row, f.out_head = p.out_head;
-  std::vector<cuda::SeqDesc> seqs(p.seqs.size());
+  seqs.resize(p.seqs.size());
   for (size_t b = 0; b < seqs.size(); ++b) {
     const Sequence& s = p.seqs[b];
     seqs[b] = {s.q_offset, s.k_offset, s.v_offset, s.out_offset, s.lse_offset, s.Lq, s.Lk, s.align};
@@ -93,11 +98,70 @@ void attention_forward_cuda(const char* fn, const TensorView& q, const TensorVie
   f.lse = p.lse, f.lse_h = p.lse_h, f.lse_i = p.lse_i;
   f.dropout_p = p.dropout_p, f.seed = p.seed, f.offset = p.offset;
   f.heads_total = p.heads_total, f.h0 = p.h0, f.q_pos0 = p.q_pos0, f.k_pos0 = p.k_pos0;
-  f.device = q.device().index, f.stream = q.device().stream;
+  f.device = device.index, f.stream = device.stream;
+  return f;
+}
+
+// A gradient [B, L, H, d] or packed [T, H, d] as the zeroing pass sees it.
+cuda::GradExtent grad_extent(const TensorView& g) {
+  cuda::GradExtent e;
+  if (g.rank() == 4) {
+    e.n0 = g.size(0), e.s0 = g.stride(0), e.n1 = g.size(1), e.s1 = g.stride(1), e.n2 = g.size(2), e.s2 = g.stride(2);
+  } else {
+    e.n0 = 1, e.s0 = 0, e.n1 = g.size(0), e.s1 = g.stride(0), e.n2 = g.size(1), e.s2 = g.stride(1);
+  }
+  return e;
+}
+#endif
+
+}  // namespace
+
+void attention_forward_cuda(const char* fn, const TensorView& q, const TensorView& k, const TensorView& v,
+                            const TensorView& out, const AttentionOptions& options, const TensorView& lse,
+                            const TensorView& probs, const UserMods* mods) {
+  const Checker c(fn);
+  check_gpu_options(c, q, options, mods);
+  if (!probs.empty()) c.fail("probs (the explicit probabilities) is not supported on CUDA devices yet");
+  const Problem p = make_problem(fn, q, k, v, out, options, lse, probs, mods, /*on_device=*/true);
+#ifdef ATTN_WITH_CUDA
+  std::vector<cuda::SeqDesc> seqs;
+  const cuda::ForwardParams f = forward_params(c, p, q.device(), seqs);
   const std::string e = cuda::forward(f);
   if (!e.empty()) c.fail("on " + q.device().describe() + ": " + e);
 #else
   (void)p;
+#endif
+}
+
+void attention_backward_cuda(const char* fn, const TensorView& q, const TensorView& k, const TensorView& v,
+                             const TensorView& out, const TensorView& lse, const TensorView& dout,
+                             const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                             const AttentionOptions& options, const TensorView& dbias, const UserMods* mods) {
+  const Checker c(fn);
+  check_gpu_options(c, q, options, mods);
+  if (!dbias.empty()) c.fail("dbias (the mask's gradient) is not supported on CUDA devices yet");
+  const BackwardProblem bp =
+      make_backward_problem(fn, q, k, v, out, lse, dout, dq, dk, dv, options, dbias, mods, /*on_device=*/true);
+#ifdef ATTN_WITH_CUDA
+  std::vector<cuda::SeqDesc> seqs;
+  cuda::BackwardParams b;
+  b.fwd = forward_params(c, bp.fwd, q.device(), seqs);
+  std::vector<cuda::BackwardSeq> bseqs(bp.fwd.seqs.size());
+  for (size_t i = 0; i < bseqs.size(); ++i) {
+    const Sequence& s = bp.fwd.seqs[i];
+    bseqs[i] = {s.dout_offset, s.dq_offset, s.dk_offset, s.dv_offset};
+    b.max_lk = std::max(b.max_lk, s.Lk);
+  }
+  b.bseqs_host = bseqs.data();
+  b.dout = bp.dout, b.dout_row = bp.dout_row, b.dout_head = bp.dout_head;
+  b.dq = bp.dq, b.dq_row = bp.dq_row, b.dq_head = bp.dq_head;
+  b.dk = bp.dk, b.dk_row = bp.dk_row, b.dk_head = bp.dk_head;
+  b.dv = bp.dv, b.dv_row = bp.dv_row, b.dv_head = bp.dv_head;
+  b.dq_extent = grad_extent(dq), b.dk_extent = grad_extent(dk), b.dv_extent = grad_extent(dv);
+  const std::string e = cuda::backward(b);
+  if (!e.empty()) c.fail("on " + q.device().describe() + ": " + e);
+#else
+  (void)bp;
 #endif
 }
 

@@ -24,4 +24,11 @@ void attention_forward_cuda(const char* fn, const TensorView& q, const TensorVie
                             const TensorView& out, const AttentionOptions& options, const TensorView& lse,
                             const TensorView& probs, const UserMods* mods);
 
+/// attention_backward() for tensors on a CUDA device: checks what the GPU path
+/// supports, then runs src/cuda/'s kernels on the tensors' stream (asynchronously).
+void attention_backward_cuda(const char* fn, const TensorView& q, const TensorView& k, const TensorView& v,
+                             const TensorView& out, const TensorView& lse, const TensorView& dout,
+                             const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                             const AttentionOptions& options, const TensorView& dbias, const UserMods* mods);
+
 }  // namespace attn::detail

@@ -156,12 +156,14 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
                      bool on_device = false);
 
 /// The same for attention_backward(): lse is required; dout is shaped like out,
-/// dq like q, dk like k, dv like v; dbias like the (additive) mask.
+/// dq like q, dk like k, dv like v; dbias like the (additive) mask. `on_device` as
+/// make_problem's: every tensor on q's device.
 BackwardProblem make_backward_problem(const char* fn, const TensorView& q, const TensorView& k,
                                       const TensorView& v, const TensorView& out,
                                       const TensorView& lse, const TensorView& dout,
                                       const TensorView& dq, const TensorView& dk,
                                       const TensorView& dv, const AttentionOptions& opt,
-                                      const TensorView& dbias, const UserMods* mods);
+                                      const TensorView& dbias, const UserMods* mods,
+                                      bool on_device = false);
 
 }  // namespace attn::detail

@@ -56,73 +56,7 @@ CaseErrors run_case(const char* path, const Shape& s, const OptionCase& oc, std:
             c.view(c.out, s.Lq, s.Hq, s.dv), o, c.lse_view());
   const Grads g = run_backward(c, o);
 
-  std::vector<float> out32(c.out.size());
-  for (size_t i = 0; i < out32.size(); ++i) out32[i] = bf16_to_f32(c.out[i]);
-  const AttentionOptions t = f32_twin(o, c, store.twin);
-  std::vector<float> rq(c.q.size()), rk(c.k.size()), rv(c.v.size());
-  attention_backward_reference(c.view32(c.q32, s.Lq, s.Hq, s.d), c.view32(c.k32, s.Lk, s.Hkv, s.d),
-                               c.view32(c.v32, s.Lk, s.Hkv, s.dv), c.view32(out32, s.Lq, s.Hq, s.dv), c.lse_view(),
-                               c.view32(c.dout32, s.Lq, s.Hq, s.dv), c.view32(rq, s.Lq, s.Hq, s.d),
-                               c.view32(rk, s.Lk, s.Hkv, s.d), c.view32(rv, s.Lk, s.Hkv, s.dv), t);
-
-  // P without dropout, and the dropout multipliers.
-  AttentionOptions no_drop = t;
-  no_drop.dropout_p = 0.0f;
-  std::vector<float> ref_out(out32.size()), lse(c.lse.size()), probs(size_t(s.B) * s.Hq * s.Lq * s.Lk);
-  attention_reference(c.view32(c.q32, s.Lq, s.Hq, s.d), c.view32(c.k32, s.Lk, s.Hkv, s.d),
-                      c.view32(c.v32, s.Lk, s.Hkv, s.dv), c.view32(ref_out, s.Lq, s.Hq, s.dv), no_drop,
-                      TensorView(lse.data(), DType::f32, {s.B, s.Hq, s.Lq}),
-                      TensorView(probs.data(), DType::f32, {s.B, s.Hq, s.Lq, s.Lk}));
-  std::vector<uint8_t> keep(probs.size(), 1);
-  if (o.dropout_p > 0.0f) {
-    dropout_mask(TensorView(keep.data(), DType::boolean, {s.B, s.Hq, s.Lq, s.Lk}), o.dropout_p, o.seed);
-  }
-  const double inv_keep = 1.0 / (1.0 - o.dropout_p);
-  const double scale = o.scale ? double(*o.scale) : 1.0 / std::sqrt(double(s.d));
-
-  std::vector<double> pq(c.q.size()), pk(c.k.size()), pv(c.v.size());
-  const int group = s.Hq / s.Hkv;
-  auto qat = [&](int b, int i, int h) { return ((size_t(b) * s.Lq + i) * s.Hq + h); };
-  auto kat = [&](int b, int j, int hk) { return ((size_t(b) * s.Lk + j) * s.Hkv + hk); };
-  for (int b = 0; b < s.B; ++b)
-    for (int h = 0; h < s.Hq; ++h)
-      for (int i = 0; i < s.Lq; ++i) {
-        const float* prow = probs.data() + ((size_t(b) * s.Hq + h) * s.Lq + i) * s.Lk;
-        const uint8_t* krow = keep.data() + ((size_t(b) * s.Hq + h) * s.Lq + i) * s.Lk;
-        double dsum = 0;
-        for (int x = 0; x < s.dv; ++x) dsum += double(c.dout32[qat(b, i, h) * s.dv + x]) * out32[qat(b, i, h) * s.dv + x];
-        for (int j = 0; j < s.Lk; ++j) {
-          const double m = krow[j] ? (o.dropout_p > 0.0f ? inv_keep : 1.0) : 0.0;
-          const double p = prow[j];
-          const float* vj = c.v32.data() + kat(b, j, h / group) * s.dv;
-          const float* gi = c.dout32.data() + qat(b, i, h) * s.dv;
-          double dp = 0;
-          for (int x = 0; x < s.dv; ++x) dp += double(gi[x]) * vj[x];
-          const double pd = detail::round_to_bf16(float(p * m));
-          for (int x = 0; x < s.dv; ++x) pv[kat(b, j, h / group) * s.dv + x] += pd * gi[x];
-          const double ds = detail::round_to_bf16(float(scale * p * (dp * m - dsum)));
-          const float* qi = c.q32.data() + qat(b, i, h) * s.d;
-          const float* kj = c.k32.data() + kat(b, j, h / group) * s.d;
-          for (int x = 0; x < s.d; ++x) {
-            pk[kat(b, j, h / group) * s.d + x] += ds * qi[x];
-            pq[qat(b, i, h) * s.d + x] += ds * kj[x];
-          }
-        }
-      }
-  CaseErrors e;
-  auto add = [&](const std::vector<uint16_t>& fused, const std::vector<float>& ref, const std::vector<double>& plain,
-                 const char* what) {
-    for (size_t n = 0; n < ref.size(); ++n) {
-      const double f = bf16_to_f32(fused[n]), r = ref[n], pl = detail::round_to_bf16(float(plain[n]));
-      ASSERT_FALSE(std::isnan(f)) << what << " " << n;
-      e.fused += (f - r) * (f - r);
-      e.plain += (pl - r) * (pl - r);
-    }
-  };
-  add(g.dq, rq, pq, "dq");
-  add(g.dk, rk, pk, "dk");
-  add(g.dv, rv, pv, "dv");
-  return e;
+  return compare_backward_with_reference(c, o, store, g.dq, g.dk, g.dv);
 }
 
 // Parameter: the kernel path ("amx" or "avx512bf16"), forced with ATTN_ISA.

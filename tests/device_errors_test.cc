@@ -102,8 +102,17 @@ TEST(DeviceErrors, DeviceCallsSayWhyTheyCannotRunOrWhatIsMissing) {
   }
   std::vector<uint16_t> grads(c.q.size());
   const TensorView g = c.view(grads).on(kGpu);
-  expect_attn_error([&] { attention_backward(q, k, v, out, c.lse_view().on(kGpu), g, g, g, g); },
-                    "attention_backward: q is on cuda:0, but the CUDA backend has no backward yet");
+  if (!s.unusable.empty()) {
+    expect_attn_error([&] { attention_backward(q, k, v, out, c.lse_view().on(kGpu), g, g, g, g); },
+                      "attention_backward: q is on cuda:0, but " + s.unusable);
+  } else {
+    expect_attn_error([&] { attention_backward(q, k, v, out, c.lse_view().on(kGpu), g, g, g, g.on(Device::cpu())); },
+                      "dv is on cpu but q is on cuda:0");
+  }
+  // A host backward never reads a device gradient.
+  const TensorView hq = c.view(c.q), hk = c.view(c.k), hv = c.view(c.v), hout = c.view(c.out);
+  expect_attn_error([&] { attention_backward(hq, hk, hv, hout, c.lse_view(), hout, g, c.view(grads), c.view(grads)); },
+                    "dq is on cuda:0 but q is on cpu");
 }
 
 TEST(DeviceErrors, CpuOnlyFunctionsNameTheDeviceTensor) {

@@ -1,7 +1,9 @@
 // Shared pieces of the bf16/f16 attention tests (attention_lowp_test.cc for the
-// portable path, attention_amx_test.cc for the AMX kernel): one call's tensors in a
-// storage dtype with their exact f32 twins, the option cases that touch every part of
-// the score path, the shapes, and a guard that forces a kernel path via ATTN_ISA.
+// portable path, attention_amx_test.cc and attention_amx_backward_test.cc for the AMX
+// kernels, cuda/cuda_attention_test.cc for the GPU): one call's tensors in a storage
+// dtype with their exact f32 twins, the option cases that touch every part of the
+// score path, the shapes, the comparisons with the float64 reference under
+// FlashAttention's rule, and a guard that forces a kernel path via ATTN_ISA.
 #pragma once
 
 #include <algorithm>
@@ -240,6 +242,85 @@ inline CaseErrors compare_with_reference(const LowpCall& c, const std::vector<fl
           e.plain += (plain - r) * (plain - r);
         }
       }
+  return e;
+}
+
+/// A kernel's gradients (dq, dk, dv in c's dtype, from c.out, c.lse and c.dout of the
+/// kernel's own forward) against the float64 reference's, with FlashAttention's
+/// yardstick for the backward: a plain implementation with the same rounding (P, dP, D
+/// and dS exact from the rounded inputs; P' and dS rounded to c's dtype before they
+/// multiply; f32-or-better sums; outputs in c's dtype). `o` and `store` are the call's
+/// options (OptionCase::make). Returns the kernel's and the yardstick's squared errors.
+inline CaseErrors compare_backward_with_reference(const LowpCall& c, const AttentionOptions& o, OptionStore& store,
+                                                  const std::vector<uint16_t>& dq, const std::vector<uint16_t>& dk,
+                                                  const std::vector<uint16_t>& dv) {
+  std::vector<float> out32(c.out.size());
+  for (size_t i = 0; i < out32.size(); ++i) out32[i] = c.from(c.out[i]);
+  const AttentionOptions t = f32_twin(o, c, store.twin);
+  std::vector<float> rq(c.q.size()), rk(c.k.size()), rv(c.v.size());
+  attention_backward_reference(c.view32(c.q32, c.Lq, c.Hq, c.d), c.view32(c.k32, c.Lk, c.Hkv, c.d),
+                               c.view32(c.v32, c.Lk, c.Hkv, c.dv), c.view32(out32, c.Lq, c.Hq, c.dv), c.lse_view(),
+                               c.view32(c.dout32, c.Lq, c.Hq, c.dv), c.view32(rq, c.Lq, c.Hq, c.d),
+                               c.view32(rk, c.Lk, c.Hkv, c.d), c.view32(rv, c.Lk, c.Hkv, c.dv), t);
+
+  // P without dropout, and the dropout multipliers.
+  AttentionOptions no_drop = t;
+  no_drop.dropout_p = 0.0f;
+  std::vector<float> ref_out(out32.size()), lse(c.lse.size()), probs(size_t(c.B) * c.Hq * c.Lq * c.Lk);
+  attention_reference(c.view32(c.q32, c.Lq, c.Hq, c.d), c.view32(c.k32, c.Lk, c.Hkv, c.d),
+                      c.view32(c.v32, c.Lk, c.Hkv, c.dv), c.view32(ref_out, c.Lq, c.Hq, c.dv), no_drop,
+                      TensorView(lse.data(), DType::f32, {c.B, c.Hq, c.Lq}),
+                      TensorView(probs.data(), DType::f32, {c.B, c.Hq, c.Lq, c.Lk}));
+  std::vector<uint8_t> keep(probs.size(), 1);
+  if (o.dropout_p > 0.0f) {
+    dropout_mask(TensorView(keep.data(), DType::boolean, {c.B, c.Hq, c.Lq, c.Lk}), o.dropout_p, o.seed);
+  }
+  const double inv_keep = 1.0 / (1.0 - o.dropout_p);
+  const double scale = o.scale ? double(*o.scale) : 1.0 / std::sqrt(double(c.d));
+  auto rounded = [&](double x) { return double(c.from(c.to(float(x)))); };
+
+  std::vector<double> pq(c.q.size()), pk(c.k.size()), pv(c.v.size());
+  const int group = c.Hq / c.Hkv;
+  auto qat = [&](int b, int i, int h) { return ((size_t(b) * c.Lq + i) * c.Hq + h); };
+  auto kat = [&](int b, int j, int hk) { return ((size_t(b) * c.Lk + j) * c.Hkv + hk); };
+  for (int b = 0; b < c.B; ++b)
+    for (int h = 0; h < c.Hq; ++h)
+      for (int i = 0; i < c.Lq; ++i) {
+        const float* prow = probs.data() + ((size_t(b) * c.Hq + h) * c.Lq + i) * c.Lk;
+        const uint8_t* krow = keep.data() + ((size_t(b) * c.Hq + h) * c.Lq + i) * c.Lk;
+        double dsum = 0;
+        for (int x = 0; x < c.dv; ++x) dsum += double(c.dout32[qat(b, i, h) * c.dv + x]) * out32[qat(b, i, h) * c.dv + x];
+        for (int j = 0; j < c.Lk; ++j) {
+          const double m = krow[j] ? (o.dropout_p > 0.0f ? inv_keep : 1.0) : 0.0;
+          const double p = prow[j];
+          const float* vj = c.v32.data() + kat(b, j, h / group) * c.dv;
+          const float* gi = c.dout32.data() + qat(b, i, h) * c.dv;
+          double dp = 0;
+          for (int x = 0; x < c.dv; ++x) dp += double(gi[x]) * vj[x];
+          const double pd = rounded(p * m);
+          for (int x = 0; x < c.dv; ++x) pv[kat(b, j, h / group) * c.dv + x] += pd * gi[x];
+          const double ds = rounded(scale * p * (dp * m - dsum));
+          const float* qi = c.q32.data() + qat(b, i, h) * c.d;
+          const float* kj = c.k32.data() + kat(b, j, h / group) * c.d;
+          for (int x = 0; x < c.d; ++x) {
+            pk[kat(b, j, h / group) * c.d + x] += ds * qi[x];
+            pq[qat(b, i, h) * c.d + x] += ds * kj[x];
+          }
+        }
+      }
+  CaseErrors e;
+  auto add = [&](const std::vector<uint16_t>& fused, const std::vector<float>& ref, const std::vector<double>& plain,
+                 const char* what) {
+    for (size_t n = 0; n < ref.size(); ++n) {
+      const double f = c.from(fused[n]), r = ref[n], pl = rounded(plain[n]);
+      ASSERT_FALSE(std::isnan(f)) << what << " " << n;
+      e.fused += (f - r) * (f - r);
+      e.plain += (pl - r) * (pl - r);
+    }
+  };
+  add(dq, rq, pq, "dq");
+  add(dk, rk, pk, "dk");
+  add(dv, rv, pv, "dv");
   return e;
 }
 

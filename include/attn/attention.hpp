@@ -168,7 +168,9 @@ void attention_reference(const TensorView& q, const TensorView& k, const TensorV
 /// broadcast dimensions, so a learned bias can train. Rows with no visible key get
 /// zero gradients. Dropout uses the forward's decisions (same seed and offset).
 /// Bitwise identical for any number of threads. Throws attn::Error for bad
-/// arguments before writing anything.
+/// arguments before writing anything. On a CUDA device (the tensors' device, as
+/// attention()): asynchronously on q's stream, with the forward's GPU dtypes, head
+/// dims and options (dbias not yet), bitwise reproducible from run to run (no atomics).
 void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
                         const TensorView& out, const TensorView& lse, const TensorView& dout,
                         const TensorView& dq, const TensorView& dk, const TensorView& dv,

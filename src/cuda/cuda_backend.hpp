@@ -31,7 +31,7 @@ struct ForwardParams {
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
-  void* out = nullptr;
+  void* out = nullptr;      // written by the forward, read by the backward
   int64_t q_row = 0, q_head = 0, k_row = 0, k_head = 0, v_row = 0, v_head = 0;
   int64_t out_row = 0, out_head = 0;
   const SeqDesc* seqs_host = nullptr;  // host memory, B entries; copied to the device
@@ -49,7 +49,7 @@ struct ForwardParams {
   const float* add_mask = nullptr;
   int64_t mask_b = 0, mask_h = 0, mask_i = 0, mask_j = 0;
 
-  float* lse = nullptr;                // lse(b, h, i) at seq.lse_offset + h·lse_h + i·lse_i
+  float* lse = nullptr;                // lse(b, h, i) at seq.lse_offset + h·lse_h + i·lse_i (read by the backward)
   int64_t lse_h = 0, lse_i = 0;
 
   // Dropout (keyed exactly as the CPU's: dropout/philox.hpp) at global positions.
@@ -62,11 +62,46 @@ struct ForwardParams {
   void* stream = nullptr;   // cudaStream_t
 };
 
+/// Per sequence of a backward call: offsets (in elements) of row 0, head 0 of dout,
+/// dq, dk and dv.
+struct BackwardSeq {
+  int64_t dout_offset, dq_offset, dk_offset, dv_offset;
+};
+
+/// A gradient tensor as [n0][n1][n2][d] with element strides s0, s1, s2 (the last
+/// dimension contiguous): all of it is zeroed before the kernels add the gradients of
+/// the rows that take part (packed batches have tokens outside every sequence, key
+/// lengths leave keys out).
+struct GradExtent {
+  int64_t n0 = 0, s0 = 0, n1 = 0, s1 = 0, n2 = 0, s2 = 0;
+};
+
+/// Everything one backward call needs: the forward's parameters (whose out and lse
+/// are read here) and the gradients. Semantics are attention_backward()'s.
+struct BackwardParams {
+  ForwardParams fwd;
+  int max_lk = 0;                      // the longest sequence's keys (grid size)
+  const BackwardSeq* bseqs_host = nullptr;  // host memory, fwd.B entries
+  const void* dout = nullptr;
+  int64_t dout_row = 0, dout_head = 0;
+  void* dq = nullptr;
+  int64_t dq_row = 0, dq_head = 0;
+  void* dk = nullptr;
+  int64_t dk_row = 0, dk_head = 0;
+  void* dv = nullptr;
+  int64_t dv_row = 0, dv_head = 0;
+  GradExtent dq_extent, dk_extent, dv_extent;
+};
+
 /// The head dimensions the kernels are compiled for.
 bool supported_head_dim(int d);
 
 /// Runs the fused forward on params.stream (asynchronously). Returns "" or why not.
 std::string forward(const ForwardParams& params);
+
+/// Runs the fused backward (deterministic: no atomics, every sum in a fixed order) on
+/// params.fwd.stream, asynchronously. Returns "" or why not.
+std::string backward(const BackwardParams& params);
 
 /// "" when CUDA device `device` can run the kernels (a driver, the device exists, and
 /// it is sm_80 or newer), else why not.

@@ -1,10 +1,14 @@
-// attention() on a CUDA device (issue 13), against the float64 reference on the host:
+// attention() and attention_backward() on a CUDA device (issue 13), against the float64
+// reference on the host:
 // every option the GPU path has, bf16 and f16, head dims 64/96/128/256 and odd lengths,
 // under FlashAttention's rule (error ≤ 2× that of a plain implementation with the same
 // rounding: bf16/f16 inputs, exact softmax, P rounded before P·V, f32 accumulation),
 // pooled per option with a 10× screen per case. Also varlen and key lengths, fully
 // masked rows, non-finite values of removed keys, dropout drawing the CPU's decisions,
-// user streams, and the GPU path's argument errors.
+// user streams, and the GPU path's argument errors. The backward: the same options and
+// shapes under the backward's form of the rule, bitwise reproducibility, varlen and key
+// lengths (every gradient element written), non-finite numbers where they take no part,
+// rows with huge |lse|, and Precision::bf16.
 //
 // Every test skips, saying why, where no usable GPU is present (cuda_status()).
 #include <cuda_runtime.h>
@@ -257,6 +261,223 @@ TEST_P(CudaForward, ValuesOfRemovedKeysNeverReachAnOutput) {
       }
 }
 
+// ---------------------------------------------------------------------------------
+// The backward.
+
+struct GpuGrads {
+  std::vector<uint16_t> dq, dk, dv;
+};
+
+// Forward and backward of c on the GPU with `host_options` (their tensors copied to
+// the device): c.out and c.lse receive the GPU forward's results; returns the gradients.
+GpuGrads run_gpu_forward_backward(LowpCall& c, const AttentionOptions& host_options) {
+  std::vector<std::unique_ptr<DeviceBuffer>> keep;
+  AttentionOptions o = host_options;
+  o.mask = on_gpu(o.mask, keep);
+  o.alibi_slopes = on_gpu(o.alibi_slopes, keep);
+  o.key_lengths = on_gpu(o.key_lengths, keep);
+  const TensorView q = on_gpu(c.view(c.q, c.Lq, c.Hq, c.d), keep), k = on_gpu(c.view(c.k, c.Lk, c.Hkv, c.d), keep),
+                   v = on_gpu(c.view(c.v, c.Lk, c.Hkv, c.dv), keep),
+                   dout = on_gpu(c.view(c.dout, c.Lq, c.Hq, c.dv), keep);
+  DeviceBuffer out(c.out.size() * 2), lse(c.lse.size() * 4), dq(c.q.size() * 2), dk(c.k.size() * 2),
+      dv(c.v.size() * 2);
+  const TensorView outv = TensorView(out.get(), c.dt, {c.B, c.Lq, c.Hq, c.dv}).on(kGpu),
+                   lsev = TensorView(lse.get(), DType::f32, {c.B, c.Hq, c.Lq}).on(kGpu);
+  attention(q, k, v, outv, o, lsev);
+  attention_backward(q, k, v, outv, lsev, dout, TensorView(dq.get(), c.dt, {c.B, c.Lq, c.Hq, c.d}).on(kGpu),
+                     TensorView(dk.get(), c.dt, {c.B, c.Lk, c.Hkv, c.d}).on(kGpu),
+                     TensorView(dv.get(), c.dt, {c.B, c.Lk, c.Hkv, c.dv}).on(kGpu), o);
+  GpuGrads g;
+  g.dq.resize(c.q.size()), g.dk.resize(c.k.size()), g.dv.resize(c.v.size());
+  out.to_host(c.out);
+  lse.to_host(c.lse);
+  dq.to_host(g.dq);
+  dk.to_host(g.dk);
+  dv.to_host(g.dv);
+  return g;
+}
+
+// The CPU backward (the tested CPU kernels) on the same inputs and the same forward
+// results (c.out, c.lse), in c's dtype.
+GpuGrads run_cpu_backward(const LowpCall& c, const AttentionOptions& o) {
+  GpuGrads g;
+  g.dq.resize(c.q.size()), g.dk.resize(c.k.size()), g.dv.resize(c.v.size());
+  attention_backward(c.view(c.q, c.Lq, c.Hq, c.d), c.view(c.k, c.Lk, c.Hkv, c.d), c.view(c.v, c.Lk, c.Hkv, c.dv),
+                     c.view(c.out, c.Lq, c.Hq, c.dv), c.lse_view(), c.view(c.dout, c.Lq, c.Hq, c.dv),
+                     c.view(g.dq, c.Lq, c.Hq, c.d), c.view(g.dk, c.Lk, c.Hkv, c.d), c.view(g.dv, c.Lk, c.Hkv, c.dv), o);
+  return g;
+}
+
+// Largest |gpu − cpu| / max(1, |cpu|) over a gradient; ∞ where one is NaN and the
+// other not, or where one is finite and the other not.
+double relative_difference(const LowpCall& c, const std::vector<uint16_t>& gpu, const std::vector<uint16_t>& cpu) {
+  double worst = 0;
+  for (size_t i = 0; i < gpu.size(); ++i) {
+    const double a = c.from(gpu[i]), b = c.from(cpu[i]);
+    if (std::isfinite(a) != std::isfinite(b)) return INFINITY;
+    if (std::isfinite(a)) worst = std::max(worst, std::fabs(a - b) / std::max(1.0, std::fabs(b)));
+  }
+  return worst;
+}
+
+void expect_close_to_cpu(const LowpCall& c, const GpuGrads& gpu, const GpuGrads& cpu, const std::string& what) {
+  EXPECT_LT(relative_difference(c, gpu.dq, cpu.dq), 0.05) << what << ": dq";
+  EXPECT_LT(relative_difference(c, gpu.dk, cpu.dk), 0.05) << what << ": dk";
+  EXPECT_LT(relative_difference(c, gpu.dv, cpu.dv), 0.05) << what << ": dv";
+}
+
+class CudaBackward : public ::testing::TestWithParam<DType> {};
+INSTANTIATE_TEST_SUITE_P(Dtypes, CudaBackward, ::testing::Values(DType::bf16, DType::f16),
+                         [](const ::testing::TestParamInfo<DType>& i) { return std::string(dtype_name(i.param)); });
+
+TEST_P(CudaBackward, EveryOptionWithinTwiceThePlainError) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng = make_rng(1311);
+  for (const OptionCase& oc : gpu_option_cases()) {
+    ExpectWithinPlainBf16Error(kGpuShapes, oc, [&](const Shape& s) {
+      LowpCall c(GetParam(), s.B, s.Lq, s.Lk, s.Hq, s.Hkv, s.d, s.dv, rng);
+      OptionStore store;
+      const AttentionOptions o = oc.make(store, c, rng);
+      const GpuGrads g = run_gpu_forward_backward(c, o);
+      return compare_backward_with_reference(c, o, store, g.dq, g.dk, g.dv);
+    });
+  }
+}
+
+TEST_P(CudaBackward, IsBitwiseReproducible) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng = make_rng(1312);
+  LowpCall c(GetParam(), 2, 300, 513, 8, 2, 128, 128, rng);
+  AttentionOptions o;
+  o.causal = Causal::BottomRight;
+  o.dropout_p = 0.1f;
+  o.seed = 9;
+  const GpuGrads a = run_gpu_forward_backward(c, o), b = run_gpu_forward_backward(c, o);
+  EXPECT_EQ(a.dq, b.dq);
+  EXPECT_EQ(a.dk, b.dk);
+  EXPECT_EQ(a.dv, b.dv);
+}
+
+TEST_P(CudaBackward, VarlenAndKeyLengthsAgreeWithTheCpuAndZeroTheRest) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng = make_rng(1313);
+  // Packed: sequences of 1, 17, 0, 130 queries over 5, 200, 3, 130 keys; the last two
+  // query tokens and three key tokens belong to no sequence.
+  const int tq = 150, tk = 341, H = 4, Hkv = 2, d = 64;
+  std::vector<int32_t> cu_q{0, 1, 18, 18, 148}, cu_k{0, 5, 205, 208, 338};
+  LowpCall c(GetParam(), 1, tq, tk, H, Hkv, d, d, rng);
+  auto packed = [&](std::vector<uint16_t>& x, int L, int heads) { return TensorView(x.data(), c.dt, {L, heads, d}); };
+  for (Causal causal : {Causal::None, Causal::BottomRight}) {
+    AttentionOptions o;
+    o.cu_seqlens_q = TensorView(cu_q.data(), DType::i32, {5});
+    o.cu_seqlens_k = TensorView(cu_k.data(), DType::i32, {5});
+    o.causal = causal;
+    std::vector<float> lse(size_t(H) * tq);
+    const TensorView lse_host(lse.data(), DType::f32, {H, tq});
+    attention(packed(c.q, tq, H), packed(c.k, tk, Hkv), packed(c.v, tk, Hkv), packed(c.out, tq, H), o, lse_host);
+    GpuGrads cpu, gpu;
+    cpu.dq.resize(c.q.size()), cpu.dk.resize(c.k.size()), cpu.dv.resize(c.v.size());
+    gpu.dq.assign(c.q.size(), c.to(NAN)), gpu.dk.assign(c.k.size(), c.to(NAN)), gpu.dv.assign(c.v.size(), c.to(NAN));
+    attention_backward(packed(c.q, tq, H), packed(c.k, tk, Hkv), packed(c.v, tk, Hkv), packed(c.out, tq, H), lse_host,
+                       packed(c.dout, tq, H), packed(cpu.dq, tq, H), packed(cpu.dk, tk, Hkv), packed(cpu.dv, tk, Hkv),
+                       o);
+    std::vector<std::unique_ptr<DeviceBuffer>> keep;
+    AttentionOptions od = o;
+    od.cu_seqlens_q = on_gpu(o.cu_seqlens_q, keep);
+    od.cu_seqlens_k = on_gpu(o.cu_seqlens_k, keep);
+    // The gradients start as NaN on the device too: the backward must write every element.
+    const TensorView dq = on_gpu(packed(gpu.dq, tq, H), keep), dk = on_gpu(packed(gpu.dk, tk, Hkv), keep),
+                     dv = on_gpu(packed(gpu.dv, tk, Hkv), keep);
+    attention_backward(on_gpu(packed(c.q, tq, H), keep), on_gpu(packed(c.k, tk, Hkv), keep),
+                       on_gpu(packed(c.v, tk, Hkv), keep), on_gpu(packed(c.out, tq, H), keep), on_gpu(lse_host, keep),
+                       on_gpu(packed(c.dout, tq, H), keep), dq, dk, dv, od);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(gpu.dq.data(), dq.data(), gpu.dq.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(gpu.dk.data(), dk.data(), gpu.dk.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(gpu.dv.data(), dv.data(), gpu.dv.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    expect_close_to_cpu(c, gpu, cpu, "varlen causal=" + std::to_string(int(causal)));
+    for (size_t i = size_t(148) * H * d; i < gpu.dq.size(); ++i) ASSERT_EQ(c.from(gpu.dq[i]), 0.0f) << i;
+    for (size_t i = size_t(338) * Hkv * d; i < gpu.dk.size(); ++i) ASSERT_EQ(c.from(gpu.dk[i]), 0.0f) << i;
+  }
+  // Padded batch with key lengths 0 (every row fully masked), 1 and 90.
+  LowpCall p(GetParam(), 3, 40, 90, 2, 1, 128, 128, rng);
+  std::vector<int32_t> lengths{0, 1, 90};
+  AttentionOptions o;
+  o.key_lengths = TensorView(lengths.data(), DType::i32, {3});
+  o.causal = Causal::BottomRight;
+  o.window = {7, 0};
+  const GpuGrads gpu = run_gpu_forward_backward(p, o);
+  expect_close_to_cpu(p, gpu, run_cpu_backward(p, o), "key lengths");
+  for (int x = 0; x < 90 * 128; ++x) ASSERT_EQ(p.from(gpu.dk[x]), 0.0f) << "sequence 0 has no keys";
+}
+
+TEST_P(CudaBackward, NonFiniteNumbersWhereTheyTakeNoPartNeverReachAGradient) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng = make_rng(1314);
+  const int Lq = 70, Lk = 90, d = 64;
+  LowpCall c(GetParam(), 1, Lq, Lk, 2, 1, d, d, rng);
+  c.k[80 * d + 3] = c.to(NAN);       // keys 80 and 85: beyond every row's band
+  c.v[85 * d + 5] = c.to(INFINITY);
+  // Row 9 sees no key (its mask row is all false): its q and dO may hold anything.
+  std::vector<uint8_t> mask(size_t(Lq) * Lk, 1);
+  for (int j = 0; j < Lk; ++j) mask[9 * Lk + j] = 0;
+  for (int h = 0; h < 2; ++h) {
+    c.q[(9 * 2 + h) * d + 1] = c.to(NAN);
+    c.dout[(9 * 2 + h) * d + 2] = c.to(-INFINITY);
+  }
+  AttentionOptions o;
+  o.causal = Causal::TopLeft;
+  o.mask = TensorView(mask.data(), DType::boolean, {Lq, Lk});
+  const GpuGrads gpu = run_gpu_forward_backward(c, o);
+  for (const auto* g : {&gpu.dq, &gpu.dk, &gpu.dv}) {
+    for (uint16_t x : *g) ASSERT_TRUE(std::isfinite(c.from(x)));
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int x = 0; x < d; ++x) EXPECT_EQ(c.from(gpu.dq[(9 * 2 + h) * d + x]), 0.0f) << "row 9 sees no key";
+  expect_close_to_cpu(c, gpu, run_cpu_backward(c, o), "non-finite");
+}
+
+TEST_P(CudaBackward, RowsWithHugeLseGetTheirStatisticsRecomputed) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng = make_rng(1315);
+  const int L = 80, d = 64;
+  LowpCall c(GetParam(), 1, L, L, 2, 2, d, d, rng);
+  std::vector<float> mask(size_t(L) * L, 0.0f);
+  for (int j = 0; j < L; ++j) mask[3 * L + j] = -1e9f, mask[50 * L + j] = -3.0e38f;  // rows 3 and 50
+  AttentionOptions o;
+  o.mask = TensorView(mask.data(), DType::f32, {L, L});
+  const GpuGrads gpu = run_gpu_forward_backward(c, o);
+  expect_close_to_cpu(c, gpu, run_cpu_backward(c, o), "huge lse");
+}
+
+TEST(CudaBackwardPrecision, Bf16PrecisionForF32InputsIsTheBf16KernelWithAnF32Output) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng = make_rng(1316);
+  const int B = 1, L = 77, H = 2, d = 96;
+  LowpCall c(DType::bf16, B, L, L, H, H, d, d, rng);
+  AttentionOptions o;
+  o.causal = Causal::TopLeft;
+  const GpuGrads g = run_gpu_forward_backward(c, o);
+  // The same call on f32 tensors holding the bf16 values (out too), Precision::bf16.
+  std::vector<float> out32(c.out.size()), dq(c.q.size()), dk(c.k.size()), dv(c.v.size());
+  for (size_t i = 0; i < out32.size(); ++i) out32[i] = bf16_to_f32(c.out[i]);
+  o.precision = Precision::bf16;
+  std::vector<std::unique_ptr<DeviceBuffer>> keep;
+  auto dev32 = [&](const std::vector<float>& x) {
+    return on_gpu(TensorView(x.data(), DType::f32, {B, L, H, d}), keep);
+  };
+  const TensorView gq = dev32(dq), gk = dev32(dk), gv = dev32(dv);
+  attention_backward(dev32(c.q32), dev32(c.k32), dev32(c.v32), dev32(out32), on_gpu(c.lse_view(), keep),
+                     dev32(c.dout32), gq, gk, gv, o);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dq.data(), gq.data(), dq.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dk.data(), gk.data(), dk.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dv.data(), gv.data(), dv.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (size_t i = 0; i < dq.size(); ++i) ASSERT_EQ(f32_to_bf16(dq[i]), g.dq[i]) << "dq " << i;
+  for (size_t i = 0; i < dk.size(); ++i) ASSERT_EQ(f32_to_bf16(dk[i]), g.dk[i]) << "dk " << i;
+  for (size_t i = 0; i < dv.size(); ++i) ASSERT_EQ(f32_to_bf16(dv[i]), g.dv[i]) << "dv " << i;
+}
+
 TEST(CudaStreams, RunsOnTheStreamOfQ) {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng = make_rng(1307);
@@ -292,6 +513,14 @@ TEST(CudaErrors, UnsupportedShapesAndOptionsAreNamed) {
   AttentionOptions o;
   o.mask = on_gpu(TensorView(mask.data(), DType::bf16, {5, 5}), keep);
   expect_attn_error([&] { attention(q64, q64, q64, o64, o); }, "options.mask on a CUDA device must be f32 or bool");
+  std::vector<float> lse(5), fmask(25), dbias(25);
+  o = {};
+  o.mask = on_gpu(TensorView(fmask.data(), DType::f32, {5, 5}), keep);
+  const TensorView lse_d = on_gpu(TensorView(lse.data(), DType::f32, {1, 1, 5}), keep);
+  expect_attn_error([&] {
+    attention_backward(q64, q64, q64, o64, lse_d, o64, o64, o64, o64, o,
+                       on_gpu(TensorView(dbias.data(), DType::f32, {5, 5}), keep));
+  }, "dbias (the mask's gradient) is not supported on CUDA devices yet");
 }
 
 }  // namespace

@@ -1,0 +1,563 @@
+// The fused attention backward on NVIDIA GPUs (sm_80 and newer): FlashAttention-2's
+// recomputation of P from lse, on mma.sync.m16n8k16 (bf16 or f16 operands, f32
+// accumulation), deterministic by construction: no atomics, and every gradient
+// element is summed by one thread block in a fixed order.
+//
+//   prep    per query row: D = rowsum(dO ∘ O), and the softmax statistics (m, 1/l)
+//           P is recomputed with: (lse, 1), or recomputed from the scores for rows
+//           whose |lse| is so large that f32 rounding of lse would distort P.
+//   dq      per block of 64 query rows, over the key tiles of their band:
+//           S = Q·Kᵀ → P, dP = dO·Vᵀ, dS = P ∘ (dP' − D) (∘ softcap'),
+//           dQ += scale·dS·K.
+//   dkdv    per block of 64 keys, over every query head of their kv group and the
+//           query tiles whose band reaches them: Sᵀ = K·Qᵀ → Pᵀ, dPᵀ = V·dOᵀ,
+//           dV += P'ᵀ·dO, dK += scale·dSᵀ·Q.
+// Splitting dQ from dK/dV recomputes S and dP once more (FlashAttention-2 instead adds
+// dQ with atomics, whose order, and so whose rounding, varies from run to run); it
+// makes the backward bitwise reproducible, as attn's CPU backward.
+//
+// Semantics, as the CPU backward (cpu/attention_backward.cc):
+//   - a key removed for a row (band, mask, key length) has P = 0 and dS = 0, whatever
+//     its scores, values or dO hold; a tile whose other operand (K for dQ, Q for dK,
+//     dO for dV) holds a NaN or ±∞ is multiplied element by element skipping the
+//     zeros, where the tensor cores would give 0·∞ = NaN;
+//   - rows with no visible key (lse = −∞) get zero gradients and add nothing;
+//   - dropout: P' = P·Z/(1 − p) and dP' = dP·Z/(1 − p), with the forward's decisions Z;
+//   - rows and keys outside every sequence (packed batches, key lengths) get zero
+//     gradients.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "cuda/cuda_backend.hpp"
+#include "cuda/cuda_check.hpp"
+#include "cuda/mma_fragments.cuh"
+#include "cuda/score_mods.cuh"
+
+namespace attn::cuda {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kBlockRows = kWarps * 16;  // query rows of a dq block, keys of a dkdv block
+constexpr float kLog2e = 1.4426950408889634f;
+
+/// |lse| from which the prep kernel recomputes a row's max and sum (the CPU
+/// backward's threshold): f32 rounds lse by up to |lse|·2⁻²⁴, which P = e^(S − lse)
+/// inherits as a relative error. Only rows whose every key carries a huge finite mask
+/// get there.
+constexpr float kLseRecompute = 128.0f;
+
+/// Per query row (b, h, i) at ((b·Hq + h)·max_lq + i): D and the statistics of P.
+struct RowStats {
+  float* dsum = nullptr;
+  float* m = nullptr;      // P = e^(S − m) · inv_l; −∞ for a row with no visible key
+  float* inv_l = nullptr;
+  int max_lq = 0;
+  __device__ int64_t at(int Hq, int b, int h, int i) const {
+    return (int64_t{b} * Hq + h) * max_lq + i;
+  }
+};
+
+/// P of one score from its row's statistics: exact 0 for a removed key (−∞) and for
+/// a row with no visible key.
+__device__ __forceinline__ float probability(float x, float m, float inv_l) {
+  if (x == -INFINITY || m == -INFINITY) return 0.0f;
+  return exp2f((x - m) * kLog2e) * inv_l;
+}
+
+/// dS of one score: P ∘ (dP' − D) ∘ softcap'; exactly 0 where P is (a removed key
+/// contributes nothing, even where its dP is NaN or ±∞).
+__device__ __forceinline__ float score_gradient(float pr, float dp, float keep, float dsum, float cap_grad) {
+  return pr == 0.0f ? 0.0f : pr * cap_grad * (dp * keep - dsum);
+}
+
+template <class In>
+__global__ void zero_kernel(In* ptr, GradExtent e, int d) {
+  const int64_t total = e.n0 * e.n1 * e.n2 * d;
+  for (int64_t x = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; x < total; x += int64_t{gridDim.x} * blockDim.x) {
+    int64_t r = x;
+    const int64_t c = r % d;
+    r /= d;
+    const int64_t i2 = r % e.n2;
+    r /= e.n2;
+    const int64_t i1 = r % e.n1, i0 = r / e.n1;
+    ptr[i0 * e.s0 + i1 * e.s1 + i2 * e.s2 + c] = from_float<In>(0.0f);
+  }
+}
+
+// One warp per query row: D, and the statistics of P.
+template <class T, class In>
+__global__ void __launch_bounds__(kThreads)
+    backward_prep_kernel(BackwardParams bp, const SeqDesc* seqs, const BackwardSeq* bseqs, RowStats st) {
+  const ForwardParams& p = bp.fwd;
+  const int b = blockIdx.z, h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const SeqDesc s = seqs[b];
+  const int i = blockIdx.x * kWarps + warp;
+  if (i >= s.Lq) return;
+  const In* o = static_cast<const In*>(p.out) + s.out_offset + int64_t{h} * p.out_head + int64_t{i} * p.out_row;
+  const In* g = static_cast<const In*>(bp.dout) + bseqs[b].dout_offset + int64_t{h} * bp.dout_head +
+                int64_t{i} * bp.dout_row;
+  float dsum = 0.0f;
+  for (int c = lane; c < p.d; c += 32) dsum += to_float(o[c]) * to_float(g[c]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) dsum += __shfl_xor_sync(0xffffffffu, dsum, off);
+
+  const float lse = p.lse[s.lse_offset + int64_t{h} * p.lse_h + int64_t{i} * p.lse_i];
+  float m = lse, inv_l = 1.0f;
+  if (isfinite(lse) && fabsf(lse) >= kLseRecompute) {
+    // The forward's max and sum again, from the same rounded operands: lanes take
+    // every 32nd key, then the warp combines its partial (max, sum) pairs.
+    const int hk = h / (p.Hq / p.Hkv);
+    const In* q = static_cast<const In*>(p.q) + s.q_offset + int64_t{h} * p.q_head + int64_t{i} * p.q_row;
+    const In* k = static_cast<const In*>(p.k) + s.k_offset + int64_t{hk} * p.k_head;
+    const Band band = band_of_row(p, s, i);
+    const float slope = alibi_slope(p, b, h);
+    float mx = -INFINITY, sum = 0.0f;
+    for (int64_t j = max(int64_t{0}, band.lo) + lane; j <= min(int64_t{s.Lk} - 1, band.hi); j += 32) {
+      float raw = 0.0f;
+      for (int c = 0; c < p.d; ++c) {
+        raw += to_float(load_operand<T>(q + c)) * to_float(load_operand<T>(k + j * p.k_row + c));
+      }
+      const float x = modified_score(p, s, b, h, slope, i, j, band, raw);
+      if (x == -INFINITY) continue;
+      if (x > mx) {
+        sum = sum * exp2f((mx - x) * kLog2e) + 1.0f;
+        mx = x;
+      } else {
+        sum += exp2f((x - mx) * kLog2e);
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float omx = __shfl_xor_sync(0xffffffffu, mx, off), osum = __shfl_xor_sync(0xffffffffu, sum, off);
+      const float nm = fmaxf(mx, omx);
+      if (nm != -INFINITY) sum = sum * exp2f((mx - nm) * kLog2e) + osum * exp2f((omx - nm) * kLog2e);
+      mx = nm;
+    }
+    if (mx != -INFINITY) m = mx, inv_l = 1.0f / sum;
+  }
+  if (lane == 0) {
+    const int64_t at = st.at(p.Hq, b, h, i);
+    st.dsum[at] = dsum, st.m[at] = m, st.inv_l[at] = inv_l;
+  }
+}
+
+// dQ of 64 query rows (4 warps × 16) of one (sequence, head), over Bc-key tiles.
+template <class T, class In, int D, int Bc>
+__global__ void __launch_bounds__(kThreads)
+    backward_dq_kernel(BackwardParams bp, const SeqDesc* seqs, const BackwardSeq* bseqs, RowStats st) {
+  constexpr int LD = D + 8;
+  constexpr int kNt = Bc / 8, kKt = D / 16, kDt = D / 8;
+  const ForwardParams& p = bp.fwd;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* q_s = reinterpret_cast<T*>(smem_raw);
+  T* do_s = q_s + kBlockRows * LD;
+  T* k_s = do_s + kBlockRows * LD;
+  T* v_s = k_s + Bc * LD;
+  float* pw_s = reinterpret_cast<float*>(v_s + Bc * LD);  // [kWarps][16][Bc], the gated path's dS
+
+  const int b = blockIdx.z, h = blockIdx.y;
+  const SeqDesc s = seqs[b];
+  const int q0 = blockIdx.x * kBlockRows;
+  if (q0 >= s.Lq) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int hk = h / (p.Hq / p.Hkv);
+  const In* q = static_cast<const In*>(p.q) + s.q_offset + int64_t{h} * p.q_head;
+  const In* k = static_cast<const In*>(p.k) + s.k_offset + int64_t{hk} * p.k_head;
+  const In* v = static_cast<const In*>(p.v) + s.v_offset + int64_t{hk} * p.v_head;
+  const In* dout = static_cast<const In*>(bp.dout) + bseqs[b].dout_offset + int64_t{h} * bp.dout_head;
+  load_rows<T, In, D, LD, kThreads>(q_s, q, p.q_row, q0, kBlockRows, s.Lq, false);
+  load_rows<T, In, D, LD, kThreads>(do_s, dout, bp.dout_row, q0, kBlockRows, s.Lq, false);
+
+  const int row_a = q0 + warp * 16 + g, row_b = row_a + 8;
+  const Band band_a = band_of_row(p, s, row_a), band_b = band_of_row(p, s, row_b);
+  const int last_row = min(q0 + kBlockRows, s.Lq) - 1;
+  const int64_t key_lo = max(int64_t{0}, band_of_row(p, s, q0).lo);
+  const int64_t key_hi = min(int64_t{s.Lk} - 1, band_of_row(p, s, last_row).hi);
+  auto stats = [&](int i, float& m, float& inv_l, float& dsum) {
+    if (i < s.Lq) {
+      const int64_t at = st.at(p.Hq, b, h, i);
+      m = st.m[at], inv_l = st.inv_l[at], dsum = st.dsum[at];
+    } else {
+      m = -INFINITY, inv_l = 0.0f, dsum = 0.0f;
+    }
+  };
+  float m_a, il_a, ds_a, m_b, il_b, ds_b;
+  stats(row_a, m_a, il_a, ds_a);
+  stats(row_b, m_b, il_b, ds_b);
+  const float slope = alibi_slope(p, b, h);
+  const bool dropout = p.dropout_p > 0.0f;
+  const detail::DropoutRng rng = dropout_rng(p);
+  const float keep_scale = 1.0f / (1.0f - p.dropout_p);
+
+  float dq[kDt][4];
+#pragma unroll
+  for (int n = 0; n < kDt; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
+  const T* q_w = q_s + warp * 16 * LD;
+  const T* do_w = do_s + warp * 16 * LD;
+
+  for (int64_t j0 = key_lo <= key_hi ? (key_lo / Bc) * Bc : 1; j0 <= key_hi; j0 += Bc) {
+    const bool k_bad = load_rows<T, In, D, LD, kThreads>(k_s, k, p.k_row, static_cast<int>(j0), Bc, s.Lk, true);
+    load_rows<T, In, D, LD, kThreads>(v_s, v, p.v_row, static_cast<int>(j0), Bc, s.Lk, false);
+    const bool gated = __syncthreads_or(k_bad);
+
+    // dP = dO·Vᵀ and S = Q·Kᵀ, 16 rows × Bc keys each.
+    float dp[kNt][4], sc[kNt][4];
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[nt][e] = sc[nt][e] = 0.0f;
+#pragma unroll
+      for (int kt = 0; kt < kKt; ++kt) {
+        uint32_t a[4], b0, b1;
+        a_fragment<T, LD>(do_w, kt, a);
+        b_fragment_rows<T, LD>(v_s, nt, kt, b0, b1);
+        mma16816<T>(dp[nt], a, b0, b1);
+        a_fragment<T, LD>(q_w, kt, a);
+        b_fragment_rows<T, LD>(k_s, nt, kt, b0, b1);
+        mma16816<T>(sc[nt], a, b0, b1);
+      }
+    }
+
+    // dS, in place of S.
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int i = rr == 0 ? row_a : row_b;
+        const int64_t j = j0 + nt * 8 + 2 * t;
+        bool keep0 = true, keep1 = true;
+        if (dropout) dropout_keep_pair(rng, p, b, h, i, j, keep0, keep1);
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int e = 2 * rr + c;
+          float cap_grad;
+          const float x = modified_score(p, s, b, h, slope, i, j + c, rr == 0 ? band_a : band_b, sc[nt][e], &cap_grad);
+          const float pr = rr == 0 ? probability(x, m_a, il_a) : probability(x, m_b, il_b);
+          const float keep = !dropout ? 1.0f : (c == 0 ? keep0 : keep1) ? keep_scale : 0.0f;
+          sc[nt][e] = score_gradient(pr, dp[nt][e], keep, rr == 0 ? ds_a : ds_b, cap_grad);
+        }
+      }
+    }
+
+    // dQ += dS·K (scaled once at the end).
+    if (!gated) {
+#pragma unroll
+      for (int kk = 0; kk < Bc / 16; ++kk) {
+        uint32_t a[4];
+        a_from_accumulator<T>(sc, kk, a);
+#pragma unroll
+        for (int n = 0; n < kDt; ++n) {
+          uint32_t b0, b1;
+          b_fragment_cols<T, LD>(k_s, kk, n, b0, b1);
+          mma16816<T>(dq[n], a, b0, b1);
+        }
+      }
+    } else {
+      float* pw = pw_s + warp * 16 * Bc;
+      store_rounded<T, Bc>(sc, pw);
+      gated_accumulate<T, LD, kDt, Bc>(dq, pw, k_s);
+    }
+    __syncthreads();  // before the next tile overwrites K and V
+  }
+
+  In* dq_out = static_cast<In*>(bp.dq) + bseqs[b].dq_offset + int64_t{h} * bp.dq_head;
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int i = rr == 0 ? row_a : row_b;
+    if (i >= s.Lq) continue;
+    In* row = dq_out + int64_t{i} * bp.dq_row;
+#pragma unroll
+    for (int n = 0; n < kDt; ++n) {
+      const int col = n * 8 + 2 * t;
+      row[col] = from_float<In>(p.scale * dq[n][2 * rr]);
+      row[col + 1] = from_float<In>(p.scale * dq[n][2 * rr + 1]);
+    }
+  }
+}
+
+/// The first query row whose band reaches key j0 (hi ≥ j0), and the last whose band
+/// starts at or before key j1 (lo ≤ j1): the rows a key block can get gradient from.
+/// Both bounds never decrease with the row, so a binary search finds each.
+__device__ __forceinline__ void rows_reaching(const ForwardParams& p, const SeqDesc& s, int64_t j0, int64_t j1,
+                                              int& first, int& last) {
+  int lo = 0, hi = s.Lq;  // first: smallest i with band.hi ≥ j0, or Lq
+  while (lo < hi) {
+    const int mid = lo + (hi - lo) / 2;
+    if (band_of_row(p, s, mid).hi >= j0) hi = mid; else lo = mid + 1;
+  }
+  first = lo;
+  lo = -1, hi = s.Lq - 1;  // last: largest i with band.lo ≤ j1, or −1
+  while (lo < hi) {
+    const int mid = hi - (hi - lo) / 2;
+    if (band_of_row(p, s, mid).lo <= j1) lo = mid; else hi = mid - 1;
+  }
+  last = lo;
+}
+
+// dK and dV of 64 keys (4 warps × 16) of one (sequence, kv head), over every query
+// head of the group and the Br-row query tiles whose band reaches them.
+template <class T, class In, int D, int Br>
+__global__ void __launch_bounds__(kThreads)
+    backward_dkdv_kernel(BackwardParams bp, const SeqDesc* seqs, const BackwardSeq* bseqs, RowStats st) {
+  constexpr int LD = D + 8;
+  constexpr int kNt = Br / 8, kKt = D / 16, kDt = D / 8;
+  const ForwardParams& p = bp.fwd;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* k_s = reinterpret_cast<T*>(smem_raw);
+  T* v_s = k_s + kBlockRows * LD;
+  T* q_s = v_s + kBlockRows * LD;
+  T* do_s = q_s + Br * LD;
+  float* pw_s = reinterpret_cast<float*>(do_s + Br * LD);  // [kWarps][16][Br], the gated path's P' or dS
+  float* m_s = pw_s + kWarps * 16 * Br;                    // [Br] statistics of the tile's rows
+  float* il_s = m_s + Br;
+  float* dsum_s = il_s + Br;
+
+  const int b = blockIdx.z, hk = blockIdx.y;
+  const SeqDesc s = seqs[b];
+  const int j0 = blockIdx.x * kBlockRows;
+  if (j0 >= s.Lk) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int group = p.Hq / p.Hkv;
+  const In* k = static_cast<const In*>(p.k) + s.k_offset + int64_t{hk} * p.k_head;
+  const In* v = static_cast<const In*>(p.v) + s.v_offset + int64_t{hk} * p.v_head;
+  load_rows<T, In, D, LD, kThreads>(k_s, k, p.k_row, j0, kBlockRows, s.Lk, false);
+  load_rows<T, In, D, LD, kThreads>(v_s, v, p.v_row, j0, kBlockRows, s.Lk, false);
+  // (The first barrier of the loop below orders these stores before their reads.)
+
+  const int key_a = j0 + warp * 16 + g, key_b = key_a + 8;
+  int row_first, row_last;
+  rows_reaching(p, s, j0, min(j0 + kBlockRows, s.Lk) - 1, row_first, row_last);
+  const bool dropout = p.dropout_p > 0.0f;
+  const detail::DropoutRng rng = dropout_rng(p);
+  const float keep_scale = 1.0f / (1.0f - p.dropout_p);
+  const T* k_w = k_s + warp * 16 * LD;
+  const T* v_w = v_s + warp * 16 * LD;
+
+  float dk[kDt][4], dv[kDt][4];
+#pragma unroll
+  for (int n = 0; n < kDt; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
+  }
+
+  for (int h = hk * group; h < (hk + 1) * group; ++h) {
+    const float slope = alibi_slope(p, b, h);
+    const In* q = static_cast<const In*>(p.q) + s.q_offset + int64_t{h} * p.q_head;
+    const In* dout = static_cast<const In*>(bp.dout) + bseqs[b].dout_offset + int64_t{h} * bp.dout_head;
+    for (int i0 = row_first <= row_last ? (row_first / Br) * Br : 1; i0 <= row_last; i0 += Br) {
+      const bool q_bad = load_rows<T, In, D, LD, kThreads>(q_s, q, p.q_row, i0, Br, s.Lq, true);
+      const bool do_bad = load_rows<T, In, D, LD, kThreads>(do_s, dout, bp.dout_row, i0, Br, s.Lq, true);
+      for (int r = threadIdx.x; r < Br; r += kThreads) {
+        const int i = i0 + r;
+        if (i < s.Lq) {
+          const int64_t at = st.at(p.Hq, b, h, i);
+          m_s[r] = st.m[at], il_s[r] = st.inv_l[at], dsum_s[r] = st.dsum[at];
+        } else {
+          m_s[r] = -INFINITY, il_s[r] = 0.0f, dsum_s[r] = 0.0f;
+        }
+      }
+      const bool gated_dk = __syncthreads_or(q_bad);
+      const bool gated_dv = __syncthreads_or(do_bad);
+
+      // dPᵀ = V·dOᵀ and Sᵀ = K·Qᵀ: 16 keys × Br rows each.
+      float dp[kNt][4], sc[kNt][4];
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[nt][e] = sc[nt][e] = 0.0f;
+#pragma unroll
+        for (int kt = 0; kt < kKt; ++kt) {
+          uint32_t a[4], b0, b1;
+          a_fragment<T, LD>(v_w, kt, a);
+          b_fragment_rows<T, LD>(do_s, nt, kt, b0, b1);
+          mma16816<T>(dp[nt], a, b0, b1);
+          a_fragment<T, LD>(k_w, kt, a);
+          b_fragment_rows<T, LD>(q_s, nt, kt, b0, b1);
+          mma16816<T>(sc[nt], a, b0, b1);
+        }
+      }
+
+      // P' (in sc) and dS (in dp), element (key, row) at (e < 2 ? key_a : key_b,
+      // i0 + 8·nt + 2t + (e & 1)).
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = nt * 8 + 2 * t + (e & 1);
+          const int i = i0 + r;
+          const int64_t j = e < 2 ? key_a : key_b;
+          float cap_grad;
+          const float x = modified_score(p, s, b, h, slope, i, j, band_of_row(p, s, i), sc[nt][e], &cap_grad);
+          const float pr = probability(x, m_s[r], il_s[r]);
+          const float keep = !dropout ? 1.0f : dropout_keep(rng, p, b, h, i, j) ? keep_scale : 0.0f;
+          dp[nt][e] = score_gradient(pr, dp[nt][e], keep, dsum_s[r], cap_grad);
+          sc[nt][e] = pr * keep;
+        }
+      }
+
+      // dV += P'ᵀ·dO and dK += dSᵀ·Q (scaled once at the end).
+      if (!gated_dv) {
+#pragma unroll
+        for (int kk = 0; kk < Br / 16; ++kk) {
+          uint32_t a[4];
+          a_from_accumulator<T>(sc, kk, a);
+#pragma unroll
+          for (int n = 0; n < kDt; ++n) {
+            uint32_t b0, b1;
+            b_fragment_cols<T, LD>(do_s, kk, n, b0, b1);
+            mma16816<T>(dv[n], a, b0, b1);
+          }
+        }
+      } else {
+        float* pw = pw_s + warp * 16 * Br;
+        store_rounded<T, Br>(sc, pw);
+        gated_accumulate<T, LD, kDt, Br>(dv, pw, do_s);
+      }
+      if (!gated_dk) {
+#pragma unroll
+        for (int kk = 0; kk < Br / 16; ++kk) {
+          uint32_t a[4];
+          a_from_accumulator<T>(dp, kk, a);
+#pragma unroll
+          for (int n = 0; n < kDt; ++n) {
+            uint32_t b0, b1;
+            b_fragment_cols<T, LD>(q_s, kk, n, b0, b1);
+            mma16816<T>(dk[n], a, b0, b1);
+          }
+        }
+      } else {
+        float* pw = pw_s + warp * 16 * Br;
+        store_rounded<T, Br>(dp, pw);
+        gated_accumulate<T, LD, kDt, Br>(dk, pw, q_s);
+      }
+      __syncthreads();  // before the next tile overwrites Q, dO and the statistics
+    }
+  }
+
+  In* dk_out = static_cast<In*>(bp.dk) + bseqs[b].dk_offset + int64_t{hk} * bp.dk_head;
+  In* dv_out = static_cast<In*>(bp.dv) + bseqs[b].dv_offset + int64_t{hk} * bp.dv_head;
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int j = rr == 0 ? key_a : key_b;
+    if (j >= s.Lk) continue;
+    In* krow = dk_out + int64_t{j} * bp.dk_row;
+    In* vrow = dv_out + int64_t{j} * bp.dv_row;
+#pragma unroll
+    for (int n = 0; n < kDt; ++n) {
+      const int col = n * 8 + 2 * t;
+      krow[col] = from_float<In>(p.scale * dk[n][2 * rr]);
+      krow[col + 1] = from_float<In>(p.scale * dk[n][2 * rr + 1]);
+      vrow[col] = from_float<In>(dv[n][2 * rr]);
+      vrow[col + 1] = from_float<In>(dv[n][2 * rr + 1]);
+    }
+  }
+}
+
+// Tiles per head dimension, for registers: the dq kernel's key tile (as the forward's)
+// and the dkdv kernel's query tile, whose block holds dK and dV of 16 keys per warp.
+template <int D> constexpr int kDqKeyTile = D >= 256 ? 32 : 64;
+template <int D> constexpr int kDkdvRowTile = D >= 256 ? 16 : D >= 96 ? 32 : 64;
+
+template <class Kernel>
+cudaError_t allow_shared_memory(Kernel* kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+}
+
+template <class In>
+cudaError_t zero(void* ptr, const GradExtent& e, int d, cudaStream_t stream) {
+  const int64_t total = e.n0 * e.n1 * e.n2 * d;
+  if (total == 0) return cudaSuccess;
+  const int64_t blocks = std::min<int64_t>((total + 255) / 256, 4096);
+  zero_kernel<In><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(static_cast<In*>(ptr), e, d);
+  return cudaGetLastError();
+}
+
+template <class T, class In, int D>
+cudaError_t launch(const BackwardParams& bp, const SeqDesc* seqs, const BackwardSeq* bseqs, const RowStats& st,
+                   cudaStream_t stream) {
+  const ForwardParams& p = bp.fwd;
+  cudaError_t e;
+  if ((e = zero<In>(bp.dq, bp.dq_extent, D, stream)) != cudaSuccess) return e;
+  if ((e = zero<In>(bp.dk, bp.dk_extent, D, stream)) != cudaSuccess) return e;
+  if ((e = zero<In>(bp.dv, bp.dv_extent, D, stream)) != cudaSuccess) return e;
+
+  const dim3 rows_grid((p.max_lq + kWarps - 1) / kWarps, p.Hq, p.B);
+  backward_prep_kernel<T, In><<<rows_grid, kThreads, 0, stream>>>(bp, seqs, bseqs, st);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+
+  constexpr int Bc = kDqKeyTile<D>;
+  auto* dq_kernel = &backward_dq_kernel<T, In, D, Bc>;
+  const size_t dq_smem = (2 * kBlockRows + 2 * Bc) * size_t{D + 8} * sizeof(T) + size_t{kWarps} * 16 * Bc * sizeof(float);
+  if ((e = allow_shared_memory(dq_kernel, dq_smem)) != cudaSuccess) return e;
+  const dim3 dq_grid((p.max_lq + kBlockRows - 1) / kBlockRows, p.Hq, p.B);
+  dq_kernel<<<dq_grid, kThreads, dq_smem, stream>>>(bp, seqs, bseqs, st);
+  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+
+  constexpr int Br = kDkdvRowTile<D>;
+  auto* dkdv_kernel = &backward_dkdv_kernel<T, In, D, Br>;
+  const size_t dkdv_smem = (2 * kBlockRows + 2 * Br) * size_t{D + 8} * sizeof(T) +
+                           (size_t{kWarps} * 16 * Br + 3 * Br) * sizeof(float);
+  if ((e = allow_shared_memory(dkdv_kernel, dkdv_smem)) != cudaSuccess) return e;
+  const dim3 dkdv_grid((bp.max_lk + kBlockRows - 1) / kBlockRows, p.Hkv, p.B);
+  dkdv_kernel<<<dkdv_grid, kThreads, dkdv_smem, stream>>>(bp, seqs, bseqs, st);
+  return cudaGetLastError();
+}
+
+template <class T, class In>
+cudaError_t launch_for_dim(const BackwardParams& bp, const SeqDesc* seqs, const BackwardSeq* bseqs,
+                           const RowStats& st, cudaStream_t stream) {
+  switch (bp.fwd.d) {
+    case 64: return launch<T, In, 64>(bp, seqs, bseqs, st, stream);
+    case 96: return launch<T, In, 96>(bp, seqs, bseqs, st, stream);
+    case 128: return launch<T, In, 128>(bp, seqs, bseqs, st, stream);
+    case 256: return launch<T, In, 256>(bp, seqs, bseqs, st, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+std::string backward(const BackwardParams& bp) {
+  const ForwardParams& p = bp.fwd;
+  if (!supported_head_dim(p.d)) return "head dim " + std::to_string(p.d) + " is not compiled";
+  if (p.B == 0 || p.Hq == 0) return "";
+  const DeviceScope scope(p.device);
+  if (!scope.ok()) return scope.error();
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  // One stream-ordered allocation: the sequence tables, then D, m and 1/l per row.
+  const size_t seq_bytes = sizeof(SeqDesc) * size_t(p.B), bseq_bytes = sizeof(BackwardSeq) * size_t(p.B);
+  const size_t rows = size_t(p.B) * p.Hq * size_t(std::max(p.max_lq, 1));
+  const size_t bytes = seq_bytes + bseq_bytes + 3 * rows * sizeof(float);
+  unsigned char* work = nullptr;
+  ATTN_CUDA_TRY(cudaMallocAsync(reinterpret_cast<void**>(&work), bytes, stream));
+  SeqDesc* seqs = reinterpret_cast<SeqDesc*>(work);
+  BackwardSeq* bseqs = reinterpret_cast<BackwardSeq*>(work + seq_bytes);
+  RowStats st;
+  st.dsum = reinterpret_cast<float*>(work + seq_bytes + bseq_bytes);
+  st.m = st.dsum + rows;
+  st.inv_l = st.m + rows;
+  st.max_lq = std::max(p.max_lq, 1);
+  cudaError_t e = cudaMemcpyAsync(seqs, p.seqs_host, seq_bytes, cudaMemcpyHostToDevice, stream);
+  if (e == cudaSuccess) e = cudaMemcpyAsync(bseqs, bp.bseqs_host, bseq_bytes, cudaMemcpyHostToDevice, stream);
+  if (e == cudaSuccess) {
+    switch (p.in) {
+      case Elem::bf16: e = launch_for_dim<__nv_bfloat16, __nv_bfloat16>(bp, seqs, bseqs, st, stream); break;
+      case Elem::f16: e = launch_for_dim<__half, __half>(bp, seqs, bseqs, st, stream); break;
+      case Elem::f32: e = launch_for_dim<__nv_bfloat16, float>(bp, seqs, bseqs, st, stream); break;
+    }
+  }
+  const cudaError_t f = cudaFreeAsync(work, stream);
+  if (e != cudaSuccess) return cuda_error_text("the backward kernels", e);
+  if (f != cudaSuccess) return cuda_error_text("cudaFreeAsync", f);
+  return "";
+}
+
+}  // namespace attn::cuda
