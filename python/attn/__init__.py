@@ -4,9 +4,11 @@ A drop-in for PyTorch's ``scaled_dot_product_attention`` (layout ``[..., H, L, d
 same argument names and semantics) that is faster and takes more options: sliding
 windows, bottom-right causal alignment, soft-capping, ALiBi, grouped-query heads,
 packed variable-length batches, dropout that the backward reproduces, and the
-log-sum-exp. Inputs are NumPy arrays or CPU PyTorch tensors (float32); they are read
-in place, whatever their strides, and the result has the input's type. The kernels run
-with the GIL released.
+log-sum-exp. Inputs are NumPy arrays or CPU PyTorch tensors (float32, float16,
+bfloat16); they are read in place, whatever their strides, and the result has the
+input's type. The kernels run with the GIL released. CUDA torch tensors (bfloat16,
+float16) run on attn's GPU kernels, on PyTorch's current stream, when the build has the
+CUDA backend (``attn.cuda_status()``).
 
     import attn
     out = attn.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -29,7 +31,7 @@ from .masks import BlockMask, and_masks, block_mask, or_masks
 __all__ = ["scaled_dot_product_attention", "varlen_attention", "attention_backward", "merge_attention_states",
            "attention_with_kvcache", "kvcache_append",
            "block_mask", "BlockMask", "and_masks", "or_masks",
-           "last_dropout_seed", "set_num_threads", "num_threads", "cpu_info", "Error", "copies_made"]
+           "last_dropout_seed", "set_num_threads", "num_threads", "cpu_info", "cuda_status", "Error", "copies_made"]
 from ._version import __version__
 
 _copies = 0  # copies the wrapper had to make (see copies_made)
@@ -48,6 +50,18 @@ def _is_torch(x):
     return type(x).__module__.startswith("torch")
 
 
+def _is_cuda(x):
+    """A torch tensor in CUDA memory: the call runs on attn's GPU backend (attn/_cuda.py)."""
+    return _is_torch(x) and getattr(x, "device", None) is not None and x.device.type == "cuda"
+
+
+def cuda_status(device=0):
+    """Whether attn can run on CUDA device ``device``: a dict with ``built`` (this build
+    has the CUDA backend) and ``unusable`` ("" when the device can run the kernels, else
+    why not: no backend, no driver, no such device, older than sm_80)."""
+    return _attn.cuda_status(int(device))
+
+
 def _array(x, name, kinds=("f",), allow_none=False):
     """A NumPy view of x (a NumPy array, a CPU torch tensor or an array-like)."""
     if x is None:
@@ -56,7 +70,9 @@ def _array(x, name, kinds=("f",), allow_none=False):
         raise TypeError("%s: expected an array, got None" % name)
     if _is_torch(x):
         if x.device.type != "cpu":
-            raise ValueError("%s: expected a CPU tensor, got one on %s" % (name, x.device))
+            raise ValueError("%s: expected a CPU tensor, got one on %s (of attn's functions, only "
+                             "scaled_dot_product_attention and attention_backward take CUDA tensors, and "
+                             "all of a call's tensors must be on one device)" % (name, x.device))
         if str(x.dtype) == "torch.bfloat16":
             if "f" not in kinds:
                 raise TypeError("%s: expected dtype %s, got torch.bfloat16" % (name, " or ".join(kinds)))
@@ -226,7 +242,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Inputs are float32, float16 or bfloat16 (torch only: NumPy has no bfloat16) NumPy
     arrays or CPU torch tensors with any strides (the last dimension contiguous); they are
     not copied. query, key and value share one dtype; the result has it too (scores,
-    softmax and sums are float32 inside; lse is float32).
+    softmax and sums are float32 inside; lse is float32). CUDA torch tensors (bfloat16 or
+    float16; d = dv in 64, 96, 128, 256; every tensor of the call on query's device) run
+    on attn's GPU kernels on the current stream, with every option but block_mask.
 
     attn_mask: boolean (True = take part in attention, PyTorch's rule) or float32 (added
         to the scores), broadcastable to [..., Hq, L, S].
@@ -255,6 +273,19 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Raises TypeError for a wrong dtype and ValueError (attn.Error) for wrong shapes or
     options, naming the argument.
     """
+    if _is_cuda(query):
+        from . import _cuda
+        _check_common(query, key, value, enable_gqa)
+        left, right = _window(window)
+        out, lse = _cuda.forward(query, key, value, attn_mask, scale=None if scale is None else float(scale),
+                                 causal=_causal_code(is_causal, causal_alignment), window_left=left,
+                                 window_right=right, softcap=float(softcap or 0.0), alibi_slopes=alibi_slopes,
+                                 dropout_p=float(dropout_p), seed=_seed(seed, dropout_p), return_lse=return_lse,
+                                 block_mask=block_mask)
+        result = (out,) + ((lse,) if return_lse else ())
+        if return_seed:
+            result += (last_dropout_seed(),)
+        return result if len(result) > 1 else result[0]
     q = _array(query, "query")
     k = _array(key, "key")
     v = _array(value, "value")
@@ -292,6 +323,15 @@ def attention_backward(grad_out, query, key, value, out, lse, attn_mask=None, dr
     identical for any number of threads.
     """
     seed = _backward_seed(seed, dropout_p, "attention_backward")
+    if _is_cuda(query):
+        from . import _cuda
+        _check_common(query, key, value, enable_gqa)
+        left, right = _window(window)
+        return _cuda.backward(grad_out, query, key, value, out, lse, attn_mask,
+                              scale=None if scale is None else float(scale),
+                              causal=_causal_code(is_causal, causal_alignment), window_left=left, window_right=right,
+                              softcap=float(softcap or 0.0), alibi_slopes=alibi_slopes, dropout_p=float(dropout_p),
+                              seed=seed, return_mask_grad=return_mask_grad, block_mask=block_mask)
     q = _array(query, "query")
     k = _array(key, "key")
     v = _array(value, "value")
@@ -422,7 +462,9 @@ def _cache_array(x, name):
     torch.float8_e4m3fn, ml_dtypes' float8_e4m3fn or uint8 codes), never a copy."""
     if _is_torch(x) and str(x.dtype) in ("torch.int8", "torch.uint8", "torch.float8_e4m3fn"):
         if x.device.type != "cpu":
-            raise ValueError("%s: expected a CPU tensor, got one on %s" % (name, x.device))
+            raise ValueError("%s: expected a CPU tensor, got one on %s (of attn's functions, only "
+                             "scaled_dot_product_attention and attention_backward take CUDA tensors, and "
+                             "all of a call's tensors must be on one device)" % (name, x.device))
         import torch
         x = x.detach().view(torch.uint8 if str(x.dtype) != "torch.int8" else torch.int8).numpy()
     elif not (_is_torch(x)) and isinstance(x, _np.ndarray) and x.dtype in (_np.int8, _np.uint8):

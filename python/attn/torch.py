@@ -143,8 +143,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  alibi_slopes=None, seed=None, block_mask=None):
     """``attn.scaled_dot_product_attention`` on torch tensors, differentiable.
 
-    query [..., Hq, L, d], key [..., Hkv, S, d], value [..., Hkv, S, dv], float32 CPU
-    tensors; returns [..., Hq, L, dv]. See ``attn.scaled_dot_product_attention`` for the
+    query [..., Hq, L, d], key [..., Hkv, S, d], value [..., Hkv, S, dv]: CPU tensors
+    (float32, bfloat16, float16) or CUDA tensors (bfloat16, float16; see
+    ``attn.cuda_status()``); returns [..., Hq, L, dv] on the same device. See ``attn.scaled_dot_product_attention`` for the
     options (``block_mask``: an ``attn.BlockMask``). Gradients flow to query, key, value and
     a float32 attn_mask."""
     if dropout_p > 0 and seed is None:
@@ -185,7 +186,8 @@ class patch_sdpa:
     (differentiable) version, which ``nn.MultiheadAttention`` and the ``nn.Transformer``
     layers call (``MultiheadAttention`` does so when ``need_weights=False``, as the
     Transformer layers pass); their native fast path, which would bypass it, is switched
-    off for the duration. Calls attn cannot take (CUDA tensors, other dtypes) go to
+    off for the duration. Calls attn cannot take (other dtypes; on a GPU: a build
+    without the CUDA backend, float32, head dims other than 64, 96, 128, 256) go to
     PyTorch's function unchanged. ``calls`` counts the calls attn took. Not thread-safe:
     it patches module globals, as any monkey-patch does.
     """
@@ -194,11 +196,26 @@ class patch_sdpa:
         self.calls = 0
         self._saved = None
 
-    def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    _gpu_usable = {}  # CUDA device index -> whether attn's GPU kernels run there
+
+    def _attn_takes(self, query, key, value, attn_mask):
         tensors = [t for t in (query, key, value, attn_mask) if t is not None]
-        if (any(t.device.type != "cpu" or t.is_nested for t in tensors)
-                or query.dtype not in (_torch.float32, _torch.bfloat16, _torch.float16)
-                or (attn_mask is not None and attn_mask.dtype not in (_torch.bool, _torch.float32, query.dtype))):
+        if any(t.is_nested or t.device != query.device for t in tensors):
+            return False
+        if query.device.type == "cpu":
+            return (query.dtype in (_torch.float32, _torch.bfloat16, _torch.float16)
+                    and (attn_mask is None or attn_mask.dtype in (_torch.bool, _torch.float32, query.dtype)))
+        if query.device.type != "cuda":
+            return False
+        index = query.device.index if query.device.index is not None else _torch.cuda.current_device()
+        if index not in self._gpu_usable:
+            self._gpu_usable[index] = _attn.cuda_status(index)["unusable"] == ""
+        return (self._gpu_usable[index] and query.dtype in (_torch.bfloat16, _torch.float16)
+                and query.shape[-1] == value.shape[-1] and query.shape[-1] in (64, 96, 128, 256)
+                and (attn_mask is None or attn_mask.dtype in (_torch.bool, _torch.float32)))
+
+    def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if not self._attn_takes(query, key, value, attn_mask):
             return self._saved(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                scale=scale, enable_gqa=enable_gqa)
         self.calls += 1

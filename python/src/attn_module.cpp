@@ -1,13 +1,15 @@
 // The compiled half of the Python package `attn` (module attn._attn): thin
 // bindings from buffer-protocol objects (NumPy arrays, and PyTorch tensors through
-// their NumPy views) to attn's TensorViews, without copying, and the kernels run
-// with the GIL released. The pure-Python half (python/attn/__init__.py) turns
+// their NumPy views) and from DeviceTensors (CUDA memory) to attn's TensorViews,
+// without copying, and the kernels run with the GIL released. The pure-Python half (python/attn/__init__.py) turns
 // PyTorch's calling convention into these calls.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "attn/attention.hpp"
 #include "attn/kvcache.hpp"
@@ -17,10 +19,41 @@ namespace py = pybind11;
 
 namespace {
 
+// A tensor in CUDA device memory, described by its owner (attn/_cuda.py builds one from
+// a torch CUDA tensor: data_ptr, dtype, shape, strides, device index and the current
+// stream). The host never reads through it; attn's CUDA path checks it like any view.
+struct DeviceTensor {
+  attn::TensorView view;
+};
+
+DeviceTensor make_device_tensor(uintptr_t ptr, const std::string& dtype, const std::vector<int64_t>& shape,
+                                const std::vector<int64_t>& strides, int device, uintptr_t stream) {
+  attn::DType dt;
+  if (dtype == "float32") dt = attn::DType::f32;
+  else if (dtype == "bfloat16") dt = attn::DType::bf16;
+  else if (dtype == "float16") dt = attn::DType::f16;
+  else if (dtype == "bool") dt = attn::DType::boolean;
+  else if (dtype == "int32") dt = attn::DType::i32;
+  else
+    throw py::type_error("DeviceTensor: dtype must be float32, bfloat16, float16, bool or int32, got \"" + dtype + "\"");
+  if (shape.size() != strides.size()) {
+    throw py::value_error("DeviceTensor: shape has " + std::to_string(shape.size()) + " dimensions but strides " +
+                          std::to_string(strides.size()));
+  }
+  if (shape.size() > attn::TensorView::kMaxRank) throw py::value_error("DeviceTensor: at most 8 dimensions are supported");
+  if (device < 0) throw py::value_error("DeviceTensor: device must be a CUDA ordinal (>= 0), got " + std::to_string(device));
+  for (int64_t st : strides) {
+    if (st < 0) throw py::value_error("DeviceTensor: negative strides are not supported");
+  }
+  return {attn::TensorView(reinterpret_cast<void*>(ptr), dt, shape, strides)
+              .on(attn::Device::cuda(device, reinterpret_cast<void*>(stream)))};
+}
+
 // A view of a buffer-protocol object: element type from its format, strides in
 // elements. Never copies; rejects what the kernels cannot read in place.
 attn::TensorView view_of(const py::object& obj, const char* name, bool writable, bool int16_is_bf16 = false) {
   if (obj.is_none()) return {};
+  if (py::isinstance<DeviceTensor>(obj)) return obj.cast<const DeviceTensor&>().view;
   py::buffer buffer = py::reinterpret_borrow<py::buffer>(obj);
   py::buffer_info info;
   try {
@@ -86,6 +119,24 @@ attn::AttentionOptions make_options(std::optional<float> scale, int causal, int 
 PYBIND11_MODULE(_attn, m) {
   m.doc() = "attn's fused attention kernels (use the `attn` package, not this module directly).";
   py::register_exception<attn::Error>(m, "Error", PyExc_ValueError);
+
+  py::class_<DeviceTensor>(m, "DeviceTensor",
+                           "A tensor in CUDA device memory (pointer, dtype, shape, strides in elements, device "
+                           "index, cudaStream_t as an int), passed wherever the kernels take an array.")
+      .def(py::init(&make_device_tensor), py::arg("ptr"), py::arg("dtype"), py::arg("shape"), py::arg("strides"),
+           py::arg("device"), py::arg("stream") = 0)
+      .def("__repr__", [](const DeviceTensor& t) { return "DeviceTensor(" + t.view.describe() + ")"; });
+
+  m.def(
+      "cuda_status",
+      [](int device) {
+        const attn::CudaStatus s = attn::cuda_status(device);
+        py::dict d;
+        d["built"] = s.built;
+        d["unusable"] = s.unusable;
+        return d;
+      },
+      py::arg("device") = 0, "Whether this build has the CUDA backend and why `device` cannot run it (\"\" if it can).");
 
   m.def(
       "forward",
