@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU: builds attn with the CUDA backend, runs the GPU test
-# suite (tests/cuda/) and the argument-error suite, then the GPU forward benchmark and
-# PyTorch's SDPA on the same shapes, and writes every result to $OUT (or build/gpu-check):
+# suite (tests/cuda/), the argument-error suite and the Python GPU tests, then the GPU
+# forward and backward benchmark and PyTorch's SDPA on the same shapes, and writes every
+# result to $OUT (or build/gpu-check):
 #   gpu.txt                      the device, driver and clocks (before and after)
 #   cuda_attention_test.txt      the GPU tests (each compares with the float64 reference)
-#   attn_forward.txt, torch_sdpa.txt   the two benchmark tables, from one run
+#   python_test_cuda.txt         CUDA torch tensors through the Python package
+#   attn_attention.txt, torch_sdpa.txt   the two benchmark tables, from one run
 #
 #   bash scripts/gpu-check.sh [repeats=20]
 #
@@ -33,7 +35,7 @@ clocks() { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,cl
 
 cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DATTN_BUILD_TOOLS=OFF -DATTN_BUILD_PYTHON=OFF \
   -DATTN_BUILD_DIST=OFF -DATTN_CUDA_ARCHITECTURES="80;90a" > "$out/configure.txt" 2>&1 || { tail -30 "$out/configure.txt"; exit 1; }
-cmake --build build/gpu -j"$(nproc)" --target cuda_attention_test device_errors_test cuda_forward_bench \
+cmake --build build/gpu -j"$(nproc)" --target cuda_attention_test device_errors_test cuda_attention_bench \
   > "$out/build.txt" 2>&1 || { grep -E "error|FAILED" "$out/build.txt" | head -30; exit 1; }
 
 status=0
@@ -42,7 +44,22 @@ build/gpu/tests/cuda_attention_test > "$out/cuda_attention_test.txt" 2>&1 || sta
 tail -3 "$out/device_errors_test.txt"
 grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure|Expected|Which is|message" "$out/cuda_attention_test.txt" | head -60 || true
 
-build/gpu/bench/cuda_forward_bench "$repeats" 2>&1 | tee "$out/attn_forward.txt" || status=1
+# The Python GPU tests (python/tests/test_cuda.py: CUDA torch tensors, autograd), where this
+# machine's python3 has torch with CUDA, numpy, pytest and pybind11; skipped, saying why, otherwise.
+py=$(command -v python3 || true)
+if [ -n "$py" ] && "$py" -c "import torch, numpy, pytest, pybind11; assert torch.cuda.is_available()" 2> /dev/null; then
+  { cmake -S . -B build/gpu-py -G Ninja -DCMAKE_BUILD_TYPE=Release -DATTN_BUILD_TOOLS=OFF -DATTN_BUILD_TESTS=OFF \
+      -DATTN_BUILD_BENCH=OFF -DATTN_BUILD_DIST=OFF -DATTN_CUDA_ARCHITECTURES="80;90a" -DPython_EXECUTABLE="$py" \
+      -Dpybind11_DIR="$("$py" -m pybind11 --cmakedir)" && cmake --build build/gpu-py -j"$(nproc)" --target _attn; } \
+    > "$out/python_build.txt" 2>&1 || { grep -E "error|FAILED" "$out/python_build.txt" | head -20; status=1; }
+  PYTHONPATH=build/gpu-py/python "$py" -m pytest -q -rs -p no:cacheprovider python/tests/test_cuda.py \
+    > "$out/python_test_cuda.txt" 2>&1 || status=1
+  tail -5 "$out/python_test_cuda.txt"
+else
+  echo "python GPU tests skipped: python3 lacks torch with CUDA, numpy, pytest or pybind11" | tee "$out/python_test_cuda.txt"
+fi
+
+build/gpu/bench/cuda_attention_bench "$repeats" 2>&1 | tee "$out/attn_attention.txt" || status=1
 python3 bench/peers/cuda_sdpa.py "$repeats" 2>&1 | tee "$out/torch_sdpa.txt" || true
 { echo "after:"; clocks; } | tee -a "$out/gpu.txt"
 exit $status
