@@ -3,6 +3,9 @@
 #include "block_mask_args.hpp"
 
 #include <string>
+#include <vector>
+
+#include "device.hpp"
 
 namespace attn::detail {
 namespace {
@@ -56,8 +59,17 @@ void bind_block_mask(const Checker& c, const BlockMask& bm, int B, int Hq, int64
     p->bm_r = tl.stride(1);
   }
 
-  // Every entry: kEmpty, kFull or a tile index < T.
+  // Every entry: kEmpty, kFull or a tile index < T (read through a host copy when the
+  // table is in a device's memory).
   const int32_t* base = t.data_as<const int32_t>();
+  std::vector<int32_t> host_copy;
+  if (!t.device().is_cpu() && t.numel() > 0) {
+    int64_t span = 1;
+    for (int i = 0; i < 4; ++i) span += (t.size(i) - 1) * t.stride(i);
+    host_copy.resize(static_cast<size_t>(span));
+    copy_to_host(c, host_copy.data(), t, host_copy.size() * sizeof(int32_t), "options.block_mask.blocks");
+    base = host_copy.data();
+  }
   for (int64_t i0 = 0; i0 < t.size(0); ++i0) {
     for (int64_t i1 = 0; i1 < t.size(1); ++i1) {
       for (int64_t i2 = 0; i2 < t.size(2); ++i2) {
@@ -73,7 +85,7 @@ void bind_block_mask(const Checker& c, const BlockMask& bm, int B, int Hq, int64
       }
     }
   }
-  p->bm_blocks = base;
+  p->bm_blocks = t.data_as<const int32_t>();
   p->bm_b = strides[0], p->bm_h = strides[1], p->bm_qb = strides[2], p->bm_kb = strides[3];
   p->bm_bq = bm.block_q;
   p->bm_bk = bm.block_k;

@@ -51,7 +51,6 @@ void check_gpu_options(const Checker& c, const TensorView& q, const AttentionOpt
     c.fail("score_mod and mask_mod (user modifiers, compiled for the CPU) are not supported on " +
            q.device().describe() + "; use the built-in options, or tensors in host memory");
   }
-  if (!options.block_mask.empty()) c.fail("options.block_mask is not supported on CUDA devices yet");
   if (!options.mask.empty() && options.mask.dtype() != DType::f32 && options.mask.dtype() != DType::boolean) {
     c.fail(std::string("options.mask on a CUDA device must be f32 or bool, got ") + dtype_name(options.mask.dtype()));
   }
@@ -95,6 +94,9 @@ cuda::ForwardParams forward_params(const Checker& c, const Problem& p, const Dev
   f.alibi = p.alibi, f.alibi_b = p.alibi_b, f.alibi_h = p.alibi_h;
   f.bool_mask = p.bool_mask, f.add_mask = p.add_mask;
   f.mask_b = p.mask_b, f.mask_h = p.mask_h, f.mask_i = p.mask_i, f.mask_j = p.mask_j;
+  f.bm_blocks = p.bm_blocks, f.bm_b = p.bm_b, f.bm_h = p.bm_h, f.bm_qb = p.bm_qb, f.bm_kb = p.bm_kb;
+  f.bm_tiles = p.bm_tiles, f.bm_t = p.bm_t, f.bm_r = p.bm_r;
+  if (p.bm_blocks != nullptr) f.bm_bq = p.bm_bq, f.bm_bk = p.bm_bk;
   f.lse = p.lse, f.lse_h = p.lse_h, f.lse_i = p.lse_i;
   f.dropout_p = p.dropout_p, f.seed = p.seed, f.offset = p.offset;
   f.heads_total = p.heads_total, f.h0 = p.h0, f.q_pos0 = p.q_pos0, f.k_pos0 = p.k_pos0;

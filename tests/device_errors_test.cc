@@ -73,6 +73,12 @@ TEST(DeviceErrors, OneCallNeverMixesDevices) {
   o.cu_seqlens_k = TensorView(c.cu.data(), DType::i32, {3});
   expect_attn_error([&] { attention(packed_q, packed_q, packed_q, TensorView(c.out.data(), DType::bf16, {c.L, c.H, c.d}), o); },
                     "cu_seqlens_q is on cuda:0 but q is on cpu");
+  // A block mask's table on a device, for a host call.
+  std::vector<int32_t> blocks{BlockMask::kFull};
+  o = {};
+  o.block_mask.block_q = c.L, o.block_mask.block_k = c.L;
+  o.block_mask.blocks = TensorView(blocks.data(), DType::i32, {1, 1, 1, 1}).on(kGpu);
+  expect_attn_error([&] { attention(q, k, v, out, o); }, "options.block_mask.blocks is on cuda:0 but q is on cpu");
   // Two devices.
   expect_attn_error([&] { attention(q.on(kGpu), k.on(Device::cuda(1)), v.on(kGpu), out.on(kGpu)); },
                     cuda_status(0).unusable.empty() ? "k is on cuda:1 but q is on cuda:0" : "q is on cuda:0, but ");

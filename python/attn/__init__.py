@@ -244,7 +244,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     not copied. query, key and value share one dtype; the result has it too (scores,
     softmax and sums are float32 inside; lse is float32). CUDA torch tensors (bfloat16 or
     float16; d = dv in 64, 96, 128, 256; every tensor of the call on query's device) run
-    on attn's GPU kernels on the current stream, with every option but block_mask.
+    on attn's GPU kernels on the current stream, with every option (a block_mask's
+    tables are copied to the device).
 
     attn_mask: boolean (True = take part in attention, PyTorch's rule) or float32 (added
         to the scores), broadcastable to [..., Hq, L, S].

@@ -5,8 +5,8 @@ without copies (outputs are allocated with torch on that device).
 ``attn.scaled_dot_product_attention`` and ``attn.attention_backward`` route here when
 ``query`` is a CUDA tensor; every other tensor of the call must then be on the same
 device. What the GPU path takes (see ``attn/attention.hpp``): bfloat16 or float16
-inputs, head dims 64, 96, 128 or 256 with dv = d, and every option but ``block_mask``
-and the mask's gradient, each an error naming it.
+inputs, head dims 64, 96, 128 or 256 with dv = d, and every option but the mask's
+gradient (an error naming it). A ``block_mask``'s tables are copied to the device.
 """
 
 import torch as _torch
@@ -63,16 +63,20 @@ def _alibi(alibi_slopes, batch, hq):
     return None if alibi_slopes is None else alibi_slopes.detach()
 
 
-def _no_block_mask(block_mask):
-    if block_mask is not None:
-        raise ValueError("block_mask is not supported on CUDA tensors yet; use attn_mask, or tensors on the CPU")
+def _block_mask(block_mask, batch, hq, lq, lk, device):
+    """The kernel arguments of an attn.BlockMask, its tables copied to `device`."""
+    import attn
+    args = attn._block_mask(block_mask, batch, hq, lq, lk)  # checks it against the call's shapes
+    for key in ("block_table", "block_tiles"):
+        if args.get(key) is not None:
+            args[key] = _view(_torch.from_numpy(args[key]).to(device), "block_mask", device)
+    return args
 
 
 def forward(query, key, value, attn_mask, *, scale, causal, window_left, window_right, softcap, alibi_slopes,
             dropout_p, seed, return_lse, block_mask):
     """The forward on CUDA tensors (arguments already parsed by attn.scaled_dot_product_attention):
     returns out and, with return_lse, lse."""
-    _no_block_mask(block_mask)
     dev = query.device
     q, k, v = query.detach(), key.detach(), value.detach()
     batch = tuple(q.shape[:-3])
@@ -86,14 +90,14 @@ def forward(query, key, value, attn_mask, *, scale, causal, window_left, window_
                   mask=_view(_mask(attn_mask, batch, hq, lq, lk), "attn_mask", dev),
                   alibi_slopes=_view(_alibi(alibi_slopes, batch, hq), "alibi_slopes", dev), softcap=softcap,
                   dropout_p=dropout_p, seed=seed,
-                  lse=None if lse is None else _view(lse.view(-1, hq, lq), "lse", dev))
+                  lse=None if lse is None else _view(lse.view(-1, hq, lq), "lse", dev),
+                  **_block_mask(block_mask, batch, hq, lq, lk, dev))
     return out, lse
 
 
 def backward(grad_out, query, key, value, out, lse, attn_mask, *, scale, causal, window_left, window_right, softcap,
              alibi_slopes, dropout_p, seed, return_mask_grad, block_mask):
     """The backward on CUDA tensors: returns (dq, dk, dv), new tensors on the device."""
-    _no_block_mask(block_mask)
     if return_mask_grad:
         raise ValueError("return_mask_grad (the gradient of attn_mask) is not supported on CUDA tensors yet")
     dev = query.device
@@ -115,5 +119,5 @@ def backward(grad_out, query, key, value, out, lse, attn_mask, *, scale, causal,
                    window_left=window_left, window_right=window_right,
                    mask=_view(_mask(attn_mask, batch, hq, lq, lk), "attn_mask", dev),
                    alibi_slopes=_view(_alibi(alibi_slopes, batch, hq), "alibi_slopes", dev), softcap=softcap,
-                   dropout_p=dropout_p, seed=seed)
+                   dropout_p=dropout_p, seed=seed, **_block_mask(block_mask, batch, hq, lq, lk, dev))
     return dq, dk, dvv

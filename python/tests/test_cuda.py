@@ -157,6 +157,15 @@ def test_gpu_errors_name_the_argument():
     q, k, v = _inputs(torch.bfloat16)
     with pytest.raises(ValueError, match="key is on cpu but query is on cuda"):
         attn.scaled_dot_product_attention(q, k.cpu(), v)
-    with pytest.raises(ValueError, match="block_mask is not supported on CUDA"):
-        attn.scaled_dot_product_attention(q, k, v, block_mask=attn.block_mask(lambda b, h, i, j: i >= j, None, None,
-                                                                              300, 333))
+    with pytest.raises(ValueError, match="return_mask_grad"):
+        attn.attention_backward(q, q, k, v, q, torch.zeros(2, 4, 300, device="cuda"), return_mask_grad=True)
+
+
+@needs_gpu
+def test_block_mask_matches_the_dense_mask():
+    q, k, v = _inputs(torch.bfloat16, L=300, S=333, d=64)
+    bm = attn.block_mask(lambda b, h, i, j: (i // 50) == (j // 50), None, None, 300, 333)
+    dense = (torch.arange(300)[:, None] // 50 == torch.arange(333)[None, :] // 50).cuda()
+    sparse = attn.scaled_dot_product_attention(q, k, v, block_mask=bm)
+    masked = attn.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    assert (sparse.float() - masked.float()).abs().max().item() < 2e-2

@@ -49,6 +49,15 @@ struct ForwardParams {
   const float* add_mask = nullptr;
   int64_t mask_b = 0, mask_h = 0, mask_i = 0, mask_j = 0;
 
+  // Block-sparse mask (attn::BlockMask; nullptr = none): the entry of block (qb, kb) of
+  // (b, h) at b·bm_b + h·bm_h + qb·bm_qb + kb·bm_kb is −1 (empty), −2 (full) or a tile
+  // t whose element (r, c) is bm_tiles[t·bm_t + r·bm_r + c] (0 = removed).
+  const int32_t* bm_blocks = nullptr;
+  int64_t bm_b = 0, bm_h = 0, bm_qb = 0, bm_kb = 0;
+  const uint8_t* bm_tiles = nullptr;
+  int64_t bm_t = 0, bm_r = 0;
+  int bm_bq = 1, bm_bk = 1;
+
   float* lse = nullptr;                // lse(b, h, i) at seq.lse_offset + h·lse_h + i·lse_i (read by the backward)
   int64_t lse_h = 0, lse_i = 0;
 

@@ -16,6 +16,8 @@
 // dQ with atomics, whose order, and so whose rounding, varies from run to run); it
 // makes the backward bitwise reproducible, as attn's CPU backward.
 //
+// Tiles that the block-sparse mask empties are skipped, as in the forward.
+//
 // Semantics, as the CPU backward (cpu/attention_backward.cc):
 //   - a key removed for a row (band, mask, key length) has P = 0 and dS = 0, whatever
 //     its scores, values or dO hold; a tile whose other operand (K for dQ, Q for dK,
@@ -202,6 +204,7 @@ __global__ void __launch_bounds__(kThreads)
   const T* do_w = do_s + warp * 16 * LD;
 
   for (int64_t j0 = key_lo <= key_hi ? (key_lo / Bc) * Bc : 1; j0 <= key_hi; j0 += Bc) {
+    if (tile_blocked<kThreads>(p, b, h, q0, last_row, j0, min(j0 + Bc, int64_t{s.Lk}) - 1)) continue;
     const bool k_bad = load_rows<T, In, D, LD, kThreads>(k_s, k, p.k_row, static_cast<int>(j0), Bc, s.Lk, true);
     load_rows<T, In, D, LD, kThreads>(v_s, v, p.v_row, static_cast<int>(j0), Bc, s.Lk, false);
     const bool gated = __syncthreads_or(k_bad);
@@ -352,6 +355,7 @@ __global__ void __launch_bounds__(kThreads)
     const In* q = static_cast<const In*>(p.q) + s.q_offset + int64_t{h} * p.q_head;
     const In* dout = static_cast<const In*>(bp.dout) + bseqs[b].dout_offset + int64_t{h} * bp.dout_head;
     for (int i0 = row_first <= row_last ? (row_first / Br) * Br : 1; i0 <= row_last; i0 += Br) {
+      if (tile_blocked<kThreads>(p, b, h, i0, min(i0 + Br, s.Lq) - 1, j0, min(j0 + kBlockRows, s.Lk) - 1)) continue;
       const bool q_bad = load_rows<T, In, D, LD, kThreads>(q_s, q, p.q_row, i0, Br, s.Lq, true);
       const bool do_bad = load_rows<T, In, D, LD, kThreads>(do_s, dout, bp.dout_row, i0, Br, s.Lq, true);
       for (int r = threadIdx.x; r < Br; r += kThreads) {

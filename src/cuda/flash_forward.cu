@@ -91,6 +91,7 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(ForwardParams p
   const float keep_scale = 1.0f / (1.0f - p.dropout_p);
 
   for (int64_t j0 = key_lo <= key_hi ? (key_lo / Bc) * Bc : 1; j0 <= key_hi; j0 += Bc) {
+    if (tile_blocked<kThreads>(p, b, h, q0, last_row, j0, min(j0 + Bc, int64_t{s.Lk}) - 1)) continue;
     load_rows<T, In, D, LD, kThreads>(k_s, k, p.k_row, static_cast<int>(j0), Bc, s.Lk, false);
     const bool v_bad = load_rows<T, In, D, LD, kThreads>(v_s, v, p.v_row, static_cast<int>(j0), Bc, s.Lk, true);
     const bool slow = __syncthreads_or(v_bad);

@@ -27,8 +27,30 @@ __device__ __forceinline__ Band band_of_row(const ForwardParams& p, const SeqDes
   return {first - p.k_pos0, last - p.k_pos0};
 }
 
+/// The block-sparse mask's entry for (row i, key j) of (sequence b, head h).
+__device__ __forceinline__ int32_t block_entry(const ForwardParams& p, int b, int h, int64_t i, int64_t j) {
+  return p.bm_blocks[b * p.bm_b + h * p.bm_h + (i / p.bm_bq) * p.bm_qb + (j / p.bm_bk) * p.bm_kb];
+}
+
+/// Whether the block-sparse mask removes every key of rows [i0, i1] × keys [j0, j1] of
+/// (sequence b, head h): then the tile is skipped. Every thread of the block must call
+/// it (a vote across the block); false without a block mask.
+template <int kBlockThreads>
+__device__ __forceinline__ bool tile_blocked(const ForwardParams& p, int b, int h, int64_t i0, int64_t i1, int64_t j0,
+                                             int64_t j1) {
+  if (p.bm_blocks == nullptr || i1 < i0 || j1 < j0) return false;
+  const int64_t qb0 = i0 / p.bm_bq, nqb = i1 / p.bm_bq - qb0 + 1;
+  const int64_t kb0 = j0 / p.bm_bk, nkb = j1 / p.bm_bk - kb0 + 1;
+  bool live = false;
+  for (int64_t x = threadIdx.x; x < nqb * nkb && !live; x += kBlockThreads) {
+    const int64_t qb = qb0 + x / nkb, kb = kb0 + x % nkb;
+    live = p.bm_blocks[b * p.bm_b + h * p.bm_h + qb * p.bm_qb + kb * p.bm_kb] != -1;
+  }
+  return !__syncthreads_or(live);
+}
+
 /// The score of row i and key j from the raw product q_i·k_j, in attention()'s order:
-/// scale, softcap, ALiBi (slope of this head), masks, band (−∞ outside it).
+/// scale, softcap, ALiBi (slope of this head), masks, block mask, band (−∞ outside it).
 /// *cap_grad receives ∂score/∂(scale·q·k): 1 − tanh² under softcap, else 1.
 __device__ __forceinline__ float modified_score(const ForwardParams& p, const SeqDesc& s, int b, int h, float slope,
                                                 int64_t i, int64_t j, const Band& band, float raw,
@@ -45,6 +67,10 @@ __device__ __forceinline__ float modified_score(const ForwardParams& p, const Se
     const int64_t at = b * p.mask_b + h * p.mask_h + i * p.mask_i + j * p.mask_j;
     if (p.add_mask != nullptr) x += p.add_mask[at];
     if (p.bool_mask != nullptr && p.bool_mask[at] == 0) x = -INFINITY;
+    if (p.bm_blocks != nullptr) {
+      const int32_t e = block_entry(p, b, h, i, j);
+      if (e == -1 || (e >= 0 && p.bm_tiles[e * p.bm_t + (i % p.bm_bq) * p.bm_r + j % p.bm_bk] == 0)) x = -INFINITY;
+    }
   }
   if (j < band.lo || j > band.hi) x = -INFINITY;
   if (cap_grad != nullptr) *cap_grad = grad;

@@ -8,7 +8,7 @@
 // user streams, and the GPU path's argument errors. The backward: the same options and
 // shapes under the backward's form of the rule, bitwise reproducibility, varlen and key
 // lengths (every gradient element written), non-finite numbers where they take no part,
-// rows with huge |lse|, and Precision::bf16.
+// rows with huge |lse|, block-sparse masks, and Precision::bf16.
 //
 // Every test skips, saying why, where no usable GPU is present (cuda_status()).
 #include <cuda_runtime.h>
@@ -276,6 +276,8 @@ GpuGrads run_gpu_forward_backward(LowpCall& c, const AttentionOptions& host_opti
   o.mask = on_gpu(o.mask, keep);
   o.alibi_slopes = on_gpu(o.alibi_slopes, keep);
   o.key_lengths = on_gpu(o.key_lengths, keep);
+  o.block_mask.blocks = on_gpu(o.block_mask.blocks, keep);
+  o.block_mask.tiles = on_gpu(o.block_mask.tiles, keep);
   const TensorView q = on_gpu(c.view(c.q, c.Lq, c.Hq, c.d), keep), k = on_gpu(c.view(c.k, c.Lk, c.Hkv, c.d), keep),
                    v = on_gpu(c.view(c.v, c.Lk, c.Hkv, c.dv), keep),
                    dout = on_gpu(c.view(c.dout, c.Lq, c.Hq, c.dv), keep);
@@ -448,6 +450,42 @@ TEST_P(CudaBackward, RowsWithHugeLseGetTheirStatisticsRecomputed) {
   o.mask = TensorView(mask.data(), DType::f32, {L, L});
   const GpuGrads gpu = run_gpu_forward_backward(c, o);
   expect_close_to_cpu(c, gpu, run_cpu_backward(c, o), "huge lse");
+}
+
+// A block-sparse mask (empty, full and partial blocks; block sizes that match the
+// kernels' tiles and odd ones), forward and backward, against the CPU kernels.
+TEST_P(CudaBackward, BlockMaskAgreesWithTheCpu) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng = make_rng(1317);
+  struct BlockCase { int bq, bk; };
+  for (const BlockCase bc : {BlockCase{64, 64}, BlockCase{17, 33}}) {
+    const int B = 2, Lq = 150, Lk = 201, H = 2, d = 64;
+    LowpCall c(GetParam(), B, Lq, Lk, H, 1, d, d, rng);
+    const int nqb = (Lq + bc.bq - 1) / bc.bq, nkb = (Lk + bc.bk - 1) / bc.bk, T = 3;
+    std::vector<int32_t> blocks(size_t(H) * nqb * nkb);
+    for (int32_t& e : blocks) e = int32_t(rng() % 5) - 2;  // −2 full, −1 empty, 0..2 partial
+    std::vector<uint8_t> tiles(size_t(T) * bc.bq * bc.bk);
+    for (uint8_t& x : tiles) x = rng() % 3 != 0;
+    AttentionOptions o;
+    o.block_mask.block_q = bc.bq, o.block_mask.block_k = bc.bk;
+    o.block_mask.blocks = TensorView(blocks.data(), DType::i32, {1, H, nqb, nkb});  // broadcast over the batch
+    o.block_mask.tiles = TensorView(tiles.data(), DType::boolean, {T, bc.bq, bc.bk});
+    o.causal = Causal::BottomRight;
+    const GpuGrads gpu = run_gpu_forward_backward(c, o);
+    std::vector<uint16_t> out(c.out.size());
+    std::vector<float> lse(c.lse.size());
+    attention(c.view(c.q, Lq, H, d), c.view(c.k, Lk, 1, d), c.view(c.v, Lk, 1, d), c.view(out, Lq, H, d), o,
+              TensorView(lse.data(), DType::f32, {B, H, Lq}));
+    for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(c.from(c.out[i]), c.from(out[i]), 0.03) << "out " << i;
+    for (size_t i = 0; i < lse.size(); ++i) {
+      if (std::isinf(lse[i])) {
+        ASSERT_EQ(c.lse[i], lse[i]) << "lse " << i;
+      } else {
+        ASSERT_NEAR(c.lse[i], lse[i], 1e-4 * std::max(1.0f, std::fabs(lse[i]))) << "lse " << i;
+      }
+    }
+    expect_close_to_cpu(c, gpu, run_cpu_backward(c, o), "block " + std::to_string(bc.bq) + "x" + std::to_string(bc.bk));
+  }
 }
 
 TEST(CudaBackwardPrecision, Bf16PrecisionForF32InputsIsTheBf16KernelWithAnF32Output) {
