@@ -84,7 +84,7 @@ cuda::ForwardParams forward_params(const Checker& c, const Problem& p, const Dev
   seqs.resize(p.seqs.size());
   for (size_t b = 0; b < seqs.size(); ++b) {
     const Sequence& s = p.seqs[b];
-    seqs[b] = {s.q_offset, s.k_offset, s.v_offset, s.out_offset, s.lse_offset, s.Lq, s.Lk, s.align};
+    seqs[b] = {s.q_offset, s.k_offset, s.v_offset, s.out_offset, s.lse_offset, s.probs_offset, s.Lq, s.Lk, s.align};
     f.max_lq = std::max(f.max_lq, s.Lq);
   }
   f.seqs_host = seqs.data();
@@ -98,6 +98,7 @@ cuda::ForwardParams forward_params(const Checker& c, const Problem& p, const Dev
   f.bm_tiles = p.bm_tiles, f.bm_t = p.bm_t, f.bm_r = p.bm_r;
   if (p.bm_blocks != nullptr) f.bm_bq = p.bm_bq, f.bm_bk = p.bm_bk;
   f.lse = p.lse, f.lse_h = p.lse_h, f.lse_i = p.lse_i;
+  f.probs = p.probs, f.probs_h = p.probs_h, f.probs_i = p.probs_i, f.probs_cols = p.probs_cols;
   f.dropout_p = p.dropout_p, f.seed = p.seed, f.offset = p.offset;
   f.heads_total = p.heads_total, f.h0 = p.h0, f.q_pos0 = p.q_pos0, f.k_pos0 = p.k_pos0;
   f.device = device.index, f.stream = device.stream;
@@ -123,7 +124,6 @@ void attention_forward_cuda(const char* fn, const TensorView& q, const TensorVie
                             const TensorView& probs, const UserMods* mods) {
   const Checker c(fn);
   check_gpu_options(c, q, options, mods);
-  if (!probs.empty()) c.fail("probs (the explicit probabilities) is not supported on CUDA devices yet");
   const Problem p = make_problem(fn, q, k, v, out, options, lse, probs, mods, /*on_device=*/true);
 #ifdef ATTN_WITH_CUDA
   std::vector<cuda::SeqDesc> seqs;

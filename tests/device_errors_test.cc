@@ -96,8 +96,8 @@ TEST(DeviceErrors, DeviceCallsSayWhyTheyCannotRunOrWhatIsMissing) {
     // A usable GPU: options the GPU path lacks are named (the views point to host memory,
     // so only calls that fail their checks are made here).
     std::vector<float> probs(size_t(c.B) * c.H * c.L * c.L);
-    expect_attn_error([&] { attention(q, k, v, out, {}, {}, TensorView(probs.data(), DType::f32, {c.B, c.H, c.L, c.L}).on(kGpu)); },
-                      "probs (the explicit probabilities) is not supported on CUDA devices");
+    expect_attn_error([&] { attention(q, k, v, out, {}, {}, TensorView(probs.data(), DType::f32, {c.B, c.H, c.L, c.L})); },
+                      "probs is on cpu but q is on cuda:0");
     AttentionOptions o;
     o.precision = Precision::f32;
     std::vector<float> f(c.q.size());

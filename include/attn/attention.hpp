@@ -142,9 +142,10 @@ struct AttentionOptions {
 /// On a CUDA device (every tensor placed with TensorView::on(Device::cuda(...)); needs
 /// a build with the CUDA backend, see cuda_status()): runs asynchronously on q's
 /// stream, with the same semantics, for bf16 and f16 inputs (f32 inputs with
-/// Precision::bf16), d = dv ∈ {64, 96, 128, 256}, and every option except probs,
-/// bf16/f16 masks and user modifiers (each an attn::Error naming it); block_mask's
-/// tables on the device too (its entries are read back, synchronously, to be checked).
+/// Precision::bf16), d = dv ∈ {64, 96, 128, 256}, and every option except bf16/f16
+/// masks and user modifiers (each an attn::Error naming it); block_mask's tables on the
+/// device too (its entries are read back, synchronously, to be checked). probs costs a
+/// second, row-wise pass (it is for inspection, not speed).
 /// cu_seqlens and key_lengths may be on the device (read back with a synchronous copy,
 /// for checking) or in host memory.
 void attention(const TensorView& q, const TensorView& k, const TensorView& v,

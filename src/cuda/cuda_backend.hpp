@@ -16,9 +16,9 @@ namespace attn::cuda {
 enum class Elem : uint8_t { f32, bf16, f16 };
 
 /// One sequence of the batch: offsets (in elements) of its row 0, head 0 in q, k, v,
-/// out and lse; its query and key counts; the bottom-right diagonal shift.
+/// out, lse and probs; its query and key counts; the bottom-right diagonal shift.
 struct SeqDesc {
-  int64_t q_offset, k_offset, v_offset, out_offset, lse_offset;
+  int64_t q_offset, k_offset, v_offset, out_offset, lse_offset, probs_offset;
   int32_t Lq, Lk;  // Lk: the keys in use (key_lengths applied)
   int64_t align;   // query i's diagonal key is i + align (before q_pos0 / k_pos0)
 };
@@ -60,6 +60,12 @@ struct ForwardParams {
 
   float* lse = nullptr;                // lse(b, h, i) at seq.lse_offset + h·lse_h + i·lse_i (read by the backward)
   int64_t lse_h = 0, lse_i = 0;
+
+  // probs(b, h, i, j) at seq.probs_offset + h·probs_h + i·probs_i + j, probs_cols
+  // columns per row (columns ≥ the sequence's Lk are 0); nullptr = not wanted.
+  float* probs = nullptr;
+  int64_t probs_h = 0, probs_i = 0;
+  int probs_cols = 0;
 
   // Dropout (keyed exactly as the CPU's: dropout/philox.hpp) at global positions.
   float dropout_p = 0.0f;

@@ -111,35 +111,9 @@ __global__ void __launch_bounds__(kThreads)
   const float lse = p.lse[s.lse_offset + int64_t{h} * p.lse_h + int64_t{i} * p.lse_i];
   float m = lse, inv_l = 1.0f;
   if (isfinite(lse) && fabsf(lse) >= kLseRecompute) {
-    // The forward's max and sum again, from the same rounded operands: lanes take
-    // every 32nd key, then the warp combines its partial (max, sum) pairs.
-    const int hk = h / (p.Hq / p.Hkv);
-    const In* q = static_cast<const In*>(p.q) + s.q_offset + int64_t{h} * p.q_head + int64_t{i} * p.q_row;
-    const In* k = static_cast<const In*>(p.k) + s.k_offset + int64_t{hk} * p.k_head;
-    const Band band = band_of_row(p, s, i);
-    const float slope = alibi_slope(p, b, h);
-    float mx = -INFINITY, sum = 0.0f;
-    for (int64_t j = max(int64_t{0}, band.lo) + lane; j <= min(int64_t{s.Lk} - 1, band.hi); j += 32) {
-      float raw = 0.0f;
-      for (int c = 0; c < p.d; ++c) {
-        raw += to_float(load_operand<T>(q + c)) * to_float(load_operand<T>(k + j * p.k_row + c));
-      }
-      const float x = modified_score(p, s, b, h, slope, i, j, band, raw);
-      if (x == -INFINITY) continue;
-      if (x > mx) {
-        sum = sum * exp2f((mx - x) * kLog2e) + 1.0f;
-        mx = x;
-      } else {
-        sum += exp2f((x - mx) * kLog2e);
-      }
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float omx = __shfl_xor_sync(0xffffffffu, mx, off), osum = __shfl_xor_sync(0xffffffffu, sum, off);
-      const float nm = fmaxf(mx, omx);
-      if (nm != -INFINITY) sum = sum * exp2f((mx - nm) * kLog2e) + osum * exp2f((omx - nm) * kLog2e);
-      mx = nm;
-    }
+    // The forward's max and sum again, from the same rounded operands.
+    float mx, sum;
+    row_max_sum<T, In>(p, s, b, h, i, mx, sum);
     if (mx != -INFINITY) m = mx, inv_l = 1.0f / sum;
   }
   if (lane == 0) {

@@ -14,6 +14,7 @@
 //     p = 0, so that the value of a removed key never reaches an output (the tensor
 //     cores would give 0·∞ = NaN);
 //   - a row with no visible key gives out = 0 and lse = −∞.
+// `probs`, when wanted, comes from a second, row-wise kernel (probs_kernel).
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -225,6 +226,52 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(ForwardParams p
   }
 }
 
+// probs: the probabilities after dropout, one warp per query row, after the forward
+// (a debugging and teaching output: it re-reads K twice, first for the row's max and
+// sum, then for every column). Columns past the sequence's keys are 0; a NaN row is NaN
+// as in the reference.
+template <class T, class In>
+__global__ void __launch_bounds__(kThreads) probs_kernel(ForwardParams p, const SeqDesc* seqs) {
+  const int b = blockIdx.z, h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const SeqDesc s = seqs[b];
+  const int i = blockIdx.x * kWarps + warp;
+  if (i >= s.Lq) return;
+  float mx, sum;
+  row_max_sum<T, In>(p, s, b, h, i, mx, sum);
+  const int hk = h / (p.Hq / p.Hkv);
+  const In* q = static_cast<const In*>(p.q) + s.q_offset + int64_t{h} * p.q_head + int64_t{i} * p.q_row;
+  const In* k = static_cast<const In*>(p.k) + s.k_offset + int64_t{hk} * p.k_head;
+  const Band band = band_of_row(p, s, i);
+  const float slope = alibi_slope(p, b, h), inv = 1.0f / sum;
+  const detail::DropoutRng rng = dropout_rng(p);
+  const float keep_scale = 1.0f / (1.0f - p.dropout_p);
+  float* row = p.probs + s.probs_offset + int64_t{h} * p.probs_h + int64_t{i} * p.probs_i;
+  for (int64_t j = lane; j < p.probs_cols; j += 32) {
+    float pr = 0.0f;
+    if (j < s.Lk && isnan(sum)) {
+      pr = NAN;
+    } else if (j < s.Lk && mx != -INFINITY && j >= band.lo && j <= band.hi) {
+      float raw = 0.0f;
+      for (int c = 0; c < p.d; ++c) {
+        raw += to_float(load_operand<T>(q + c)) * to_float(load_operand<T>(k + j * p.k_row + c));
+      }
+      const float x = modified_score(p, s, b, h, slope, i, j, band, raw);
+      if (x != -INFINITY) {
+        pr = exp2f((x - mx) * kLog2e) * inv;
+        if (p.dropout_p > 0.0f) pr = dropout_keep(rng, p, b, h, i, j) ? pr * keep_scale : 0.0f;
+      }
+    }
+    row[j] = pr;
+  }
+}
+
+template <class T, class In>
+cudaError_t launch_probs(const ForwardParams& p, const SeqDesc* seqs, cudaStream_t stream) {
+  const dim3 grid((p.max_lq + kWarps - 1) / kWarps, p.Hq, p.B);
+  probs_kernel<T, In><<<grid, kThreads, 0, stream>>>(p, seqs);
+  return cudaGetLastError();
+}
+
 // Key tile per head dimension: 64 keys, 32 at d = 256 (registers and shared memory).
 template <int D> constexpr int kKeyTile = D >= 256 ? 32 : 64;
 
@@ -275,6 +322,13 @@ std::string forward(const ForwardParams& p) {
       case Elem::bf16: e = launch_for_dim<__nv_bfloat16, __nv_bfloat16>(p, seqs, stream); break;
       case Elem::f16: e = launch_for_dim<__half, __half>(p, seqs, stream); break;
       case Elem::f32: e = launch_for_dim<__nv_bfloat16, float>(p, seqs, stream); break;
+    }
+  }
+  if (e == cudaSuccess && p.probs != nullptr) {
+    switch (p.in) {
+      case Elem::bf16: e = launch_probs<__nv_bfloat16, __nv_bfloat16>(p, seqs, stream); break;
+      case Elem::f16: e = launch_probs<__half, __half>(p, seqs, stream); break;
+      case Elem::f32: e = launch_probs<__nv_bfloat16, float>(p, seqs, stream); break;
     }
   }
   const cudaError_t f = cudaFreeAsync(seqs, stream);

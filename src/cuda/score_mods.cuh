@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "cuda/cuda_backend.hpp"
+#include "cuda/mma_fragments.cuh"
 #include "dropout/philox.hpp"
 
 namespace attn::cuda {
@@ -109,6 +110,47 @@ __device__ __forceinline__ void dropout_keep_pair(const detail::DropoutRng& rng,
     keep0 = rng.keep(b, hg, ig, static_cast<int>(jg));
     keep1 = rng.keep(b, hg, ig, static_cast<int>(jg + 1));
   }
+}
+
+/// The max and sum of row i's softmax, exp(x − max) summed over its visible keys, by
+/// one warp (lanes take every 32nd key; the result is the warp's, in every lane) from
+/// the scores modified as modified_score does, with the products of the rounded
+/// operands summed in f32. max = −∞ for a row with no visible key; a NaN score makes
+/// the sum NaN. The backward uses it where lse is too large for f32 to carry P, and
+/// the probs kernel for every row.
+template <class T, class In>
+__device__ __forceinline__ void row_max_sum(const ForwardParams& p, const SeqDesc& s, int b, int h, int64_t i,
+                                            float& max_out, float& sum_out) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  const int lane = threadIdx.x % 32;
+  const int hk = h / (p.Hq / p.Hkv);
+  const In* q = static_cast<const In*>(p.q) + s.q_offset + int64_t{h} * p.q_head + i * p.q_row;
+  const In* k = static_cast<const In*>(p.k) + s.k_offset + int64_t{hk} * p.k_head;
+  const Band band = band_of_row(p, s, i);
+  const float slope = alibi_slope(p, b, h);
+  float mx = -INFINITY, sum = 0.0f;
+  for (int64_t j = max(int64_t{0}, band.lo) + lane; j <= min(int64_t{s.Lk} - 1, band.hi); j += 32) {
+    float raw = 0.0f;
+    for (int c = 0; c < p.d; ++c) {
+      raw += to_float(load_operand<T>(q + c)) * to_float(load_operand<T>(k + j * p.k_row + c));
+    }
+    const float x = modified_score(p, s, b, h, slope, i, j, band, raw);
+    if (x == -INFINITY) continue;
+    if (x > mx) {
+      sum = sum * exp2f((mx - x) * kLog2e) + 1.0f;
+      mx = x;
+    } else {
+      sum += exp2f((x - mx) * kLog2e);
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float omx = __shfl_xor_sync(0xffffffffu, mx, off), osum = __shfl_xor_sync(0xffffffffu, sum, off);
+    const float nm = fmaxf(mx, omx);
+    if (nm != -INFINITY) sum = sum * exp2f((mx - nm) * kLog2e) + osum * exp2f((omx - nm) * kLog2e);
+    mx = nm;
+  }
+  max_out = mx, sum_out = sum;
 }
 
 }  // namespace attn::cuda

@@ -3,8 +3,8 @@
 // every option the GPU path has, bf16 and f16, head dims 64/96/128/256 and odd lengths,
 // under FlashAttention's rule (error ≤ 2× that of a plain implementation with the same
 // rounding: bf16/f16 inputs, exact softmax, P rounded before P·V, f32 accumulation),
-// pooled per option with a 10× screen per case. Also varlen and key lengths, fully
-// masked rows, non-finite values of removed keys, dropout drawing the CPU's decisions,
+// pooled per option with a 10× screen per case. Also probs, varlen and key lengths,
+// fully masked rows, non-finite values of removed keys, dropout drawing the CPU's decisions,
 // user streams, and the GPU path's argument errors. The backward: the same options and
 // shapes under the backward's form of the rule, bitwise reproducibility, varlen and key
 // lengths (every gradient element written), non-finite numbers where they take no part,
@@ -136,6 +136,37 @@ TEST_P(CudaForward, LongOddSequences) {
   for (const OptionCase& oc : gpu_option_cases()) {
     if (std::string(oc.name) != "plain" && std::string(oc.name) != "causal") continue;
     ExpectWithinPlainBf16Error(shapes, oc, [&](const Shape& s) { return run_gpu_case(GetParam(), s, oc, rng); });
+  }
+}
+
+// probs (the probabilities after dropout) against the reference's, every option case
+// and odd shapes, fully masked rows included.
+TEST_P(CudaForward, ProbsMatchTheReference) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng = make_rng(1309);
+  const Shape shapes[] = {{1, 1, 1, 1, 1, 64, 64}, {2, 17, 130, 4, 2, 64, 64}, {1, 70, 33, 2, 1, 128, 128}};
+  for (const OptionCase& oc : gpu_option_cases()) {
+    for (const Shape& s : shapes) {
+      SCOPED_TRACE(std::string(oc.name) + " Lq=" + std::to_string(s.Lq) + " Lk=" + std::to_string(s.Lk));
+      LowpCall c(GetParam(), s.B, s.Lq, s.Lk, s.Hq, s.Hkv, s.d, s.dv, rng);
+      OptionStore store;
+      AttentionOptions o = oc.make(store, c, rng);
+      const AttentionOptions host_options = o;
+      std::vector<std::unique_ptr<DeviceBuffer>> keep;
+      o.mask = on_gpu(o.mask, keep);
+      o.alibi_slopes = on_gpu(o.alibi_slopes, keep);
+      const size_t n = size_t(s.B) * s.Hq * s.Lq * s.Lk;
+      DeviceBuffer out(c.out.size() * 2), probs(n * 4);
+      attention(on_gpu(c.view(c.q, s.Lq, s.Hq, s.d), keep), on_gpu(c.view(c.k, s.Lk, s.Hkv, s.d), keep),
+                on_gpu(c.view(c.v, s.Lk, s.Hkv, s.dv), keep), TensorView(out.get(), c.dt, {s.B, s.Lq, s.Hq, s.dv}).on(kGpu),
+                o, {}, TensorView(probs.get(), DType::f32, {s.B, s.Hq, s.Lq, s.Lk}).on(kGpu));
+      std::vector<float> gpu(n), ref(n), ref_out(c.out.size());
+      probs.to_host(gpu);
+      attention_reference(c.view32(c.q32, s.Lq, s.Hq, s.d), c.view32(c.k32, s.Lk, s.Hkv, s.d),
+                          c.view32(c.v32, s.Lk, s.Hkv, s.dv), c.view32(ref_out, s.Lq, s.Hq, s.dv), host_options, {},
+                          TensorView(ref.data(), DType::f32, {s.B, s.Hq, s.Lq, s.Lk}));
+      for (size_t x = 0; x < n; ++x) ASSERT_NEAR(gpu[x], ref[x], 2e-3 * std::max(1.0f, std::fabs(ref[x]))) << x;
+    }
   }
 }
 
