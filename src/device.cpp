@@ -141,7 +141,6 @@ void attention_backward_cuda(const char* fn, const TensorView& q, const TensorVi
                              const AttentionOptions& options, const TensorView& dbias, const UserMods* mods) {
   const Checker c(fn);
   check_gpu_options(c, q, options, mods);
-  if (!dbias.empty()) c.fail("dbias (the mask's gradient) is not supported on CUDA devices yet");
   const BackwardProblem bp =
       make_backward_problem(fn, q, k, v, out, lse, dout, dq, dk, dv, options, dbias, mods, /*on_device=*/true);
 #ifdef ATTN_WITH_CUDA
@@ -160,6 +159,12 @@ void attention_backward_cuda(const char* fn, const TensorView& q, const TensorVi
   b.dk = bp.dk, b.dk_row = bp.dk_row, b.dk_head = bp.dk_head;
   b.dv = bp.dv, b.dv_row = bp.dv_row, b.dv_head = bp.dv_head;
   b.dq_extent = grad_extent(dq), b.dk_extent = grad_extent(dk), b.dv_extent = grad_extent(dv);
+  if (bp.dbias != nullptr) {
+    b.dbias = bp.dbias;
+    for (int i = 0; i < dbias.rank(); ++i) b.dbias_dims[4 - dbias.rank() + i] = dbias.size(i);
+    b.dbias_stride[0] = bp.dbias_b, b.dbias_stride[1] = bp.dbias_h;
+    b.dbias_stride[2] = bp.dbias_i, b.dbias_stride[3] = bp.dbias_j;
+  }
   const std::string e = cuda::backward(b);
   if (!e.empty()) c.fail("on " + q.device().describe() + ": " + e);
 #else

@@ -172,7 +172,8 @@ void attention_reference(const TensorView& q, const TensorView& k, const TensorV
 /// Bitwise identical for any number of threads. Throws attn::Error for bad
 /// arguments before writing anything. On a CUDA device (the tensors' device, as
 /// attention()): asynchronously on q's stream, with the forward's GPU dtypes, head
-/// dims and options (dbias not yet), bitwise reproducible from run to run (no atomics).
+/// dims and options, bitwise reproducible from run to run (no atomics); dbias there
+/// takes a device workspace of B·Hq·Lq·Lk floats.
 void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
                         const TensorView& out, const TensorView& lse, const TensorView& dout,
                         const TensorView& dq, const TensorView& dk, const TensorView& dv,

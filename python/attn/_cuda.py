@@ -5,8 +5,8 @@ without copies (outputs are allocated with torch on that device).
 ``attn.scaled_dot_product_attention`` and ``attn.attention_backward`` route here when
 ``query`` is a CUDA tensor; every other tensor of the call must then be on the same
 device. What the GPU path takes (see ``attn/attention.hpp``): bfloat16 or float16
-inputs, head dims 64, 96, 128 or 256 with dv = d, and every option but the mask's
-gradient (an error naming it). A ``block_mask``'s tables are copied to the device.
+inputs, head dims 64, 96, 128 or 256 with dv = d, and every option, the mask's gradient
+included. A ``block_mask``'s tables are copied to the device.
 """
 
 import torch as _torch
@@ -97,9 +97,8 @@ def forward(query, key, value, attn_mask, *, scale, causal, window_left, window_
 
 def backward(grad_out, query, key, value, out, lse, attn_mask, *, scale, causal, window_left, window_right, softcap,
              alibi_slopes, dropout_p, seed, return_mask_grad, block_mask):
-    """The backward on CUDA tensors: returns (dq, dk, dv), new tensors on the device."""
-    if return_mask_grad:
-        raise ValueError("return_mask_grad (the gradient of attn_mask) is not supported on CUDA tensors yet")
+    """The backward on CUDA tensors: returns (dq, dk, dv) and, with return_mask_grad, the
+    float32 attn_mask's gradient; new tensors on the device."""
     dev = query.device
     q, k, v = query.detach(), key.detach(), value.detach()
     batch = tuple(q.shape[:-3])
@@ -111,13 +110,27 @@ def backward(grad_out, query, key, value, out, lse, attn_mask, *, scale, causal,
     dq = _torch.empty(q.shape, dtype=q.dtype, device=dev)
     dk = _torch.empty(k.shape, dtype=q.dtype, device=dev)
     dvv = _torch.empty(v.shape, dtype=q.dtype, device=dev)
+    mask = _mask(attn_mask, batch, hq, lq, lk)
+    dmask = None
+    if return_mask_grad:
+        if mask is None or mask.dtype != _torch.float32:
+            raise ValueError("return_mask_grad=True needs a float32 attn_mask")
+        dmask = _torch.empty(mask.shape, dtype=_torch.float32, device=dev)
     m = lambda t: _merged(t.detach(), t.shape[-3:])  # noqa: E731
     _attn.backward(_view(_bshd(m(q)), "query", dev), _view(_bshd(m(k)), "key", dev), _view(_bshd(m(v)), "value", dev),
                    _view(_bshd(m(out)), "out", dev), _view(lse.detach().reshape(-1, hq, lq), "lse", dev),
                    _view(_bshd(m(grad_out)), "grad_out", dev), _view(_bshd(m(dq)), "dq", dev),
                    _view(_bshd(m(dk)), "dk", dev), _view(_bshd(m(dvv)), "dv", dev), scale=scale, causal=causal,
                    window_left=window_left, window_right=window_right,
-                   mask=_view(_mask(attn_mask, batch, hq, lq, lk), "attn_mask", dev),
+                   mask=_view(mask, "attn_mask", dev),
                    alibi_slopes=_view(_alibi(alibi_slopes, batch, hq), "alibi_slopes", dev), softcap=softcap,
-                   dropout_p=dropout_p, seed=seed, **_block_mask(block_mask, batch, hq, lq, lk, dev))
-    return dq, dk, dvv
+                   dropout_p=dropout_p, seed=seed, dbias=_view(dmask, "mask gradient", dev),
+                   **_block_mask(block_mask, batch, hq, lq, lk, dev))
+    if not return_mask_grad:
+        return dq, dk, dvv
+    if tuple(dmask.shape) != tuple(attn_mask.shape):  # broadcast over several batch dims: sum back
+        full = batch + (hq, lq, lk)
+        lead = len(full) - attn_mask.dim()
+        dims = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(attn_mask.shape) if n == 1 and full[lead + i] != 1)
+        dmask = dmask.reshape(full).sum(dim=dims, keepdim=True).reshape(attn_mask.shape)
+    return dq, dk, dvv, dmask

@@ -157,8 +157,23 @@ def test_gpu_errors_name_the_argument():
     q, k, v = _inputs(torch.bfloat16)
     with pytest.raises(ValueError, match="key is on cpu but query is on cuda"):
         attn.scaled_dot_product_attention(q, k.cpu(), v)
-    with pytest.raises(ValueError, match="return_mask_grad"):
+    with pytest.raises(ValueError, match="return_mask_grad=True needs a float32 attn_mask"):
         attn.attention_backward(q, q, k, v, q, torch.zeros(2, 4, 300, device="cuda"), return_mask_grad=True)
+
+
+@needs_gpu
+def test_a_float_mask_gets_its_gradient_through_autograd():
+    import attn.torch as at
+    q, k, v = (t.requires_grad_() for t in _inputs(torch.bfloat16, L=65, S=80, d=64))
+    bias = torch.randn(65, 80, device="cuda", requires_grad=True)
+    at.scaled_dot_product_attention(q, k, v, attn_mask=bias).float().square().sum().backward()
+    ours = bias.grad.clone()
+    bias.grad = None
+    q64, k64, v64 = (t.detach().double() for t in (q, k, v))
+    b64 = bias.detach().double().requires_grad_()
+    s = q64 @ k64.transpose(-1, -2) / 8.0 + b64
+    (torch.softmax(s, -1) @ v64).square().sum().backward()
+    assert _rel_err(ours, b64.grad) < 3e-2
 
 
 @needs_gpu

@@ -106,6 +106,13 @@ struct BackwardParams {
   void* dv = nullptr;
   int64_t dv_row = 0, dv_head = 0;
   GradExtent dq_extent, dk_extent, dv_extent;
+  // ∂L/∂(additive mask), f32, nullptr = not wanted: the element for (b, h, i, j) at
+  // b·dbias_stride[0] + h·dbias_stride[1] + i·dbias_stride[2] + j·dbias_stride[3] of a
+  // tensor of dbias_dims (the mask's shape, right-aligned to [B, Hq, Lq, Lk], 1 where
+  // absent; stride 0 where it broadcasts), summed over the broadcast dimensions.
+  float* dbias = nullptr;
+  int64_t dbias_dims[4] = {1, 1, 1, 1};
+  int64_t dbias_stride[4] = {0, 0, 0, 0};
 };
 
 /// The head dimensions the kernels are compiled for.

@@ -16,7 +16,10 @@
 // dQ with atomics, whose order, and so whose rounding, varies from run to run); it
 // makes the backward bitwise reproducible, as attn's CPU backward.
 //
-// Tiles that the block-sparse mask empties are skipped, as in the forward.
+// Tiles that the block-sparse mask empties are skipped, as in the forward. dbias (the
+// additive mask's gradient): the dq kernel also stores dS before softcap' for every
+// (b, h, i, j), and dbias_kernel sums it over the mask's broadcast dimensions in a fixed
+// order (a workspace of B·Hq·Lq·Lk floats, the size of the mask's broadcast shape).
 //
 // Semantics, as the CPU backward (cpu/attention_backward.cc):
 //   - a key removed for a row (band, mask, key length) has P = 0 and dS = 0, whatever
@@ -59,6 +62,10 @@ struct RowStats {
   float* m = nullptr;      // P = e^(S − m) · inv_l; −∞ for a row with no visible key
   float* inv_l = nullptr;
   int max_lq = 0;
+  // dbias only: dS before softcap' of every (b, h, i, j) at ((b·Hq + h)·max_lq + i)·max_lk + j,
+  // zero where no tile wrote it; summed over the mask's broadcast dimensions afterwards.
+  float* ds_all = nullptr;
+  int max_lk = 0;
   __device__ int64_t at(int Hq, int b, int h, int i) const {
     return (int64_t{b} * Hq + h) * max_lq + i;
   }
@@ -217,7 +224,11 @@ __global__ void __launch_bounds__(kThreads)
           const float x = modified_score(p, s, b, h, slope, i, j + c, rr == 0 ? band_a : band_b, sc[nt][e], &cap_grad);
           const float pr = rr == 0 ? probability(x, m_a, il_a) : probability(x, m_b, il_b);
           const float keep = !dropout ? 1.0f : (c == 0 ? keep0 : keep1) ? keep_scale : 0.0f;
-          sc[nt][e] = score_gradient(pr, dp[nt][e], keep, rr == 0 ? ds_a : ds_b, cap_grad);
+          const float g_mask = score_gradient(pr, dp[nt][e], keep, rr == 0 ? ds_a : ds_b, 1.0f);
+          if (st.ds_all != nullptr && i < s.Lq && j + c < s.Lk) {
+            st.ds_all[st.at(p.Hq, b, h, i) * st.max_lk + j + c] = g_mask;  // ∂L/∂mask: before softcap'
+          }
+          sc[nt][e] = g_mask * cap_grad;
         }
       }
     }
@@ -255,6 +266,32 @@ __global__ void __launch_bounds__(kThreads)
       row[col] = from_float<In>(p.scale * dq[n][2 * rr]);
       row[col + 1] = from_float<In>(p.scale * dq[n][2 * rr + 1]);
     }
+  }
+}
+
+// dbias: one thread per element of the mask's shape, summing dS over the dimensions the
+// mask broadcasts (size 1 where the call has more), in a fixed order.
+__global__ void dbias_kernel(BackwardParams bp, RowStats st) {
+  const ForwardParams& p = bp.fwd;
+  const int64_t full[4] = {p.B, p.Hq, st.max_lq, st.max_lk};
+  const int64_t* dims = bp.dbias_dims;
+  const int64_t total = dims[0] * dims[1] * dims[2] * dims[3];
+  for (int64_t x = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; x < total; x += int64_t{gridDim.x} * blockDim.x) {
+    int64_t idx[4], r = x;
+    for (int d = 3; d >= 0; --d) idx[d] = r % dims[d], r /= dims[d];
+    int64_t lo[4], hi[4];
+    for (int d = 0; d < 4; ++d) {
+      const bool broadcast = dims[d] == 1 && full[d] > 1;
+      lo[d] = broadcast ? 0 : idx[d];
+      hi[d] = broadcast ? full[d] : min(idx[d] + 1, full[d]);  // varlen masks may be longer than any sequence
+    }
+    float sum = 0.0f;
+    for (int64_t b = lo[0]; b < hi[0]; ++b)
+      for (int64_t h = lo[1]; h < hi[1]; ++h)
+        for (int64_t i = lo[2]; i < hi[2]; ++i)
+          for (int64_t j = lo[3]; j < hi[3]; ++j) sum += st.ds_all[((b * p.Hq + h) * st.max_lq + i) * st.max_lk + j];
+    bp.dbias[idx[0] * bp.dbias_stride[0] + idx[1] * bp.dbias_stride[1] + idx[2] * bp.dbias_stride[2] +
+             idx[3] * bp.dbias_stride[3]] = sum;
   }
 }
 
@@ -486,6 +523,10 @@ cudaError_t launch(const BackwardParams& bp, const SeqDesc* seqs, const Backward
   if ((e = allow_shared_memory(dkdv_kernel, dkdv_smem)) != cudaSuccess) return e;
   const dim3 dkdv_grid((bp.max_lk + kBlockRows - 1) / kBlockRows, p.Hkv, p.B);
   dkdv_kernel<<<dkdv_grid, kThreads, dkdv_smem, stream>>>(bp, seqs, bseqs, st);
+  if ((e = cudaGetLastError()) != cudaSuccess || bp.dbias == nullptr) return e;
+  const int64_t n = bp.dbias_dims[0] * bp.dbias_dims[1] * bp.dbias_dims[2] * bp.dbias_dims[3];
+  if (n == 0) return cudaSuccess;
+  dbias_kernel<<<static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, stream>>>(bp, st);
   return cudaGetLastError();
 }
 
@@ -513,7 +554,8 @@ std::string backward(const BackwardParams& bp) {
   // One stream-ordered allocation: the sequence tables, then D, m and 1/l per row.
   const size_t seq_bytes = sizeof(SeqDesc) * size_t(p.B), bseq_bytes = sizeof(BackwardSeq) * size_t(p.B);
   const size_t rows = size_t(p.B) * p.Hq * size_t(std::max(p.max_lq, 1));
-  const size_t bytes = seq_bytes + bseq_bytes + 3 * rows * sizeof(float);
+  const size_t ds_elems = bp.dbias != nullptr ? rows * size_t(std::max(bp.max_lk, 1)) : 0;
+  const size_t bytes = seq_bytes + bseq_bytes + (3 * rows + ds_elems) * sizeof(float);
   unsigned char* work = nullptr;
   ATTN_CUDA_TRY(cudaMallocAsync(reinterpret_cast<void**>(&work), bytes, stream));
   SeqDesc* seqs = reinterpret_cast<SeqDesc*>(work);
@@ -523,7 +565,12 @@ std::string backward(const BackwardParams& bp) {
   st.m = st.dsum + rows;
   st.inv_l = st.m + rows;
   st.max_lq = std::max(p.max_lq, 1);
+  st.max_lk = std::max(bp.max_lk, 1);
   cudaError_t e = cudaMemcpyAsync(seqs, p.seqs_host, seq_bytes, cudaMemcpyHostToDevice, stream);
+  if (e == cudaSuccess && ds_elems > 0) {
+    st.ds_all = st.inv_l + rows;
+    e = cudaMemsetAsync(st.ds_all, 0, ds_elems * sizeof(float), stream);
+  }
   if (e == cudaSuccess) e = cudaMemcpyAsync(bseqs, bp.bseqs_host, bseq_bytes, cudaMemcpyHostToDevice, stream);
   if (e == cudaSuccess) {
     switch (p.in) {

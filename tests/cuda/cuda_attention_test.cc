@@ -8,7 +8,7 @@
 // user streams, and the GPU path's argument errors. The backward: the same options and
 // shapes under the backward's form of the rule, bitwise reproducibility, varlen and key
 // lengths (every gradient element written), non-finite numbers where they take no part,
-// rows with huge |lse|, block-sparse masks, and Precision::bf16.
+// rows with huge |lse|, block-sparse masks, the mask's gradient, and Precision::bf16.
 //
 // Every test skips, saying why, where no usable GPU is present (cuda_status()).
 #include <cuda_runtime.h>
@@ -519,6 +519,50 @@ TEST_P(CudaBackward, BlockMaskAgreesWithTheCpu) {
   }
 }
 
+// dbias (the additive mask's gradient) against the CPU's, for masks that broadcast over
+// the batch, the heads, the rows, or nothing; softcap and dropout on, so that dS is
+// taken before softcap' and with the forward's dropout decisions.
+TEST_P(CudaBackward, MaskGradientAgreesWithTheCpu) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng = make_rng(1318);
+  const int B = 2, Lq = 70, Lk = 133, H = 2, d = 64;
+  const std::vector<std::vector<int64_t>> shapes = {{Lq, Lk}, {B, 1, Lq, Lk}, {B, H, Lq, Lk}, {1, H, 1, Lk}};
+  for (const auto& shape : shapes) {
+    SCOPED_TRACE("mask rank " + std::to_string(shape.size()) + " first dim " + std::to_string(shape[0]));
+    LowpCall c(GetParam(), B, Lq, Lk, H, H, d, d, rng);
+    int64_t n = 1;
+    for (int64_t x : shape) n *= x;
+    std::vector<float> mask(static_cast<size_t>(n)), cpu(mask.size()), gpu(mask.size());
+    std::uniform_real_distribution<float> u(-2, 2);
+    for (float& x : mask) x = rng() % 8 == 0 ? -INFINITY : u(rng);
+    AttentionOptions o;
+    o.mask = TensorView(mask.data(), DType::f32, shape);
+    o.softcap = 6.0f;
+    o.dropout_p = 0.1f;
+    o.seed = 3;
+    (void)run_gpu_forward_backward(c, o);  // c.out and c.lse: the GPU forward's, for both backward passes
+    std::vector<uint16_t> dq(c.q.size()), dk(c.k.size()), dv(c.v.size());
+    attention_backward(c.view(c.q, Lq, H, d), c.view(c.k, Lk, H, d), c.view(c.v, Lk, H, d), c.view(c.out, Lq, H, d),
+                       c.lse_view(), c.view(c.dout, Lq, H, d), c.view(dq, Lq, H, d), c.view(dk, Lk, H, d),
+                       c.view(dv, Lk, H, d), o, TensorView(cpu.data(), DType::f32, shape));
+    std::vector<std::unique_ptr<DeviceBuffer>> keep;
+    AttentionOptions od = o;
+    od.mask = on_gpu(o.mask, keep);
+    DeviceBuffer g(gpu.size() * 4), gq(dq.size() * 2), gk(dk.size() * 2), gv(dv.size() * 2);
+    attention_backward(on_gpu(c.view(c.q, Lq, H, d), keep), on_gpu(c.view(c.k, Lk, H, d), keep),
+                       on_gpu(c.view(c.v, Lk, H, d), keep), on_gpu(c.view(c.out, Lq, H, d), keep),
+                       on_gpu(c.lse_view(), keep), on_gpu(c.view(c.dout, Lq, H, d), keep),
+                       TensorView(gq.get(), c.dt, {B, Lq, H, d}).on(kGpu), TensorView(gk.get(), c.dt, {B, Lk, H, d}).on(kGpu),
+                       TensorView(gv.get(), c.dt, {B, Lk, H, d}).on(kGpu), od,
+                       TensorView(g.get(), DType::f32, shape).on(kGpu));
+    g.to_host(gpu);
+    double scale = 0;
+    for (float x : cpu) scale = std::max(scale, double(std::fabs(x)));
+    ASSERT_GT(scale, 0.0);
+    for (size_t x = 0; x < gpu.size(); ++x) ASSERT_NEAR(gpu[x], cpu[x], 0.02 * scale) << x;
+  }
+}
+
 TEST(CudaBackwardPrecision, Bf16PrecisionForF32InputsIsTheBf16KernelWithAnF32Output) {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng = make_rng(1316);
@@ -582,14 +626,15 @@ TEST(CudaErrors, UnsupportedShapesAndOptionsAreNamed) {
   AttentionOptions o;
   o.mask = on_gpu(TensorView(mask.data(), DType::bf16, {5, 5}), keep);
   expect_attn_error([&] { attention(q64, q64, q64, o64, o); }, "options.mask on a CUDA device must be f32 or bool");
-  std::vector<float> lse(5), fmask(25), dbias(25);
+  std::vector<float> lse(5), dbias(25);
+  std::vector<uint8_t> bmask(25, 1);
   o = {};
-  o.mask = on_gpu(TensorView(fmask.data(), DType::f32, {5, 5}), keep);
+  o.mask = on_gpu(TensorView(bmask.data(), DType::boolean, {5, 5}), keep);
   const TensorView lse_d = on_gpu(TensorView(lse.data(), DType::f32, {1, 1, 5}), keep);
   expect_attn_error([&] {
     attention_backward(q64, q64, q64, o64, lse_d, o64, o64, o64, o64, o,
                        on_gpu(TensorView(dbias.data(), DType::f32, {5, 5}), keep));
-  }, "dbias (the mask's gradient) is not supported on CUDA devices yet");
+  }, "dbias needs an additive (f32) mask");
 }
 
 }  // namespace
