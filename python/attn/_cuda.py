@@ -17,10 +17,15 @@ _DTYPES = {_torch.float32: "float32", _torch.bfloat16: "bfloat16", _torch.float1
            _torch.bool: "bool", _torch.int32: "int32"}
 
 
-def _view(t, name, device):
-    """A DeviceTensor over t's memory (no copy), on `device` and its current stream."""
+def _view(t, name, device, keep):
+    """A DeviceTensor over t's memory (no copy), on `device` and its current stream. t is
+    appended to `keep`, which the caller holds until the kernels are enqueued: a
+    temporary (a reshaped copy, a table moved to the device) freed earlier could be
+    handed by PyTorch's caching allocator to the next allocation before the kernels
+    read it. (After the launch, freeing is safe: later work on the stream runs after.)"""
     if t is None:
         return None
+    keep.append(t)
     if not type(t).__module__.startswith("torch"):
         raise TypeError("%s: expected a torch tensor on %s (where query is), got %s" % (name, device, type(t).__name__))
     if t.device != device:
@@ -63,13 +68,13 @@ def _alibi(alibi_slopes, batch, hq):
     return None if alibi_slopes is None else alibi_slopes.detach()
 
 
-def _block_mask(block_mask, batch, hq, lq, lk, device):
+def _block_mask(block_mask, batch, hq, lq, lk, device, keep):
     """The kernel arguments of an attn.BlockMask, its tables copied to `device`."""
     import attn
     args = attn._block_mask(block_mask, batch, hq, lq, lk)  # checks it against the call's shapes
     for key in ("block_table", "block_tiles"):
         if args.get(key) is not None:
-            args[key] = _view(_torch.from_numpy(args[key]).to(device), "block_mask", device)
+            args[key] = _view(_torch.from_numpy(args[key]).to(device), "block_mask", device, keep)
     return args
 
 
@@ -78,20 +83,21 @@ def forward(query, key, value, attn_mask, *, scale, causal, window_left, window_
     """The forward on CUDA tensors (arguments already parsed by attn.scaled_dot_product_attention):
     returns out and, with return_lse, lse."""
     dev = query.device
+    keep = []
     q, k, v = query.detach(), key.detach(), value.detach()
     batch = tuple(q.shape[:-3])
     hq, lq, lk, dv = q.shape[-3], q.shape[-2], k.shape[-2], v.shape[-1]
     out = _torch.empty(batch + (hq, lq, dv), dtype=q.dtype, device=dev)
     lse = _torch.empty(batch + (hq, lq), dtype=_torch.float32, device=dev) if return_lse else None
     q4, k4, v4 = _merged(q, q.shape[-3:]), _merged(k, k.shape[-3:]), _merged(v, v.shape[-3:])
-    _attn.forward(_view(_bshd(q4), "query", dev), _view(_bshd(k4), "key", dev), _view(_bshd(v4), "value", dev),
-                  _view(_bshd(out.view(-1, hq, lq, dv)), "out", dev), scale=scale, causal=causal,
+    view = lambda t, name: _view(t, name, dev, keep)  # noqa: E731
+    _attn.forward(view(_bshd(q4), "query"), view(_bshd(k4), "key"), view(_bshd(v4), "value"),
+                  view(_bshd(out.view(-1, hq, lq, dv)), "out"), scale=scale, causal=causal,
                   window_left=window_left, window_right=window_right,
-                  mask=_view(_mask(attn_mask, batch, hq, lq, lk), "attn_mask", dev),
-                  alibi_slopes=_view(_alibi(alibi_slopes, batch, hq), "alibi_slopes", dev), softcap=softcap,
-                  dropout_p=dropout_p, seed=seed,
-                  lse=None if lse is None else _view(lse.view(-1, hq, lq), "lse", dev),
-                  **_block_mask(block_mask, batch, hq, lq, lk, dev))
+                  mask=view(_mask(attn_mask, batch, hq, lq, lk), "attn_mask"),
+                  alibi_slopes=view(_alibi(alibi_slopes, batch, hq), "alibi_slopes"), softcap=softcap,
+                  dropout_p=dropout_p, seed=seed, lse=None if lse is None else view(lse.view(-1, hq, lq), "lse"),
+                  **_block_mask(block_mask, batch, hq, lq, lk, dev, keep))
     return out, lse
 
 
@@ -100,6 +106,7 @@ def backward(grad_out, query, key, value, out, lse, attn_mask, *, scale, causal,
     """The backward on CUDA tensors: returns (dq, dk, dv) and, with return_mask_grad, the
     float32 attn_mask's gradient; new tensors on the device."""
     dev = query.device
+    keep = []
     q, k, v = query.detach(), key.detach(), value.detach()
     batch = tuple(q.shape[:-3])
     hq, lq, lk, dv = q.shape[-3], q.shape[-2], k.shape[-2], v.shape[-1]
@@ -117,20 +124,21 @@ def backward(grad_out, query, key, value, out, lse, attn_mask, *, scale, causal,
             raise ValueError("return_mask_grad=True needs a float32 attn_mask")
         dmask = _torch.empty(mask.shape, dtype=_torch.float32, device=dev)
     m = lambda t: _merged(t.detach(), t.shape[-3:])  # noqa: E731
-    _attn.backward(_view(_bshd(m(q)), "query", dev), _view(_bshd(m(k)), "key", dev), _view(_bshd(m(v)), "value", dev),
-                   _view(_bshd(m(out)), "out", dev), _view(lse.detach().reshape(-1, hq, lq), "lse", dev),
-                   _view(_bshd(m(grad_out)), "grad_out", dev), _view(_bshd(m(dq)), "dq", dev),
-                   _view(_bshd(m(dk)), "dk", dev), _view(_bshd(m(dvv)), "dv", dev), scale=scale, causal=causal,
-                   window_left=window_left, window_right=window_right,
-                   mask=_view(mask, "attn_mask", dev),
-                   alibi_slopes=_view(_alibi(alibi_slopes, batch, hq), "alibi_slopes", dev), softcap=softcap,
-                   dropout_p=dropout_p, seed=seed, dbias=_view(dmask, "mask gradient", dev),
-                   **_block_mask(block_mask, batch, hq, lq, lk, dev))
+    view = lambda t, name: _view(t, name, dev, keep)  # noqa: E731
+    _attn.backward(view(_bshd(m(q)), "query"), view(_bshd(m(k)), "key"), view(_bshd(m(v)), "value"),
+                   view(_bshd(m(out)), "out"), view(lse.detach().reshape(-1, hq, lq), "lse"),
+                   view(_bshd(m(grad_out)), "grad_out"), view(_bshd(m(dq)), "dq"), view(_bshd(m(dk)), "dk"),
+                   view(_bshd(m(dvv)), "dv"), scale=scale, causal=causal, window_left=window_left,
+                   window_right=window_right, mask=view(mask, "attn_mask"),
+                   alibi_slopes=view(_alibi(alibi_slopes, batch, hq), "alibi_slopes"), softcap=softcap,
+                   dropout_p=dropout_p, seed=seed, dbias=view(dmask, "mask gradient"),
+                   **_block_mask(block_mask, batch, hq, lq, lk, dev, keep))
     if not return_mask_grad:
         return dq, dk, dvv
     if tuple(dmask.shape) != tuple(attn_mask.shape):  # broadcast over several batch dims: sum back
         full = batch + (hq, lq, lk)
         lead = len(full) - attn_mask.dim()
-        dims = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(attn_mask.shape) if n == 1 and full[lead + i] != 1)
+        dims = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(attn_mask.shape)
+                                          if n == 1 and full[lead + i] != 1)
         dmask = dmask.reshape(full).sum(dim=dims, keepdim=True).reshape(attn_mask.shape)
     return dq, dk, dvv, dmask
