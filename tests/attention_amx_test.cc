@@ -41,13 +41,7 @@ CaseErrors run_kernel_case(const char* path, const Shape& s, const OptionCase& o
     const ScopedIsa isa(path);
     attention(q, k, v, out, o, c.lse_view());
   }
-  const AttentionOptions t = f32_twin(o, c, store.twin);
-  std::vector<float> ref(c.out.size()), lse(c.lse.size()), probs(size_t(s.B) * s.Hq * s.Lq * s.Lk);
-  attention_reference(c.view32(c.q32, s.Lq, s.Hq, s.d), c.view32(c.k32, s.Lk, s.Hkv, s.d),
-                      c.view32(c.v32, s.Lk, s.Hkv, s.dv), c.view32(ref, s.Lq, s.Hq, s.dv), t,
-                      TensorView(lse.data(), DType::f32, {s.B, s.Hq, s.Lq}),
-                      TensorView(probs.data(), DType::f32, {s.B, s.Hq, s.Lq, s.Lk}));
-  return compare_with_reference(c, ref, lse, probs);
+  return compare_forward_with_reference(c, o, store);
 }
 
 // Parameter: the kernel path ("amx" or "avx512bf16"), forced with ATTN_ISA.

@@ -245,6 +245,19 @@ inline CaseErrors compare_with_reference(const LowpCall& c, const std::vector<fl
   return e;
 }
 
+/// A kernel's forward results (c.out, c.lse) against the float64 reference on c's inputs
+/// under the call's options `o` (a mask in the input dtype becomes its f32 twin, kept in
+/// `store`): compare_with_reference with the reference's probabilities.
+inline CaseErrors compare_forward_with_reference(const LowpCall& c, const AttentionOptions& o, OptionStore& store) {
+  const AttentionOptions t = f32_twin(o, c, store.twin);
+  std::vector<float> ref(c.out.size()), lse(c.lse.size()), probs(size_t(c.B) * c.Hq * c.Lq * c.Lk);
+  attention_reference(c.view32(c.q32, c.Lq, c.Hq, c.d), c.view32(c.k32, c.Lk, c.Hkv, c.d),
+                      c.view32(c.v32, c.Lk, c.Hkv, c.dv), c.view32(ref, c.Lq, c.Hq, c.dv), t,
+                      TensorView(lse.data(), DType::f32, {c.B, c.Hq, c.Lq}),
+                      TensorView(probs.data(), DType::f32, {c.B, c.Hq, c.Lq, c.Lk}));
+  return compare_with_reference(c, ref, lse, probs);
+}
+
 /// A kernel's gradients (dq, dk, dv in c's dtype, from c.out, c.lse and c.dout of the
 /// kernel's own forward) against the float64 reference's, with FlashAttention's
 /// yardstick for the backward: a plain implementation with the same rounding (P, dP, D

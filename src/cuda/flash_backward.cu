@@ -192,21 +192,8 @@ __global__ void __launch_bounds__(kThreads)
 
     // dP = dO·Vᵀ and S = Q·Kᵀ, 16 rows × Bc keys each.
     float dp[kNt][4], sc[kNt][4];
-#pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dp[nt][e] = sc[nt][e] = 0.0f;
-#pragma unroll
-      for (int kt = 0; kt < kKt; ++kt) {
-        uint32_t a[4], b0, b1;
-        a_fragment<T, LD>(do_w, kt, a);
-        b_fragment_rows<T, LD>(v_s, nt, kt, b0, b1);
-        mma16816<T>(dp[nt], a, b0, b1);
-        a_fragment<T, LD>(q_w, kt, a);
-        b_fragment_rows<T, LD>(k_s, nt, kt, b0, b1);
-        mma16816<T>(sc[nt], a, b0, b1);
-      }
-    }
+    product_rows<T, LD, kNt, kKt>(dp, do_w, v_s);
+    product_rows<T, LD, kNt, kKt>(sc, q_w, k_s);
 
     // dS, in place of S.
 #pragma unroll
@@ -234,23 +221,7 @@ __global__ void __launch_bounds__(kThreads)
     }
 
     // dQ += dS·K (scaled once at the end).
-    if (!gated) {
-#pragma unroll
-      for (int kk = 0; kk < Bc / 16; ++kk) {
-        uint32_t a[4];
-        a_from_accumulator<T>(sc, kk, a);
-#pragma unroll
-        for (int n = 0; n < kDt; ++n) {
-          uint32_t b0, b1;
-          b_fragment_cols<T, LD>(k_s, kk, n, b0, b1);
-          mma16816<T>(dq[n], a, b0, b1);
-        }
-      }
-    } else {
-      float* pw = pw_s + warp * 16 * Bc;
-      store_rounded<T, Bc>(sc, pw);
-      gated_accumulate<T, LD, kDt, Bc>(dq, pw, k_s);
-    }
+    accumulate_product<T, LD, kDt, Bc>(dq, sc, k_s, gated, pw_s + warp * 16 * Bc);
     __syncthreads();  // before the next tile overwrites K and V
   }
 
@@ -383,21 +354,8 @@ __global__ void __launch_bounds__(kThreads)
 
       // dPᵀ = V·dOᵀ and Sᵀ = K·Qᵀ: 16 keys × Br rows each.
       float dp[kNt][4], sc[kNt][4];
-#pragma unroll
-      for (int nt = 0; nt < kNt; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dp[nt][e] = sc[nt][e] = 0.0f;
-#pragma unroll
-        for (int kt = 0; kt < kKt; ++kt) {
-          uint32_t a[4], b0, b1;
-          a_fragment<T, LD>(v_w, kt, a);
-          b_fragment_rows<T, LD>(do_s, nt, kt, b0, b1);
-          mma16816<T>(dp[nt], a, b0, b1);
-          a_fragment<T, LD>(k_w, kt, a);
-          b_fragment_rows<T, LD>(q_s, nt, kt, b0, b1);
-          mma16816<T>(sc[nt], a, b0, b1);
-        }
-      }
+      product_rows<T, LD, kNt, kKt>(dp, v_w, do_s);
+      product_rows<T, LD, kNt, kKt>(sc, k_w, q_s);
 
       // P' (in sc) and dS (in dp), element (key, row) at (e < 2 ? key_a : key_b,
       // i0 + 8·nt + 2t + (e & 1)).
@@ -418,40 +376,9 @@ __global__ void __launch_bounds__(kThreads)
       }
 
       // dV += P'ᵀ·dO and dK += dSᵀ·Q (scaled once at the end).
-      if (!gated_dv) {
-#pragma unroll
-        for (int kk = 0; kk < Br / 16; ++kk) {
-          uint32_t a[4];
-          a_from_accumulator<T>(sc, kk, a);
-#pragma unroll
-          for (int n = 0; n < kDt; ++n) {
-            uint32_t b0, b1;
-            b_fragment_cols<T, LD>(do_s, kk, n, b0, b1);
-            mma16816<T>(dv[n], a, b0, b1);
-          }
-        }
-      } else {
-        float* pw = pw_s + warp * 16 * Br;
-        store_rounded<T, Br>(sc, pw);
-        gated_accumulate<T, LD, kDt, Br>(dv, pw, do_s);
-      }
-      if (!gated_dk) {
-#pragma unroll
-        for (int kk = 0; kk < Br / 16; ++kk) {
-          uint32_t a[4];
-          a_from_accumulator<T>(dp, kk, a);
-#pragma unroll
-          for (int n = 0; n < kDt; ++n) {
-            uint32_t b0, b1;
-            b_fragment_cols<T, LD>(q_s, kk, n, b0, b1);
-            mma16816<T>(dk[n], a, b0, b1);
-          }
-        }
-      } else {
-        float* pw = pw_s + warp * 16 * Br;
-        store_rounded<T, Br>(dp, pw);
-        gated_accumulate<T, LD, kDt, Br>(dk, pw, q_s);
-      }
+      float* pw = pw_s + warp * 16 * Br;
+      accumulate_product<T, LD, kDt, Br>(dv, sc, do_s, gated_dv, pw);
+      accumulate_product<T, LD, kDt, Br>(dk, dp, q_s, gated_dk, pw);
       __syncthreads();  // before the next tile overwrites Q, dO and the statistics
     }
   }

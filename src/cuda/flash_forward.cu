@@ -176,26 +176,10 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(ForwardParams p
       }
     }
 
-    if (!slow) {
-      // O += P·V on the tensor cores; P's score fragments are its A fragments.
-#pragma unroll
-      for (int kk = 0; kk < Bc / 16; ++kk) {
-        uint32_t pa[4];
-        a_from_accumulator<T>(sc, kk, pa);
-#pragma unroll
-        for (int n = 0; n < kDt; ++n) {
-          uint32_t b0, b1;
-          b_fragment_cols<T, LD>(v_s, kk, n, b0, b1);
-          mma16816<T>(o[n], pa, b0, b1);
-        }
-      }
-    } else {
-      // A value in this tile is NaN or ±∞: multiply element by element, skipping the
-      // keys whose probability is 0 (removed or dropped), with P rounded as above.
-      float* pw = p_s + warp * 16 * Bc;
-      store_rounded<T, Bc>(sc, pw);
-      gated_accumulate<T, LD, kDt, Bc>(o, pw, v_s);
-    }
+    // O += P·V; P's score fragments are its A fragments. A value in this tile that is
+    // NaN or ±∞ takes the element-by-element path, skipping the keys whose probability
+    // is 0 (removed or dropped), with P rounded as on the tensor cores.
+    accumulate_product<T, LD, kDt, Bc>(o, sc, v_s, slow, p_s + warp * 16 * Bc);
     __syncthreads();  // before the next tile overwrites K and V
   }
 

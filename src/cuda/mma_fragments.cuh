@@ -166,6 +166,49 @@ __device__ __forceinline__ void gated_accumulate(float (*acc)[4], const float* p
   __syncwarp();
 }
 
+/// acc (16 rows × 8·kNt columns, n-tiles) = X·Yᵀ, contracting 16·kKt columns: X is this
+/// warp's 16 rows and Y has 8·kNt rows, both row-major operands in shared memory (row
+/// stride LD).
+template <class T, int LD, int kNt, int kKt>
+__device__ __forceinline__ void product_rows(float (*acc)[4], const T* x, const T* y) {
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt) {
+    acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+#pragma unroll
+    for (int kt = 0; kt < kKt; ++kt) {
+      uint32_t a[4], b0, b1;
+      a_fragment<T, LD>(x, kt, a);
+      b_fragment_rows<T, LD>(y, nt, kt, b0, b1);
+      mma16816<T>(acc[nt], a, b0, b1);
+    }
+  }
+}
+
+/// acc (16 rows × 8·kDt columns) += A·Y: A is a warp's accumulator of 16 rows × K columns
+/// (n-tiles a[K / 8][4]), rounded to operands on the way, and Y [K][LD] operands in
+/// shared memory. On the tensor cores, or, when `gated` (Y holds a NaN or ±∞), element
+/// by element skipping A's zeros through pw (this warp's [16][K] f32 scratch).
+template <class T, int LD, int kDt, int K>
+__device__ __forceinline__ void accumulate_product(float (*acc)[4], const float (*a)[4], const T* y, bool gated,
+                                                   float* pw) {
+  if (!gated) {
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+      uint32_t af[4];
+      a_from_accumulator<T>(a, kk, af);
+#pragma unroll
+      for (int n = 0; n < kDt; ++n) {
+        uint32_t b0, b1;
+        b_fragment_cols<T, LD>(y, kk, n, b0, b1);
+        mma16816<T>(acc[n], af, b0, b1);
+      }
+    }
+  } else {
+    store_rounded<T, K>(a, pw);
+    gated_accumulate<T, LD, kDt, K>(acc, pw, y);
+  }
+}
+
 /// Copies rows [r0, r0 + rows) of one head of a [L, H, D] tensor (row stride `row`)
 /// into shared memory (row stride LD) as operands, by the block's `threads` threads;
 /// rows ≥ valid are zeros. Returns whether this thread saw a NaN or ±∞ (when

@@ -109,17 +109,15 @@ CaseErrors run_gpu_case(DType dt, const Shape& s, const OptionCase& oc, std::mt1
   out.to_host(c.out);
   lse.to_host(c.lse);
 
-  std::vector<float> ref(c.out.size()), ref_lse(c.lse.size()), probs(size_t(s.B) * s.Hq * s.Lq * s.Lk);
-  attention_reference(c.view32(c.q32, s.Lq, s.Hq, s.d), c.view32(c.k32, s.Lk, s.Hkv, s.d),
-                      c.view32(c.v32, s.Lk, s.Hkv, s.dv), c.view32(ref, s.Lq, s.Hq, s.dv), host_options,
-                      TensorView(ref_lse.data(), DType::f32, {s.B, s.Hq, s.Lq}),
-                      TensorView(probs.data(), DType::f32, {s.B, s.Hq, s.Lq, s.Lk}));
-  return compare_with_reference(c, ref, ref_lse, probs);
+  return compare_forward_with_reference(c, host_options, store);
 }
 
+// The dtypes of the GPU suites, and their names in test names.
+const auto kGpuDtypes = ::testing::Values(DType::bf16, DType::f16);
+std::string DtypeName(const ::testing::TestParamInfo<DType>& i) { return dtype_name(i.param); }
+
 class CudaForward : public ::testing::TestWithParam<DType> {};
-INSTANTIATE_TEST_SUITE_P(Dtypes, CudaForward, ::testing::Values(DType::bf16, DType::f16),
-                         [](const ::testing::TestParamInfo<DType>& i) { return std::string(dtype_name(i.param)); });
+INSTANTIATE_TEST_SUITE_P(Dtypes, CudaForward, kGpuDtypes, DtypeName);
 
 TEST_P(CudaForward, EveryOptionWithinTwiceThePlainError) {
   SKIP_WITHOUT_GPU();
@@ -360,8 +358,7 @@ void expect_close_to_cpu(const LowpCall& c, const GpuGrads& gpu, const GpuGrads&
 }
 
 class CudaBackward : public ::testing::TestWithParam<DType> {};
-INSTANTIATE_TEST_SUITE_P(Dtypes, CudaBackward, ::testing::Values(DType::bf16, DType::f16),
-                         [](const ::testing::TestParamInfo<DType>& i) { return std::string(dtype_name(i.param)); });
+INSTANTIATE_TEST_SUITE_P(Dtypes, CudaBackward, kGpuDtypes, DtypeName);
 
 TEST_P(CudaBackward, EveryOptionWithinTwiceThePlainError) {
   SKIP_WITHOUT_GPU();
