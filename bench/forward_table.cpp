@@ -56,7 +56,11 @@ ForwardRow time_forward(const ForwardConfig& c, const TableOptions& o) {
 
   ForwardRow row;
   row.config = c;
-  row.path = lowp ? (c.dtype == DType::bf16 ? cpu_info().bf16_path : "f32") : "f32";
+  // bf16 runs where cpu_info() says; f16 forwards on AMX tiles (as hi + lo bf16
+  // pieces) where there are tiles, else, and every f16 backward, on the f32 kernel.
+  const std::string bf16_path = cpu_info().bf16_path;
+  const bool f16_tiles = c.dtype == DType::f16 && !c.backward && bf16_path == "amx";
+  row.path = c.dtype == DType::bf16 ? bf16_path : f16_tiles ? "amx" : "f32";
   row.flops = 4.0 * c.N * c.N * c.d * c.H * c.B * (c.causal ? 0.5 : 1.0) * (c.backward ? 2.5 : 1.0);
   row.extra_mb = attention_workspace_bytes(qv, kv, vv, ov, opt, c.threads) / 1e6;
   row.baseline_extra_mb = baseline_extra_bytes(c.N, c.threads) / 1e6;
@@ -170,14 +174,17 @@ std::string format_forward_table(const std::vector<ForwardRow>& rows, const Peak
     const double peak = r.path == "amx"          ? pk.amx_bf16_gflops
                         : r.path == "avx512bf16" ? pk.bf16_gflops
                                                  : pk.f32_gflops;
+    // Without a baseline (--no-baseline) its cells say so instead of showing zeros.
+    char base[120] = "— | — | —", base_mb[40] = "—";
+    if (r.baseline_ms > 0) {
+      std::snprintf(base, sizeof base, "%.2f | %.1f | %.2f×", r.baseline_ms, r.baseline_gflops(), r.baseline_ms / r.ms);
+      std::snprintf(base_mb, sizeof base_mb, "%.1f", r.baseline_extra_mb);
+    }
     char line[400];
-    std::snprintf(line, sizeof line,
-                  "| %s (%s) | %d | %d | %s | %d | %.2f | %.1f | %.0f%% | %.2f | %.1f | %.2f× | %.1f | %.1f |\n",
+    std::snprintf(line, sizeof line, "| %s (%s) | %d | %d | %s | %d | %.2f | %.1f | %.0f%% | %s | %.1f | %s |\n",
                   dtype_name(r.config.dtype), r.path.c_str(), r.config.N, r.config.d,
-                  r.config.causal ? "causal" : "none", r.config.threads,
-                  r.ms, r.gflops(), peak > 0 ? 100.0 * r.gflops() / peak : 0.0, r.baseline_ms,
-                  r.baseline_gflops(), r.baseline_ms > 0 ? r.baseline_ms / r.ms : 0.0, r.extra_mb,
-                  r.baseline_extra_mb);
+                  r.config.causal ? "causal" : "none", r.config.threads, r.ms, r.gflops(),
+                  peak > 0 ? 100.0 * r.gflops() / peak : 0.0, base, r.extra_mb, base_mb);
     os << line;
   }
   return os.str();

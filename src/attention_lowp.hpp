@@ -26,6 +26,12 @@ bool needs_widening(const Problem& p, const AttentionOptions& options);
 /// takes the portable widening path (f16, probabilities, or no bf16 unit).
 LowpPath bf16_kernel(const Problem& p, const AttentionOptions& options);
 
+/// The kernel a forward call that needs widening runs on: bf16_kernel's choice, and
+/// for f16 inputs LowpPath::amx where the CPU has AMX tiles (f16 values enter them as
+/// exact hi + lo bf16 pieces, three tile products per product; on vdpbf16ps that would
+/// be slower than the f32 kernel, so f16 takes the portable path there).
+LowpPath forward_kernel(const Problem& p, const AttentionOptions& options);
+
 /// Bytes of the f32 copies that attention() makes for this call (0 if none): q, k,
 /// v, out for f32 inputs with Precision::bf16, and a bf16/f16 mask.
 size_t widening_bytes(const Problem& p, const TensorView& q, const TensorView& k, const TensorView& v,

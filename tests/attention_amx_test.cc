@@ -5,7 +5,8 @@
 // with the same rounding (bf16 inputs, exact softmax, P rounded to bf16 before P·V,
 // f32 accumulation, bf16 output), pooled per option, with a 10× screen per case.
 // Also: lse, fully masked rows, thread independence, Precision::bf16, NaN inputs
-// (declined to the portable path) and the ATTN_ISA errors.
+// (declined to the portable path) and the ATTN_ISA errors. f16 inputs on the AMX
+// path (hi + lo bf16 pieces) under the same rule with f16 rounding.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -31,8 +32,9 @@ const Shape kAmxShapes[] = {{1, 1, 1, 1, 1, 16, 16},      {2, 3, 17, 4, 2, 64, 6
 // Runs one kernel call (path isa) and its yardsticks: the reference (float64 on the bf16 values,
 // rounded to f32 once) and the plain bf16 implementation built from the reference's
 // probabilities (every option included): out = bf16(Σ_j bf16(P_ij)·v_j), in f32.
-CaseErrors run_kernel_case(const char* path, const Shape& s, const OptionCase& oc, std::mt19937_64& rng) {
-  LowpCall c(DType::bf16, s.B, s.Lq, s.Lk, s.Hq, s.Hkv, s.d, s.dv, rng);
+CaseErrors run_kernel_case(const char* path, const Shape& s, const OptionCase& oc, std::mt19937_64& rng,
+                           DType dtype = DType::bf16) {
+  LowpCall c(dtype, s.B, s.Lq, s.Lk, s.Hq, s.Hkv, s.d, s.dv, rng);
   OptionStore store;
   const AttentionOptions o = oc.make(store, c, rng);
   const TensorView q = c.view(c.q, s.Lq, s.Hq, s.d), k = c.view(c.k, s.Lk, s.Hkv, s.d),
@@ -143,6 +145,90 @@ TEST_P(Bf16KernelForward, NonFiniteMaskValuesFollowTheReference) {
       EXPECT_EQ(c.lse[i], -INFINITY);
     }
   }
+}
+
+// f16 on the tiles: each value enters as hi + lo bf16 pieces (exact), three tile
+// products per product, P split likewise. The yardstick is the plain f16
+// implementation: P rounded to f16 before P·V, the output rounded to f16.
+TEST(F16OnAmxTiles, EveryOptionWithinTwiceThePlainF16Error) {
+  SKIP_UNLESS_PATH("amx");
+  std::mt19937_64 rng = make_rng(31);
+  for (const OptionCase& oc : option_cases()) {
+    ExpectWithinPlainBf16Error(kAmxShapes, oc,
+                               [&](const Shape& s) { return run_kernel_case("amx", s, oc, rng, DType::f16); });
+  }
+}
+
+TEST(F16OnAmxTiles, ThreadCountDoesNotChangeABit) {
+  SKIP_UNLESS_PATH("amx");
+  const ScopedIsa isa("amx");
+  std::mt19937_64 rng = make_rng(32);
+  for (const OptionCase& oc : option_cases()) {
+    LowpCall c(DType::f16, 2, 150, 333, 4, 2, 96, 96, rng);
+    OptionStore store;
+    const AttentionOptions o = oc.make(store, c, rng);
+    const TensorView q = c.view(c.q, 150, 4, 96), k = c.view(c.k, 333, 2, 96), v = c.view(c.v, 333, 2, 96),
+                     out = c.view(c.out, 150, 4, 96);
+    with_threads(1, [&] { attention(q, k, v, out, o, c.lse_view()); });
+    const std::vector<uint16_t> one = c.out;
+    const std::vector<float> lse_one = c.lse;
+    with_threads(2, [&] { attention(q, k, v, out, o, c.lse_view()); });
+    EXPECT_EQ(one, c.out) << oc.name;
+    EXPECT_EQ(lse_one, c.lse) << oc.name;
+  }
+}
+
+// The pieces hold f16 exactly, so the tile path is as accurate as the portable f32
+// kernel on the same values, yet it is a different computation: on large random
+// inputs the two agree to f16 rounding and differ somewhere (had ATTN_ISA=amx
+// silently fallen back to the portable path, they would be bitwise equal).
+TEST(F16OnAmxTiles, RunsOnTheTilesAtThePortablePathsAccuracy) {
+  SKIP_UNLESS_PATH("amx");
+  std::mt19937_64 rng = make_rng(33);
+  const int L = 600, H = 2, d = 128;
+  LowpCall c(DType::f16, 1, L, L, H, H, d, d, rng);
+  const TensorView q = c.view(c.q, L, H, d), k = c.view(c.k, L, H, d), v = c.view(c.v, L, H, d),
+                   out = c.view(c.out, L, H, d);
+  AttentionOptions o;
+  o.causal = Causal::BottomRight;
+  std::vector<uint16_t> portable;
+  {
+    const ScopedIsa f32("f32");
+    attention(q, k, v, out, o);
+    portable = c.out;
+  }
+  const ScopedIsa amx("amx");
+  attention(q, k, v, out, o);
+  size_t differ = 0;
+  for (size_t i = 0; i < portable.size(); ++i) {
+    const float a = f16_to_f32(portable[i]), b = f16_to_f32(c.out[i]);
+    ASSERT_NEAR(a, b, std::ldexp(std::max(std::fabs(a), 0.25f), -10)) << i;  // 1 ulp of f16 (2 below 1/4)
+    differ += portable[i] != c.out[i];
+  }
+  EXPECT_GT(differ, 0u);
+  EXPECT_LT(differ, portable.size() / 4) << "most outputs round to the same f16";
+}
+
+TEST(F16OnAmxTiles, NonFiniteInputsTakeThePortablePathsSemantics) {
+  SKIP_UNLESS_PATH("amx");
+  std::mt19937_64 rng = make_rng(34);
+  LowpCall c(DType::f16, 1, 70, 90, 2, 1, 64, 64, rng);
+  c.k[11 * 64 + 5] = f32_to_f16(NAN);  // key 11: only rows that see it turn NaN
+  AttentionOptions o;
+  o.causal = Causal::TopLeft;
+  const TensorView q = c.view(c.q, 70, 2, 64), k = c.view(c.k, 90, 1, 64), v = c.view(c.v, 90, 1, 64),
+                   out = c.view(c.out, 70, 2, 64);
+  std::vector<uint16_t> portable;
+  {
+    const ScopedIsa f32("f32");
+    attention(q, k, v, out, o, c.lse_view());
+    portable = c.out;
+  }
+  const ScopedIsa isa("amx");
+  attention(q, k, v, out, o, c.lse_view());
+  EXPECT_EQ(portable, c.out);
+  EXPECT_FALSE(std::isnan(f16_to_f32(c.out[10 * 2 * 64]))) << "row 10 cannot see key 11";
+  EXPECT_TRUE(std::isnan(f16_to_f32(c.out[12 * 2 * 64])));
 }
 
 TEST(Bf16Kernel, IsaVariableIsCheckedAndNamesThePaths) {

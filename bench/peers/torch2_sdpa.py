@@ -61,7 +61,7 @@ def main():
     args = ap.parse_args()
     if args.flex and args.backward:
         ap.error("--flex times the forward only")
-    dtypes = {"f32": torch.float32, "bf16": torch.bfloat16}
+    dtypes = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
     info = attn.cpu_info()
     print("CPU: %s; torch %s; attn bf16 path: %s; f32 SIMD target: %s"
           % (cpu_model(), torch.__version__, info["bf16_path"], info["simd_target"]))

@@ -195,7 +195,8 @@ void dropout_mask(const TensorView& mask, float dropout_p, uint64_t seed, uint64
 
 /// Extra memory in bytes that attention() needs for these arguments when run with
 /// `threads` threads: K and V packed for the SIMD kernel (the size of k and v in
-/// f32, padded; on the AMX and AVX512-BF16 paths q, k and v in bf16) plus one tile workspace per
+/// f32, padded; on the AMX and AVX512-BF16 paths q, k and v in bf16, twice that for f16
+/// on AMX, whose values are packed as hi + lo bf16 pieces) plus one tile workspace per
 /// thread, and for f32 inputs with Precision::bf16 on the portable path their rounded
 /// f32 copies (bf16/f16 inputs there are widened in the kernel; a bf16/f16 mask is
 /// copied to f32). The workspace is allocated once per calling thread and reused by

@@ -2,7 +2,7 @@
 the same dtype out, equal bit for bit to the float32 computation on the same values
 rounded once (NumPy's and torch's own rounding are the oracles), gradients in the input
 dtype, and mixed dtypes refused. The bitwise checks force the portable path
-(ATTN_ISA=f32); bf16 on AMX tiles is checked against PyTorch's float32 pipeline."""
+(ATTN_ISA=f32); bf16 and f16 on AMX tiles are checked against PyTorch's float32 pipeline."""
 import numpy as np
 import pytest
 import torch
@@ -17,13 +17,20 @@ def _qkv(rng, lq=17, lk=33, hq=4, hkv=2, d=40):
     return q, k, v
 
 
-def test_numpy_float16_in_float16_out(rng):
+def test_numpy_float16_in_float16_out(rng, monkeypatch):
+    monkeypatch.setenv("ATTN_ISA", "f32")
     q, k, v = (x.astype(np.float16) for x in _qkv(rng))
     out = attn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     assert out.dtype == np.float16
     want = attn.scaled_dot_product_attention(*(x.astype(np.float32) for x in (q, k, v)), is_causal=True,
                                              enable_gqa=True).astype(np.float16)
     np.testing.assert_array_equal(out.view(np.uint16), want.view(np.uint16))
+    # On AMX tiles (f16 as exact hi + lo bf16 pieces) the same values to f16 rounding.
+    if attn.cpu_info()["amx_bf16"]:
+        monkeypatch.setenv("ATTN_ISA", "amx")
+        tiles = attn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        assert tiles.dtype == np.float16
+        np.testing.assert_allclose(tiles.astype(np.float32), want.astype(np.float32), rtol=2 ** -10, atol=2 ** -12)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -103,6 +103,42 @@ inline ATTN_AMX const bf16* Bf16Row(const Problem& p, const float* base, int64_t
 }
 
 
+/// 16 bf16 values (one __m256bh) widened exactly to f32.
+HWY_INLINE ATTN_AMX __m512 Bf16ToF32(__m256bh x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(x)), 16));
+}
+
+/// Splits 16 f32 values into hi = bf16(x) (nearest even) and lo = bf16(x − hi). x − hi
+/// is exact in f32 (hi lies within a factor of 2 of x), so hi + lo holds x to ~2⁻¹⁷
+/// relative, and exactly when x has at most 16 significant bits: every f16 value (11
+/// bits, and exponents bf16 reaches), and every bf16 with its rounding error.
+HWY_INLINE ATTN_AMX void SplitBf16(__m512 x, bf16* hi, bf16* lo) {
+  const __m256bh h = _mm512_cvtneps_pbh(x);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), reinterpret_cast<__m256i>(h));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo),
+                      reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_sub_ps(x, Bf16ToF32(h)))));
+}
+
+/// Row i of an f16 input tensor (base + at, `width` elements) as two bf16 pieces,
+/// staging[0, wp) = hi and staging[wp, 2·wp) = lo, with hi + lo equal to the f16 value
+/// exactly (SplitBf16). Columns beyond width and rows past the end (real = false) are
+/// zero. A NaN or ±∞ input gives a NaN or ±∞ hi.
+inline ATTN_AMX const bf16* SplitF16Row(const float* base, int64_t at, int width, int wp, bool real, bf16* staging) {
+  std::fill(staging, staging + 2 * wp, bf16{0});
+  if (!real) return staging;
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(base) + at;
+  for (int c = 0; c < width; c += 16) {
+    const int n = std::min(16, width - c);
+    const __mmask16 m = static_cast<__mmask16>(n == 16 ? 0xFFFFu : (1u << n) - 1);
+    const __m512 x = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src + c));
+    alignas(32) bf16 hi[16], lo[16];
+    SplitBf16(x, hi, lo);
+    std::memcpy(staging + c, hi, sizeof(bf16) * n);
+    std::memcpy(staging + wp + c, lo, sizeof(bf16) * n);
+  }
+  return staging;
+}
+
 /// All eight tiles as 16 rows × 64 bytes (palette 1): 0–3 accumulators, 4–5 the
 /// A operands (two row blocks), 6–7 the B operands (two column blocks).
 inline ATTN_AMX void ConfigureTiles() {

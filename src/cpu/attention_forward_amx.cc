@@ -18,6 +18,8 @@
 // runs, the tile products of blocks t+1 (scores) and t−1 (P·V) are issued between
 // its rows (ForwardBlock). AMX and the bf16 conversions are intrinsics (Highway has
 // no AMX target); the rest is Highway, compiled for its AVX3 target only.
+// f16 inputs (AMX only) are packed as two bf16 pieces per value, hi + lo, exact; each
+// product then takes three tile products (TileJob::pieces), and P is split likewise.
 // Operand layouts, packed once per call (bf16 as uint16_t):
 //   Q  [b][h][Lq rounded to kQ][dp]                       rows, dp = d rounded to 32
 //   K  [b][hk][key group of 16][d chunk of 32][16][16][2] tdpbf16ps's B operand:
@@ -71,14 +73,21 @@ static_assert(kW % kBk == 0, "score mods work on whole 64-key tiles");
 /// Where each (sequence, head)'s packed operands start, in bf16 elements.
 struct AmxLayout {
   int dp = 0, dvp = 0;  // d and dv rounded up to 32
+  // 2 for f16 inputs: each q, k, v row is packed as [hi | lo], two bf16 pieces whose
+  // sum is the f16 value exactly (SplitF16Row), and the products take three piece
+  // products (TileJob). 1 for bf16 (and f32 rounded to bf16).
+  int pieces = 1;
   std::vector<size_t> q_base, kv_base;
   size_t total = 0;
 
   static int QRows(int lq) { return RoundUp(lq, kQ); }
   static int KRows(int lk) { return RoundUp(lk, kPair); }
-  size_t QHead(const Sequence& s) const { return static_cast<size_t>(QRows(s.Lq)) * dp; }
-  size_t KHead(const Sequence& s) const { return static_cast<size_t>(KRows(s.Lk)) * dp; }
-  size_t VHead(const Sequence& s) const { return static_cast<size_t>(KRows(s.Lk)) * dvp; }
+  int QWidth() const { return pieces * dp; }   // bf16 per packed query row
+  int KChunks() const { return pieces * dp / kPair; }  // 32-wide chunks per packed key row
+  int VGroups() const { return pieces * dvp / 16; }    // 16-wide column groups per packed value row
+  size_t QHead(const Sequence& s) const { return static_cast<size_t>(QRows(s.Lq)) * QWidth(); }
+  size_t KHead(const Sequence& s) const { return static_cast<size_t>(KRows(s.Lk)) * pieces * dp; }
+  size_t VHead(const Sequence& s) const { return static_cast<size_t>(KRows(s.Lk)) * pieces * dvp; }
 
   bf16* Q(bf16* pack, const Problem& p, int b, int h) const {
     return pack + q_base[b] + h * QHead(p.seqs[b]);
@@ -95,6 +104,7 @@ AmxLayout MakeAmxLayout(const Problem& p) {
   AmxLayout l;
   l.dp = RoundUp(p.d, kPair);
   l.dvp = RoundUp(p.dv, kPair);
+  l.pieces = p.dtype == DType::f16 ? 2 : 1;
   l.q_base.resize(p.seqs.size());
   l.kv_base.resize(p.seqs.size());
   for (size_t b = 0; b < p.seqs.size(); ++b) {
@@ -123,39 +133,51 @@ inline void PrefetchRows(const Problem& p, const float* base, int64_t at0, int64
   }
 }
 
+/// One input row as packed bf16: `wp` values (Bf16Row), or for f16 inputs 2·wp, the
+/// [hi | lo] pieces (SplitF16Row). staging holds l.pieces·wp values.
+inline ATTN_AMX const bf16* PackedRow(const Problem& p, const AmxLayout& l, const float* base, int64_t at, int width,
+                                      int wp, bool real, bf16* staging) {
+  if (l.pieces == 2) return SplitF16Row(base, at, width, wp, real, staging);
+  return Bf16Row(p, base, at, width, wp, real, staging);
+}
+
 /// Packs query block qt of (b, h); rows beyond Lq and columns beyond d are zero.
 /// Returns true when a packed value is NaN or ±∞.
 ATTN_AMX bool PackQueries(const Problem& p, const AmxLayout& l, bf16* pack, int b, int h, int qt, bf16* staging) {
   const Sequence& seq = p.seqs[b];
-  bf16* dst = l.Q(pack, p, b, h) + static_cast<size_t>(qt) * kQ * l.dp;
+  const int width = l.QWidth();
+  bf16* dst = l.Q(pack, p, b, h) + static_cast<size_t>(qt) * kQ * width;
   bool bad = false;
   for (int r = 0; r < kQ; ++r) {
     const int i = qt * kQ + r;
     const int64_t at = seq.q_offset + h * p.q_head + int64_t{i} * p.q_row;
-    const bf16* row = Bf16Row(p, p.q, at, p.d, l.dp, i < seq.Lq, staging);
-    bad |= AnyNonFiniteBf16(row, l.dp);
-    std::memcpy(dst + static_cast<size_t>(r) * l.dp, row, sizeof(bf16) * l.dp);
+    const bf16* row = PackedRow(p, l, p.q, at, p.d, l.dp, i < seq.Lq, staging);
+    bad |= AnyNonFiniteBf16(row, width);
+    std::memcpy(dst + static_cast<size_t>(r) * width, row, sizeof(bf16) * width);
   }
   return bad;
 }
 
 /// Packs keys and values of chunk t (32 keys) of (b, hk) into the tile layouts;
 /// keys beyond Lk and columns beyond d / dv are zero. Returns true when a packed
-/// value is NaN or ±∞. staging: 32·(dp + dvp) bf16 of thread scratch.
+/// value is NaN or ±∞. staging: 32·pieces·(dp + dvp) bf16 of thread scratch.
+/// With two pieces a packed row is [hi | lo], so the key chunks dc.. and the value
+/// column groups vc.. (of the real dp / dvp) hold the lo pieces.
 ATTN_AMX bool PackKeysValues(const Problem& p, const AmxLayout& l, bf16* pack, int b, int hk, int t,
                              bf16* staging) {
   const Sequence& seq = p.seqs[b];
-  const int dc = l.dp / kPair, vc = l.dvp / 16;
+  const int dc = l.KChunks(), vc = l.VGroups();
+  const size_t kw = static_cast<size_t>(l.pieces) * l.dp, vw = static_cast<size_t>(l.pieces) * l.dvp;
   const bf16* krow[kPair];
   const bf16* vrow[kPair];
   bool bad = false;
   for (int n = 0; n < kPair; ++n) {
     const int j = t * kPair + n;
-    krow[n] = Bf16Row(p, p.k, seq.k_offset + hk * p.k_head + int64_t{j} * p.k_row, p.d, l.dp, j < seq.Lk,
-                      staging + static_cast<size_t>(n) * l.dp);
-    vrow[n] = Bf16Row(p, p.v, seq.v_offset + hk * p.v_head + int64_t{j} * p.v_row, p.dv, l.dvp, j < seq.Lk,
-                      staging + static_cast<size_t>(kPair) * l.dp + static_cast<size_t>(n) * l.dvp);
-    bad |= AnyNonFiniteBf16(krow[n], l.dp) || AnyNonFiniteBf16(vrow[n], l.dvp);
+    krow[n] = PackedRow(p, l, p.k, seq.k_offset + hk * p.k_head + int64_t{j} * p.k_row, p.d, l.dp, j < seq.Lk,
+                        staging + n * kw);
+    vrow[n] = PackedRow(p, l, p.v, seq.v_offset + hk * p.v_head + int64_t{j} * p.v_row, p.dv, l.dvp, j < seq.Lk,
+                        staging + kPair * kw + n * vw);
+    bad |= AnyNonFiniteBf16(krow[n], static_cast<int>(kw)) || AnyNonFiniteBf16(vrow[n], static_cast<int>(vw));
   }
   TrafficCounters::add(traffic().packed_bytes,
                        static_cast<uint64_t>(std::max(0, std::min(kPair, seq.Lk - t * kPair))) * (p.d + p.dv) * sizeof(bf16));
@@ -181,6 +203,11 @@ ATTN_AMX bool PackKeysValues(const Problem& p, const AmxLayout& l, bf16* pack, i
 ///   O[kQ][dvp] += P·V for pv_width keys      (skipped when pv_width = 0)
 /// One Step() is one 2×2 block of tdpbf16ps (64 cycles of the tile unit), plus the
 /// zeroing, loading or storing of the accumulators at the ends of a block.
+/// With two pieces (f16 inputs: x = x_hi + x_lo exactly, AmxLayout::pieces) each
+/// product takes three piece products, hi·hi + lo·hi + hi·lo. The fourth, lo·lo, is
+/// below 2⁻¹⁸ of the terms' magnitudes, under the f32 accumulation's own rounding
+/// at these depths. For P·V, P is split likewise (SplitBf16: to ~2⁻¹⁷, finer than
+/// the f16 rounding a plain implementation applies to P).
 struct TileJob {
   // Q·Kᵀ: the packed query block, the packed key groups of the block, the scores.
   const bf16* q = nullptr;
@@ -196,13 +223,19 @@ struct TileJob {
   // False on CPUs without AMX: both products run on vdpbf16ps (VecGemm) in Finish,
   // since they would share the vector unit with the softmax anyway.
   bool tiles = true;
+  // 1, or 2 for hi/lo pieces (tiles only): q rows are [hi | lo] (2·dp), key groups
+  // hold 2·dp/32 chunks (lo from dp/32 on), value chunks 2·dvp/16 column groups (lo
+  // from dvp/16 on), and pb rows are [hi | lo] (2·kW).
+  int pieces = 1;
 
   int qk_steps = 0, total = 0, done = 0;
   int i = 0, j = 0;  // position within the current part: (key group pair, d chunk) or (column pair, key chunk)
 
+  // Piece products per product: 1, or 3 with two pieces.
+  int Terms() const { return pieces == 2 ? 3 : 1; }
   void Start() {
-    qk_steps = qk_width / kPair * (dp / kPair);
-    total = qk_steps + (dvp / kPair) * (pv_width / kPair);
+    qk_steps = qk_width / kPair * (dp / kPair) * Terms();
+    total = qk_steps + (dvp / kPair) * (pv_width / kPair) * Terms();
     done = i = j = 0;
   }
   ATTN_AMX void Step();
@@ -232,25 +265,28 @@ ATTN_AMX void TileJob::FinishOnVectors() {
 
 ATTN_AMX void TileJob::Step() {
   if (done < qk_steps) {
-    const int dc = dp / kPair;
-    const bf16* k0 = k + static_cast<size_t>(2 * i) * dc * kTile;
-    const bf16* k1 = k0 + static_cast<size_t>(dc) * kTile;
-    const size_t q_ld = sizeof(bf16) * dp;
+    const int dc = dp / kPair, kdc = pieces * dc;
+    const bf16* k0 = k + static_cast<size_t>(2 * i) * kdc * kTile;
+    const bf16* k1 = k0 + static_cast<size_t>(kdc) * kTile;
+    const int q_width = pieces * dp;
+    const size_t q_ld = sizeof(bf16) * q_width;
     if (j == 0) {
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
     }
-    _tile_loadd(4, q + j * kPair, q_ld);
-    _tile_loadd(5, q + 16 * dp + j * kPair, q_ld);
-    _tile_loadd(6, k0 + j * kTile, 64);
-    _tile_loadd(7, k1 + j * kTile, 64);
+    // Step j's (query chunk, key chunk): j < dc hi·hi; then lo·hi; then hi·lo.
+    const int qc = j < 2 * dc ? j : j - 2 * dc, kc = j < dc ? j : j - dc;
+    _tile_loadd(4, q + qc * kPair, q_ld);
+    _tile_loadd(5, q + 16 * q_width + qc * kPair, q_ld);
+    _tile_loadd(6, k0 + kc * kTile, 64);
+    _tile_loadd(7, k1 + kc * kTile, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
-    if (++j == dc) {
+    if (++j == dc * Terms()) {
       float* s0 = s + i * kPair;
       const size_t s_ld = sizeof(float) * kW;
       _tile_stored(0, s0, s_ld);
@@ -263,8 +299,8 @@ ATTN_AMX void TileJob::Step() {
     if (++done == qk_steps) i = j = 0;
     return;
   }
-  const int chunks = pv_width / kPair, vc = dvp / 16;
-  const size_t o_ld = sizeof(float) * dvp, p_ld = sizeof(bf16) * kW;
+  const int terms = Terms(), chunks = pv_width / kPair * terms, vc = dvp / 16, pw = pieces * kW;
+  const size_t o_ld = sizeof(float) * dvp, p_ld = sizeof(bf16) * pw;
   float* o0 = o + i * kPair;
   float* o1 = o0 + 16 * dvp;
   if (j == 0) {
@@ -273,9 +309,12 @@ ATTN_AMX void TileJob::Step() {
     _tile_loadd(2, o1, o_ld);
     _tile_loadd(3, o1 + 16, o_ld);
   }
-  const bf16* vt = v + (static_cast<size_t>(j) * vc + 2 * i) * kTile;
-  _tile_loadd(4, pb + j * kPair, p_ld);
-  _tile_loadd(5, pb + 16 * kW + j * kPair, p_ld);
+  // Step j: key chunk j / terms, and of its pieces Phi·Vhi, Plo·Vhi, Phi·Vlo.
+  const int kc = j / terms, piece = j % terms;
+  const bf16* vt = v + (static_cast<size_t>(kc) * pieces * vc + 2 * i + (piece == 2 ? vc : 0)) * kTile;
+  const bf16* pt = pb + (piece == 1 ? kW : 0) + kc * kPair;
+  _tile_loadd(4, pt, p_ld);
+  _tile_loadd(5, pt + 16 * pw, p_ld);
   _tile_loadd(6, vt, 64);
   _tile_loadd(7, vt + kTile, 64);
   _tile_dpbf16ps(0, 4, 6);
@@ -339,21 +378,35 @@ ATTN_AMX bool UpdateMaxima(const float* s, int width, float mult, float* m, floa
   return true;
 }
 
-/// The second half: p = e^(mult·s − m) per row, as bf16 into pb (or, with keep_f32,
-/// as f32 back into s, for dropout), the sums l ([kQ][kLanes], of the unrounded p)
-/// updated with alpha; between rows, the second half of `job` keeps the tile unit busy.
+/// Stores 32 probabilities as bf16 at row + c: rounded (one piece; row stride kW), or
+/// split into hi at row + c and lo at row + kW + c (two pieces; row stride 2·kW).
+template <int kPieces>
+HWY_INLINE ATTN_AMX void StoreProbabilities(VF e0, VF e1, bf16* row, int c) {
+  if (kPieces == 1) {
+    StoreBf16x2(e0, e1, row + c);
+  } else {
+    SplitBf16(e0.raw, row + c, row + kW + c);
+    SplitBf16(e1.raw, row + c + kLanes, row + kW + c + kLanes);
+  }
+}
+
+/// The second half: p = e^(mult·s − m) per row, as bf16 into pb (kPieces per value,
+/// StoreProbabilities; or, with keep_f32, as f32 back into s, for dropout), the sums l
+/// ([kQ][kLanes], of the unrounded p) updated with alpha; between rows, the second
+/// half of `job` keeps the tile unit busy.
+template <int kPieces>
 ATTN_AMX void Exponentials(float* s, int width, float mult, const float* m, const float* row_max,
                            const float* alpha, float* l, bf16* pb, bool keep_f32, TileJob& job) {
   const DF df;
   constexpr float kLog2e = 1.44269504088896341f;
   for (int r = 0; r < kQ; ++r) {
     float* row = s + r * kW;
-    bf16* prow = pb + r * kW;
+    bf16* prow = pb + r * kPieces * kW;
     if (m[r] == -HUGE_VALF) {  // no visible key yet: p = 0 exactly
       if (keep_f32) {
         std::fill(row, row + width, 0.0f);
       } else {
-        std::fill(prow, prow + width, bf16{0});
+        for (int piece = 0; piece < kPieces; ++piece) std::fill(prow + piece * kW, prow + piece * kW + width, bf16{0});
       }
       job.RunTo(kQ + r + 1, 2 * kQ);
       continue;
@@ -375,7 +428,7 @@ ATTN_AMX void Exponentials(float* s, int width, float mult, const float* m, cons
         hn::Store(e0, df, row + c);
         hn::Store(e1, df, row + c + kLanes);
       } else {
-        StoreBf16x2(e0, e1, prow + c);
+        StoreProbabilities<kPieces>(e0, e1, prow, c);
       }
     }
     float* lr = l + r * kLanes;
@@ -384,12 +437,14 @@ ATTN_AMX void Exponentials(float* s, int width, float mult, const float* m, cons
   }
 }
 
-/// Rounds kQ rows × width f32 probabilities (row stride kW) into pb.
+/// Rounds (or splits) kQ rows × width f32 probabilities (row stride kW) into pb.
+template <int kPieces>
 ATTN_AMX void ProbabilitiesToBf16(const float* s, int width, bf16* pb) {
   const DF df;
   for (int r = 0; r < kQ; ++r) {
     for (int c = 0; c < width; c += 2 * kLanes) {
-      StoreBf16x2(hn::Load(df, s + r * kW + c), hn::Load(df, s + r * kW + c + kLanes), pb + r * kW + c);
+      StoreProbabilities<kPieces>(hn::Load(df, s + r * kW + c), hn::Load(df, s + r * kW + c + kLanes),
+                                  pb + r * kPieces * kW, c);
     }
   }
 }
@@ -405,15 +460,18 @@ void RescaleRows(float* o, int dvp, const float* alpha) {
   }
 }
 
-/// out[c] = acc[c]·inv for c < dv (NaN everywhere when nan), in bf16 (rounded to
-/// nearest even) or f32. acc holds dv rounded up to 32 floats.
-ATTN_AMX void WriteOutputRow(float* acc, int dv, float inv, bool nan, bool to_bf16, float* out32, bf16* out16) {
+/// out[c] = acc[c]·inv for c < dv (NaN everywhere when nan), in `to` (bf16 or f16,
+/// rounded to nearest even, into out16) or f32 (into out32). acc holds dv rounded up
+/// to 32 floats.
+ATTN_AMX void WriteOutputRow(float* acc, int dv, float inv, bool nan, DType to, float* out32, bf16* out16) {
   const __m512 scale = _mm512_set1_ps(inv);
   for (int c = 0; c < dv; c += 16) {
     const __mmask16 m = static_cast<__mmask16>(dv - c >= 16 ? 0xFFFFu : (1u << (dv - c)) - 1);
     const __m512 x = nan ? _mm512_set1_ps(NAN) : _mm512_mul_ps(_mm512_loadu_ps(acc + c), scale);
-    if (to_bf16) {
+    if (to == DType::bf16) {
       _mm256_mask_storeu_epi16(out16 + c, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+    } else if (to == DType::f16) {
+      _mm256_mask_storeu_epi16(out16 + c, m, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     } else {
       _mm512_mask_storeu_ps(out32 + c, m, x);
     }
@@ -425,7 +483,7 @@ ATTN_AMX void WriteOutputRow(float* acc, int dv, float inv, bool nan, bool to_bf
 /// block's probabilities while AVX-512 exponentiates the current one.
 struct AmxScratch {
   float* s[2];   // [kQ][kW]  scores, then (with dropout) f32 probabilities
-  bf16* pb[2];   // [kQ][kW]  probabilities rounded to bf16
+  bf16* pb[2];   // [kQ][pieces·kW]  probabilities as bf16 pieces
   float* o;      // [kQ][dvp] output accumulator
   float* l;      // [kQ][kLanes]
   float* m;      // [kQ]
@@ -434,16 +492,16 @@ struct AmxScratch {
   int* lo;       // [kQ]
   int* hi;       // [kQ]
 
-  static size_t Floats(int dvp) {
-    return 3 * size_t{kQ} * kW + size_t{kQ} * dvp + size_t{kQ} * kLanes + 5 * kQ;
+  static size_t Floats(int dvp, int pieces) {
+    return (2 + pieces) * size_t{kQ} * kW + size_t{kQ} * dvp + size_t{kQ} * kLanes + 5 * kQ;
   }
-  explicit AmxScratch(int dvp) {
-    float* base = thread_scratch(kSlotTile, Floats(dvp));
+  AmxScratch(int dvp, int pieces) {
+    float* base = thread_scratch(kSlotTile, Floats(dvp, pieces));
     s[0] = base;
     s[1] = base + kQ * kW;
     pb[0] = reinterpret_cast<bf16*>(base + 2 * kQ * kW);
-    pb[1] = pb[0] + kQ * kW;
-    o = base + 3 * kQ * kW;
+    pb[1] = pb[0] + pieces * kQ * kW;
+    o = base + (2 + pieces) * kQ * kW;
     l = o + static_cast<size_t>(kQ) * dvp;
     m = l + kQ * kLanes;
     alpha = m + kQ;
@@ -463,7 +521,7 @@ ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, i
   const int hk = h / p.group();
   const int i0 = qt * kQ, rows = std::min(kQ, seq.Lq - i0);
   const int dvp = lay.dvp;
-  AmxScratch w(dvp);
+  AmxScratch w(dvp, lay.pieces);
 
   int jmin = seq.Lk, jmax = -1;
   for (int r = 0; r < rows; ++r) {
@@ -474,11 +532,11 @@ ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, i
   std::fill(w.m, w.m + kQ, -HUGE_VALF);
   std::fill(w.l, w.l + kQ * kLanes, 0.0f);
 
-  const bf16* q = lay.Q(pack, p, b, h) + static_cast<size_t>(i0) * lay.dp;
+  const bf16* q = lay.Q(pack, p, b, h) + static_cast<size_t>(i0) * lay.QWidth();
   const bf16* k = lay.K(pack, p, b, hk);
   const bf16* v = lay.V(pack, p, b, hk);
   const bool mods = HasScoreMods(p), dropout = p.dropout_p > 0.0f;
-  const int dc = lay.dp / kPair, vc = dvp / 16;
+  const int dc = lay.KChunks(), vc = lay.VGroups();
   const int first = jmax < 0 ? 0 : jmin / kPair * kPair;
   const int spans = jmax < 0 ? 0 : (jmax - first) / kW + 1;
   auto span_width = [&](int u) { return std::min(kW, RoundUp(jmax + 1, kPair) - first - u * kW); };
@@ -496,13 +554,13 @@ ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, i
   auto block_start = [&](int t) { return first + live[t] * kW; };
   auto block_width = [&](int t) { return span_width(live[t]); };
   auto qk_job = [&](TileJob& job, int t) {
-    job.tiles = tiles;
+    job.tiles = tiles, job.pieces = lay.pieces;
     job.q = q, job.dp = lay.dp, job.s = w.s[t % 2];
     job.k = k + static_cast<size_t>(block_start(t) / 16) * dc * kTile;
     job.qk_width = block_width(t);
   };
   auto pv_job = [&](TileJob& job, int t) {
-    job.tiles = tiles;
+    job.tiles = tiles, job.pieces = lay.pieces;
     job.pb = w.pb[t % 2], job.o = w.o, job.dvp = dvp;
     job.v = v + static_cast<size_t>(block_start(t) / kPair) * vc * kTile;
     job.pv_width = block_width(t);
@@ -519,7 +577,7 @@ ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, i
     const int j0 = block_start(t), width = block_width(t);
     float* sc = w.s[t % 2];
     TileJob job;
-    job.tiles = tiles;
+    job.tiles = tiles, job.pieces = lay.pieces;
     if (t + 1 < blocks) qk_job(job, t + 1);
     if (pending_pv >= 0) pv_job(job, pending_pv);
     job.Start();
@@ -547,10 +605,18 @@ ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, i
     }
     const bool visible = UpdateMaxima(sc, width, mult, w.m, w.alpha, w.tmp, job);
     if (visible) {
-      Exponentials(sc, width, mult, w.m, w.tmp, w.alpha, w.l, w.pb[t % 2], dropout, job);
+      if (lay.pieces == 2) {
+        Exponentials<2>(sc, width, mult, w.m, w.tmp, w.alpha, w.l, w.pb[t % 2], dropout, job);
+      } else {
+        Exponentials<1>(sc, width, mult, w.m, w.tmp, w.alpha, w.l, w.pb[t % 2], dropout, job);
+      }
       if (dropout) {
         for (int s0 = 0; s0 < width; s0 += kBk) ApplyDropout(p, b, h, i0, rows, j0 + s0, sc + s0, kW);
-        ProbabilitiesToBf16(sc, width, w.pb[t % 2]);
+        if (lay.pieces == 2) {
+          ProbabilitiesToBf16<2>(sc, width, w.pb[t % 2]);
+        } else {
+          ProbabilitiesToBf16<1>(sc, width, w.pb[t % 2]);
+        }
       }
       pending_pv = t;
     }
@@ -573,9 +639,9 @@ ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, i
     const bool nan = std::isnan(w.m[r]) || std::isnan(sum);
     const float inv = none ? 0.0f : nan ? NAN : 1.0f / sum;
     float* acc = w.o + static_cast<size_t>(r) * dvp;
-    const bool out_bf16 = p.dtype == DType::bf16 && !p.out_f32;
-    WriteOutputRow(acc, p.dv, inv, nan, out_bf16, p.out + (out_bf16 ? 0 : at),
-                   reinterpret_cast<bf16*>(p.out) + (out_bf16 ? at : 0));
+    const DType to = p.out_f32 ? DType::f32 : p.dtype;
+    const bool out16 = to != DType::f32;
+    WriteOutputRow(acc, p.dv, inv, nan, to, p.out + (out16 ? 0 : at), reinterpret_cast<bf16*>(p.out) + (out16 ? at : 0));
     if (p.lse != nullptr) {
       p.lse[seq.lse_offset + h * p.lse_h + int64_t{i0 + r} * p.lse_i] =
           none ? -HUGE_VALF : static_cast<float>(double{w.m[r]} + std::log(double{sum}));
@@ -585,6 +651,8 @@ ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, i
 
 bool ForwardAmxImpl(const Problem& p, int threads, bool tiles) {
   const AmxLayout lay = MakeAmxLayout(p);
+  // f16's hi/lo pieces take three products each: only the tile unit makes that pay.
+  if (lay.pieces == 2 && !tiles) return false;
   bf16* pack = reinterpret_cast<bf16*>(thread_scratch(kSlotPackedKv, (lay.total + 1) / 2));
 
   struct Item {
@@ -612,7 +680,8 @@ bool ForwardAmxImpl(const Problem& p, int threads, bool tiles) {
     bool bad = false;
     // Staging rows for inputs that need rounding or padding (thread scratch; the
     // work items below reuse the slot once packing is done).
-    bf16* staging = reinterpret_cast<bf16*>(thread_scratch(kSlotTile, static_cast<size_t>(kPair) * (lay.dp + lay.dvp)));
+    bf16* staging = reinterpret_cast<bf16*>(
+        thread_scratch(kSlotTile, static_cast<size_t>(kPair) * lay.pieces * (lay.dp + lay.dvp)));
 #pragma omp for schedule(static) nowait
     for (int i = 0; i < nq; ++i) {
       const Sequence& seq = p.seqs[qpacks[i].b];
@@ -649,7 +718,7 @@ bool ForwardAmxImpl(const Problem& p, int threads, bool tiles) {
 size_t WorkspaceBytesImpl(const Problem& p, int threads) {
   const AmxLayout lay = MakeAmxLayout(p);
   return sizeof(bf16) * lay.total +
-         sizeof(float) * static_cast<size_t>(std::max(1, threads)) * AmxScratch::Floats(lay.dvp);
+         sizeof(float) * static_cast<size_t>(std::max(1, threads)) * AmxScratch::Floats(lay.dvp, lay.pieces);
 }
 #else
 bool ForwardAmxImpl(const Problem&, int, bool) { return false; }

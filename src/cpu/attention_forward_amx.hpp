@@ -14,6 +14,10 @@ namespace attn::detail {
 /// caller asked for Precision::bf16 (q, k, v are then rounded to bf16 as they are
 /// packed; out is written in f32). Every option of the f32 kernel except explicit
 /// probabilities (p.probs must be null). Bitwise identical for any thread count.
+/// p.dtype may also be f16 with LowpPath::amx: every value is packed as two bf16
+/// pieces, hi + lo, that sum to it exactly, and each product takes three tile
+/// products (hi·hi + lo·hi + hi·lo; P is split likewise), so the result keeps f16's
+/// accuracy at a third of the bf16 speed. With LowpPath::avx512bf16 f16 is declined.
 /// The caller checks that the CPU can run `path` (lowp_path() does).
 /// Returns false, having written nothing, when q, k or v holds a NaN or ±∞ (after
 /// rounding to bf16): tdpbf16ps and vdpbf16ps treat subnormals as zero, which would change how
