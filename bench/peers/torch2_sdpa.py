@@ -1,7 +1,7 @@
 """attn vs PyTorch 2.x's CPU scaled_dot_product_attention (its fused flash kernel), one run.
 
 Same shapes for both (B=1, H=8, [B, H, N, d] tensors, PyTorch's layout, which attn reads in
-place), f32 and bf16, none/causal, 1 and 2 threads; medians of repeated calls after a
+place), f32 and bf16 (and f16 with --dtypes), none/causal, 1 and 2 threads; medians of repeated calls after a
 warm-up, each implementation in its own phase (OpenMP pools spin for a while after a
 parallel region). Prints GFLOP/s (4·N²·d·H, halved for causal) and attn's speed-up, and
 which path attn's bf16 took (cpu_info). With --flex, also FlexAttention
@@ -13,7 +13,7 @@ given the forward's out and lse; GFLOP/s count 2.5× the forward's flops.
 
   bash bench/peers/setup.sh        # once: bench/peers/.venv with torch 2.x from PyPI
   PYTHONPATH=build/release/python bench/peers/.venv/bin/python bench/peers/torch2_sdpa.py \
-      [--sizes 2048] [--dims 64,128] [--threads 1,2] [--dtypes f32,bf16] [--flex | --backward] [--markdown FILE]
+      [--sizes 2048] [--dims 64,128] [--threads 1,2] [--dtypes f32,bf16,f16] [--flex | --backward] [--markdown FILE]
 """
 import argparse
 import time
@@ -51,7 +51,7 @@ def main():
     ap.add_argument("--sizes", default="2048")
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--dtypes", default="f32,bf16")
+    ap.add_argument("--dtypes", default="f32,bf16", help="comma-separated: f32, bf16, f16")
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--min-seconds", type=float, default=0.5)
