@@ -110,8 +110,8 @@ HWY_INLINE ATTN_AMX __m512 Bf16ToF32(__m256bh x) {
 
 /// Splits 16 f32 values into hi = bf16(x) (nearest even) and lo = bf16(x − hi). x − hi
 /// is exact in f32 (hi lies within a factor of 2 of x), so hi + lo holds x to ~2⁻¹⁷
-/// relative, and exactly when x has at most 16 significant bits: every f16 value (11
-/// bits, and exponents bf16 reaches), and every bf16 with its rounding error.
+/// relative, and exactly whenever x has at most 16 significant bits: every f16 value
+/// (11 bits, with exponents bf16 reaches).
 HWY_INLINE ATTN_AMX void SplitBf16(__m512 x, bf16* hi, bf16* lo) {
   const __m256bh h = _mm512_cvtneps_pbh(x);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), reinterpret_cast<__m256i>(h));

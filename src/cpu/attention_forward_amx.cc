@@ -205,8 +205,8 @@ ATTN_AMX bool PackKeysValues(const Problem& p, const AmxLayout& l, bf16* pack, i
 /// zeroing, loading or storing of the accumulators at the ends of a block.
 /// With two pieces (f16 inputs: x = x_hi + x_lo exactly, AmxLayout::pieces) each
 /// product takes three piece products, hi·hi + lo·hi + hi·lo. The fourth, lo·lo, is
-/// below 2⁻¹⁸ of the terms' magnitudes, under the f32 accumulation's own rounding
-/// at these depths. For P·V, P is split likewise (SplitBf16: to ~2⁻¹⁷, finer than
+/// below 2⁻¹⁸ of each term's magnitude, about the size of the f32 accumulation's own
+/// rounding over a row of d terms. For P·V, P is split likewise (SplitBf16: to ~2⁻¹⁷, finer than
 /// the f16 rounding a plain implementation applies to P).
 struct TileJob {
   // Q·Kᵀ: the packed query block, the packed key groups of the block, the scores.
