@@ -58,16 +58,16 @@ TEST_P(Bf16KernelForward, EveryOptionWithinTwiceThePlainBf16Error) {
   }
 }
 
-TEST_P(Bf16KernelForward, ThreadCountDoesNotChangeABit) {
-  SKIP_UNLESS_PATH(GetParam());
-  const ScopedIsa isa(GetParam());
-  std::mt19937_64 rng = make_rng(22);
+// Every option case on path `isa` in `dtype` (head dim d): out and lse on 2 threads equal
+// those on 1 bit for bit.
+void ExpectThreadCountDoesNotChangeABit(const char* isa, DType dtype, int d, std::mt19937_64 rng) {
+  const ScopedIsa forced(isa);
   for (const OptionCase& oc : option_cases()) {
-    LowpCall c(DType::bf16, 2, 150, 333, 4, 2, 64, 64, rng);
+    LowpCall c(dtype, 2, 150, 333, 4, 2, d, d, rng);
     OptionStore store;
     const AttentionOptions o = oc.make(store, c, rng);
-    const TensorView q = c.view(c.q, 150, 4, 64), k = c.view(c.k, 333, 2, 64), v = c.view(c.v, 333, 2, 64),
-                     out = c.view(c.out, 150, 4, 64);
+    const TensorView q = c.view(c.q, 150, 4, d), k = c.view(c.k, 333, 2, d), v = c.view(c.v, 333, 2, d),
+                     out = c.view(c.out, 150, 4, d);
     with_threads(1, [&] { attention(q, k, v, out, o, c.lse_view()); });
     const std::vector<uint16_t> one = c.out;
     const std::vector<float> lse_one = c.lse;
@@ -75,6 +75,11 @@ TEST_P(Bf16KernelForward, ThreadCountDoesNotChangeABit) {
     EXPECT_EQ(one, c.out) << oc.name;
     EXPECT_EQ(lse_one, c.lse) << oc.name;
   }
+}
+
+TEST_P(Bf16KernelForward, ThreadCountDoesNotChangeABit) {
+  SKIP_UNLESS_PATH(GetParam());
+  ExpectThreadCountDoesNotChangeABit(GetParam(), DType::bf16, 64, make_rng(22));
 }
 
 TEST_P(Bf16KernelForward, Bf16PrecisionForF32InputsIsTheBf16KernelWithAnF32Output) {
@@ -161,21 +166,7 @@ TEST(F16OnAmxTiles, EveryOptionWithinTwiceThePlainF16Error) {
 
 TEST(F16OnAmxTiles, ThreadCountDoesNotChangeABit) {
   SKIP_UNLESS_PATH("amx");
-  const ScopedIsa isa("amx");
-  std::mt19937_64 rng = make_rng(32);
-  for (const OptionCase& oc : option_cases()) {
-    LowpCall c(DType::f16, 2, 150, 333, 4, 2, 96, 96, rng);
-    OptionStore store;
-    const AttentionOptions o = oc.make(store, c, rng);
-    const TensorView q = c.view(c.q, 150, 4, 96), k = c.view(c.k, 333, 2, 96), v = c.view(c.v, 333, 2, 96),
-                     out = c.view(c.out, 150, 4, 96);
-    with_threads(1, [&] { attention(q, k, v, out, o, c.lse_view()); });
-    const std::vector<uint16_t> one = c.out;
-    const std::vector<float> lse_one = c.lse;
-    with_threads(2, [&] { attention(q, k, v, out, o, c.lse_view()); });
-    EXPECT_EQ(one, c.out) << oc.name;
-    EXPECT_EQ(lse_one, c.lse) << oc.name;
-  }
+  ExpectThreadCountDoesNotChangeABit("amx", DType::f16, 96, make_rng(32));
 }
 
 // The pieces hold f16 exactly, so the tile path is as accurate as the portable f32
