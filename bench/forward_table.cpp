@@ -56,10 +56,10 @@ ForwardRow time_forward(const ForwardConfig& c, const TableOptions& o) {
 
   ForwardRow row;
   row.config = c;
-  // bf16 runs where cpu_info() says; f16 forwards on AMX tiles (as hi + lo bf16
-  // pieces) where there are tiles, else, and every f16 backward, on the f32 kernel.
+  // bf16 runs where cpu_info() says; f16 on AMX tiles (as hi + lo bf16 pieces) where
+  // there are tiles, else on the f32 kernel.
   const std::string bf16_path = cpu_info().bf16_path;
-  const bool f16_tiles = c.dtype == DType::f16 && !c.backward && bf16_path == "amx";
+  const bool f16_tiles = c.dtype == DType::f16 && bf16_path == "amx";
   row.path = c.dtype == DType::bf16 ? bf16_path : f16_tiles ? "amx" : "f32";
   row.flops = 4.0 * c.N * c.N * c.d * c.H * c.B * (c.causal ? 0.5 : 1.0) * (c.backward ? 2.5 : 1.0);
   row.extra_mb = attention_workspace_bytes(qv, kv, vv, ov, opt, c.threads) / 1e6;

@@ -19,18 +19,12 @@ namespace attn {
 namespace detail {
 
 // bf16 (or f32 rounded to bf16) runs on AMX tiles or vdpbf16ps when the CPU has
-// them; f16 (in the backward) and explicit probabilities take the portable path (see
+// them, f16 on AMX tiles only; explicit probabilities take the portable path (see
 // cpu/isa.hpp).
-LowpPath bf16_kernel(const Problem& p, const AttentionOptions& options) {
-  if (!needs_widening(p, options) || p.dtype == DType::f16 || p.probs != nullptr) return LowpPath::f32;
+LowpPath lowp_kernel(const Problem& p, const AttentionOptions& options) {
+  if (!needs_widening(p, options) || p.probs != nullptr) return LowpPath::f32;
+  if (p.dtype == DType::f16) return lowp_path() == LowpPath::amx ? LowpPath::amx : LowpPath::f32;
   return lowp_path();
-}
-
-LowpPath forward_kernel(const Problem& p, const AttentionOptions& options) {
-  if (p.dtype == DType::f16 && needs_widening(p, options) && p.probs == nullptr) {
-    return lowp_path() == LowpPath::amx ? LowpPath::amx : LowpPath::f32;
-  }
-  return bf16_kernel(p, options);
 }
 
 void attention_with_mods(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -52,7 +46,7 @@ void attention_with_mods(const TensorView& q, const TensorView& k, const TensorV
       attention_with_mods(q, k, v, out, o, lse, probs, mods);
       return;
     }
-    if (const LowpPath path = forward_kernel(p, options); path != LowpPath::f32) {
+    if (const LowpPath path = lowp_kernel(p, options); path != LowpPath::f32) {
       if (attention_forward_amx(p, num_threads(), path)) return;
       // Declined (a NaN or ±∞ in q, k or v): the portable path's exact semantics.
     }
@@ -140,7 +134,7 @@ void attention_backward_with_mods(const TensorView& q, const TensorView& k, cons
   const BackwardProblem bp = make_backward_problem("attention_backward", q, k, v, out, lse, dout,
                                                    dq, dk, dv, options, dbias, mods, /*on_device=*/true);
   if (needs_widening(bp.fwd, options)) {
-    if (const LowpPath path = bf16_kernel(bp.fwd, options); path != LowpPath::f32) {
+    if (const LowpPath path = lowp_kernel(bp.fwd, options); path != LowpPath::f32) {
       if (bp.fwd.mask_dtype == DType::bf16 || bp.fwd.mask_dtype == DType::f16) {
         std::vector<float> mask32;
         const AttentionOptions o = with_f32_mask(options, mask32);
@@ -220,7 +214,7 @@ size_t attention_workspace_bytes(const TensorView& q, const TensorView& k, const
       detail::make_problem("attention_workspace_bytes", q, k, v, out, options, {}, {}, nullptr);
   // The bf16 kernels' packed operands replace the f32 copies (they decline only
   // inputs holding NaN or ±∞, which then take the portable path's copies).
-  if (detail::forward_kernel(p, options) != detail::LowpPath::f32) {
+  if (detail::lowp_kernel(p, options) != detail::LowpPath::f32) {
     return detail::attention_forward_amx_workspace_bytes(p, threads);
   }
   return detail::attention_forward_workspace_bytes(p, threads) +

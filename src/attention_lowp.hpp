@@ -20,17 +20,14 @@ namespace attn::detail {
 /// with Precision::bf16.
 bool needs_widening(const Problem& p, const AttentionOptions& options);
 
-/// The bf16 kernel a call that needs widening runs on instead: LowpPath::amx or
-/// LowpPath::avx512bf16 for bf16 (or f32 with Precision::bf16) without explicit
-/// probabilities, on a CPU that has them (lowp_path()); LowpPath::f32 when the call
-/// takes the portable widening path (f16, probabilities, or no bf16 unit).
-LowpPath bf16_kernel(const Problem& p, const AttentionOptions& options);
-
-/// The kernel a forward call that needs widening runs on: bf16_kernel's choice, and
-/// for f16 inputs LowpPath::amx where the CPU has AMX tiles (f16 values enter them as
-/// exact hi + lo bf16 pieces, three tile products per product; on vdpbf16ps that would
-/// be slower than the f32 kernel, so f16 takes the portable path there).
-LowpPath forward_kernel(const Problem& p, const AttentionOptions& options);
+/// The kernel a call (forward or backward) that needs widening runs on instead of the
+/// portable widening path: LowpPath::amx or LowpPath::avx512bf16 for bf16 (or f32
+/// with Precision::bf16) on a CPU that has them (lowp_path()); for f16, LowpPath::amx
+/// where the CPU has AMX tiles (f16 values enter them as exact hi + lo bf16 pieces,
+/// three tile products per product; on vdpbf16ps that would be slower than the f32
+/// kernel). LowpPath::f32 (the portable path) otherwise, and for calls that return
+/// explicit probabilities.
+LowpPath lowp_kernel(const Problem& p, const AttentionOptions& options);
 
 /// Bytes of the f32 copies that attention() makes for this call (0 if none): q, k,
 /// v, out for f32 inputs with Precision::bf16, and a bf16/f16 mask.

@@ -6,6 +6,8 @@
 // rounded to bf16 before they multiply; f32-or-better sums; bf16 outputs), pooled
 // per option, with a 10× screen per case. Also: thread independence, Precision::bf16,
 // and the cases the kernel declines, which must equal the portable path bit for bit.
+// f16 inputs on the AMX path (every operand as exact hi + lo bf16 pieces) under the
+// same rule with f16 rounding.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -47,8 +49,9 @@ Grads run_backward(LowpCall& c, const AttentionOptions& o) {
 // Runs the kernel's forward and backward (path isa) of one case and its yardsticks: the reference
 // gradients (float64 on the bf16 values, rounded to f32 once) and the plain bf16
 // implementation, built from the reference's probabilities (every option included).
-CaseErrors run_case(const char* path, const Shape& s, const OptionCase& oc, std::mt19937_64& rng) {
-  LowpCall c(DType::bf16, s.B, s.Lq, s.Lk, s.Hq, s.Hkv, s.d, s.dv, rng);
+CaseErrors run_case(const char* path, const Shape& s, const OptionCase& oc, std::mt19937_64& rng,
+                    DType dtype = DType::bf16) {
+  LowpCall c(dtype, s.B, s.Lq, s.Lk, s.Hq, s.Hkv, s.d, s.dv, rng);
   OptionStore store;
   const AttentionOptions o = oc.make(store, c, rng);
   const ScopedIsa isa(path);
@@ -93,12 +96,11 @@ TEST_P(Bf16KernelBackward, DiffersFromThePortablePath) {
   EXPECT_NE(kernel.dk, portable.dk);
 }
 
-TEST_P(Bf16KernelBackward, ThreadCountDoesNotChangeABit) {
-  SKIP_UNLESS_PATH(GetParam());
-  const ScopedIsa isa(GetParam());
-  std::mt19937_64 rng = make_rng(33);
+// Every option's gradients on 1 and 2 threads, bit for bit.
+void ExpectThreadCountDoesNotChangeABit(const char* path, DType dtype, std::mt19937_64 rng) {
+  const ScopedIsa isa(path);
   for (const OptionCase& oc : option_cases()) {
-    LowpCall c(DType::bf16, 2, 150, 333, 4, 2, 64, 64, rng);
+    LowpCall c(dtype, 2, 150, 333, 4, 2, 64, 64, rng);
     OptionStore store;
     const AttentionOptions o = oc.make(store, c, rng);
     attention(c.view(c.q, 150, 4, 64), c.view(c.k, 333, 2, 64), c.view(c.v, 333, 2, 64), c.view(c.out, 150, 4, 64), o,
@@ -110,6 +112,11 @@ TEST_P(Bf16KernelBackward, ThreadCountDoesNotChangeABit) {
     EXPECT_EQ(one.dk, two.dk) << oc.name;
     EXPECT_EQ(one.dv, two.dv) << oc.name;
   }
+}
+
+TEST_P(Bf16KernelBackward, ThreadCountDoesNotChangeABit) {
+  SKIP_UNLESS_PATH(GetParam());
+  ExpectThreadCountDoesNotChangeABit(GetParam(), DType::bf16, make_rng(33));
 }
 
 TEST_P(Bf16KernelBackward, Bf16PrecisionForF32InputsIsTheBf16KernelWithAnF32Output) {
@@ -154,27 +161,25 @@ TEST_P(Bf16KernelBackward, FullyMaskedRowsGetZeroGradients) {
 }
 
 // Softcap, non-finite inputs and huge |lse| are left to the portable path.
-TEST_P(Bf16KernelBackward, DeclinedCasesArePortableBitForBit) {
-  SKIP_UNLESS_PATH(GetParam());
-  std::mt19937_64 rng = make_rng(36);
+void ExpectDeclinedCasesArePortableBitForBit(const char* path, DType dtype, std::mt19937_64 rng) {
   const int L = 80, d = 64;
   std::vector<float> huge(size_t(L) * L, 0.0f);
   for (int j = 0; j < L; ++j) huge[3 * L + j] = -1e9f;  // row 3: lse ≈ −1e9
   for (int variant = 0; variant < 3; ++variant) {
     SCOPED_TRACE("variant " + std::to_string(variant));
-    LowpCall c(DType::bf16, 1, L, L, 2, 2, d, d, rng);
+    LowpCall c(dtype, 1, L, L, 2, 2, d, d, rng);
     AttentionOptions o;
     if (variant == 0) o.softcap = 4.0f;
     if (variant == 1) o.mask = TensorView(huge.data(), DType::f32, {L, L});
     {
-      const ScopedIsa isa(GetParam());
+      const ScopedIsa isa(path);
       attention(c.view(c.q, L, 2, d), c.view(c.k, L, 2, d), c.view(c.v, L, 2, d), c.view(c.out, L, 2, d), o,
                 c.lse_view());
     }
-    if (variant == 2) c.dout[17] = f32_to_bf16(NAN);
+    if (variant == 2) c.dout[17] = c.to(NAN);
     Grads kernel, portable;
     {
-      const ScopedIsa isa(GetParam());
+      const ScopedIsa isa(path);
       kernel = run_backward(c, o);
     }
     {
@@ -185,6 +190,73 @@ TEST_P(Bf16KernelBackward, DeclinedCasesArePortableBitForBit) {
     EXPECT_EQ(kernel.dk, portable.dk);
     EXPECT_EQ(kernel.dv, portable.dv);
   }
+}
+
+TEST_P(Bf16KernelBackward, DeclinedCasesArePortableBitForBit) {
+  SKIP_UNLESS_PATH(GetParam());
+  ExpectDeclinedCasesArePortableBitForBit(GetParam(), DType::bf16, make_rng(36));
+}
+
+// f16 on the tiles: q, k, v, dO, and P' and dS, enter as hi + lo bf16 pieces, three
+// tile products per product. The yardstick is the plain f16 implementation: P' and dS
+// rounded to f16 before they multiply, gradients rounded to f16.
+TEST(F16BackwardOnAmxTiles, EveryOptionWithinTwiceThePlainF16Error) {
+  SKIP_UNLESS_PATH("amx");
+  std::mt19937_64 rng = make_rng(41);
+  for (const OptionCase& oc : option_cases()) {
+    if (std::string(oc.name) == "softcap+scale") continue;  // declined: DeclinedCasesArePortableBitForBit
+    ExpectWithinPlainBf16Error(kBwdShapes, oc,
+                               [&](const Shape& s) { return run_case("amx", s, oc, rng, DType::f16); });
+  }
+}
+
+TEST(F16BackwardOnAmxTiles, ThreadCountDoesNotChangeABit) {
+  SKIP_UNLESS_PATH("amx");
+  ExpectThreadCountDoesNotChangeABit("amx", DType::f16, make_rng(42));
+}
+
+TEST(F16BackwardOnAmxTiles, DeclinedCasesArePortableBitForBit) {
+  SKIP_UNLESS_PATH("amx");
+  ExpectDeclinedCasesArePortableBitForBit("amx", DType::f16, make_rng(43));
+}
+
+// The pieces hold f16 exactly and P', dS to ~2⁻¹⁷, so the tile path is as accurate
+// as the portable f32 kernel on the same values, yet a different computation: on
+// large random inputs the gradients agree to f16 rounding and differ somewhere (had
+// ATTN_ISA=amx fallen back to the portable path, they would be bitwise equal).
+TEST(F16BackwardOnAmxTiles, RunsOnTheTilesAtThePortablePathsAccuracy) {
+  SKIP_UNLESS_PATH("amx");
+  std::mt19937_64 rng = make_rng(44);
+  const int L = 300, H = 2, d = 128;
+  LowpCall c(DType::f16, 1, L, L, H, H, d, d, rng);
+  AttentionOptions o;
+  o.causal = Causal::BottomRight;
+  attention(c.view(c.q, L, H, d), c.view(c.k, L, H, d), c.view(c.v, L, H, d), c.view(c.out, L, H, d), o, c.lse_view());
+  Grads tiles, portable;
+  {
+    const ScopedIsa isa("amx");
+    tiles = run_backward(c, o);
+  }
+  {
+    const ScopedIsa isa("f32");
+    portable = run_backward(c, o);
+  }
+  auto expect_close = [](const std::vector<uint16_t>& a, const std::vector<uint16_t>& b, const char* name) {
+    float largest = 0;
+    for (uint16_t x : b) largest = std::max(largest, std::fabs(f16_to_f32(x)));
+    size_t differ = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      const float x = f16_to_f32(a[i]), y = f16_to_f32(b[i]);
+      // A gradient is a sum of terms of either sign: its rounding is relative to the
+      // largest gradient, not to itself (2 f16 ulps of the largest).
+      ASSERT_NEAR(x, y, std::ldexp(largest, -9)) << name << " " << i;
+      differ += a[i] != b[i];
+    }
+    EXPECT_GT(differ, 0u) << name;
+  };
+  expect_close(tiles.dq, portable.dq, "dq");
+  expect_close(tiles.dk, portable.dk, "dk");
+  expect_close(tiles.dv, portable.dv, "dv");
 }
 
 }  // namespace

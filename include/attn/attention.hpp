@@ -162,7 +162,8 @@ void attention_reference(const TensorView& q, const TensorView& k, const TensorV
 /// Gradients of attention() (FlashAttention-2's backward; dout, dq, dk, dv in the
 /// inputs' dtype, f32 arithmetic inside; bf16 on a CPU with AMX or AVX512-BF16
 /// multiplies bf16 operands on the tile unit or with vdpbf16ps, rounding P and dS to
-/// bf16 as FlashAttention does). Given the forward's
+/// bf16 as FlashAttention does; f16 on a CPU with AMX multiplies each value as two
+/// exact bf16 pieces on the tile unit, P and dS split likewise). Given the forward's
 /// inputs, its `out` and `lse` (computed with the same options) and dout = ∂L/∂out
 /// (shaped like out), writes dq, dk, dv (shaped like q, k, v; with GQA, dk and dv
 /// sum over each group of query heads). dbias (optional, f32, the shape of
@@ -232,7 +233,8 @@ struct CpuInfo {
   /// The path bf16 inputs (and Precision::bf16) take now: "amx" (tiles),
   /// "avx512bf16" (vdpbf16ps; the default on CPUs without AMX, e.g. AMD Zen 4/5) or
   /// "f32" (widened to f32, the f32 kernel). ATTN_ISA=amx|avx512bf16|f32 forces one;
-  /// f16 inputs always take "f32" (bf16 cannot hold f16 values exactly).
+  /// f16 inputs take "amx" where bf16 does (each value as two exact bf16 pieces), else
+  /// "f32" (one bf16 cannot hold an f16 value).
   std::string bf16_path;
 };
 

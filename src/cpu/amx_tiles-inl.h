@@ -139,6 +139,15 @@ inline ATTN_AMX const bf16* SplitF16Row(const float* base, int64_t at, int width
   return staging;
 }
 
+/// One input row as packed bf16 pieces: `wp` values (Bf16Row) when pieces = 1, or for
+/// f16 inputs (pieces = 2) 2·wp, the [hi | lo] pieces (SplitF16Row). staging holds
+/// pieces·wp values.
+inline ATTN_AMX const bf16* PackedRow(const Problem& p, int pieces, const float* base, int64_t at, int width, int wp,
+                                      bool real, bf16* staging) {
+  if (pieces == 2) return SplitF16Row(base, at, width, wp, real, staging);
+  return Bf16Row(p, base, at, width, wp, real, staging);
+}
+
 /// All eight tiles as 16 rows × 64 bytes (palette 1): 0–3 accumulators, 4–5 the
 /// A operands (two row blocks), 6–7 the B operands (two column blocks).
 inline ATTN_AMX void ConfigureTiles() {
@@ -179,12 +188,27 @@ HWY_INLINE ATTN_AMX VF Exp2Probability(VF x) {
   return VF{_mm512_scalef_ps(e, x.raw)};
 }
 
+/// How a product's operands are split. terms = 1: A and B are plain bf16. terms = 3:
+/// both hold hi + lo bf16 pieces of each value (f16 inputs, SplitBf16), the lo pieces
+/// a_lo / b_lo elements after the hi ones, in the same layout; the product is then
+/// A_hi·B_hi + A_lo·B_hi + A_hi·B_lo, summed in that order per 32-wide chunk of the
+/// inner dimension. The dropped A_lo·B_lo is below 2⁻¹⁸ of each term.
+struct Pieces {
+  int terms = 1;
+  size_t a_lo = 0, b_lo = 0;
+  // Offsets of term t's A and B pieces from the hi pieces.
+  size_t A(int t) const { return t == 1 ? a_lo : 0; }
+  size_t B(int t) const { return t == 2 ? b_lo : 0; }
+};
+
 /// C[M][N] (f32, row stride ldc floats) = A·B, or C + A·B when accumulate; M and N
 /// multiples of 32, K of 32. A: bf16 rows (row stride lda elements); B: pair-packed,
 /// tile (kc, g) at b + kc·b_kc + g·b_g. Blocks of 32×32 outputs (2×2 accumulator
 /// tiles, so each loaded operand tile feeds two tdpbf16ps). Tiles as ConfigureTiles.
+/// With pieces (pc.terms = 3) each chunk of the inner dimension takes its three piece
+/// products in turn: as many tile loads per tdpbf16ps as one piece.
 inline ATTN_AMX void TileGemm(const bf16* a, size_t lda, const bf16* b, size_t b_kc, size_t b_g, float* c,
-                              size_t ldc, int M, int N, int K, bool accumulate) {
+                              size_t ldc, int M, int N, int K, bool accumulate, const Pieces& pc = {}) {
   const size_t a_ld = sizeof(bf16) * lda, c_ld = sizeof(float) * ldc;
   for (int m0 = 0; m0 < M; m0 += 32) {
     for (int n0 = 0; n0 < N; n0 += 32) {
@@ -204,14 +228,18 @@ inline ATTN_AMX void TileGemm(const bf16* a, size_t lda, const bf16* b, size_t b
       const bf16* a0 = a + m0 * lda;
       const bf16* bg = b + (n0 / 16) * b_g;
       for (int kc = 0; kc < K / kPair; ++kc) {
-        _tile_loadd(4, a0 + kc * kPair, a_ld);
-        _tile_loadd(5, a0 + 16 * lda + kc * kPair, a_ld);
-        _tile_loadd(6, bg + kc * b_kc, 64);
-        _tile_loadd(7, bg + kc * b_kc + b_g, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        for (int t = 0; t < pc.terms; ++t) {
+          const bf16* at = a0 + kc * kPair + pc.A(t);
+          const bf16* bt = bg + kc * b_kc + pc.B(t);
+          _tile_loadd(4, at, a_ld);
+          _tile_loadd(5, at + 16 * lda, a_ld);
+          _tile_loadd(6, bt, 64);
+          _tile_loadd(7, bt + b_g, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
       }
       _tile_stored(0, c0, c_ld);
       _tile_stored(1, c0 + 16, c_ld);
@@ -271,13 +299,16 @@ inline ATTN_AMX void VecGemm(const bf16* a, size_t lda, const bf16* b, size_t b_
 }
 
 /// C = A·B (or C + A·B) on the unit `tiles` names: true, the AMX tile unit
-/// (TileGemm; tiles configured by ConfigureTiles); false, vdpbf16ps (VecGemm).
+/// (TileGemm; tiles configured by ConfigureTiles); false, vdpbf16ps (VecGemm, the
+/// piece products one after another).
 inline ATTN_AMX void Bf16Gemm(bool tiles, const bf16* a, size_t lda, const bf16* b, size_t b_kc, size_t b_g, float* c,
-                              size_t ldc, int M, int N, int K, bool accumulate) {
+                              size_t ldc, int M, int N, int K, bool accumulate, const Pieces& pc = {}) {
   if (tiles) {
-    TileGemm(a, lda, b, b_kc, b_g, c, ldc, M, N, K, accumulate);
-  } else {
-    VecGemm(a, lda, b, b_kc, b_g, c, ldc, M, N, K, accumulate);
+    TileGemm(a, lda, b, b_kc, b_g, c, ldc, M, N, K, accumulate, pc);
+    return;
+  }
+  for (int t = 0; t < pc.terms; ++t) {
+    VecGemm(a + pc.A(t), lda, b + pc.B(t), b_kc, b_g, c, ldc, M, N, K, accumulate || t > 0);
   }
 }
 
@@ -297,6 +328,20 @@ HWY_INLINE ATTN_AMX void PairRowF32(const float* even, const float* odd, bf16* d
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                               22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(interleave, both));
+}
+
+/// PairRowF32 into hi pieces (hi) and lo pieces (lo): the pairs of bf16(x) and of
+/// bf16(x − bf16(x)) (SplitBf16), for operands that enter the tiles as two pieces.
+HWY_INLINE ATTN_AMX void PairRowF32Pieces(const float* even, const float* odd, bf16* hi, bf16* lo) {
+  const __m512 e = _mm512_loadu_ps(even), o = _mm512_loadu_ps(odd);
+  const __m512i h = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(o, e));
+  const __m512 e_lo = _mm512_sub_ps(e, Bf16ToF32(reinterpret_cast<__m256bh>(_mm512_castsi512_si256(h))));
+  const __m512 o_lo = _mm512_sub_ps(o, Bf16ToF32(reinterpret_cast<__m256bh>(_mm512_extracti64x4_epi64(h, 1))));
+  const __m512i l = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(o_lo, e_lo));
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  _mm512_storeu_si512(hi, _mm512_permutexvar_epi16(interleave, h));
+  _mm512_storeu_si512(lo, _mm512_permutexvar_epi16(interleave, l));
 }
 
 /// A pair-packed tile of Xᵀ from 16 bf16 rows of X: row kk, column n holds the pair

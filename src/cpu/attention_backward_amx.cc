@@ -74,16 +74,21 @@ HWY_INLINE int KeyBlocks(int lk) { return (KeyTiles(lk) + kItemTiles - 1) / kIte
 
 /// Where the packed operands of each query tile and key tile lie (bf16 elements),
 /// and the per-row f32 arrays (lse, D, the dQ accumulator).
+/// With two pieces (f16 inputs) every operand holds hi and lo bf16 pieces whose sum is
+/// the value exactly (SplitBf16): rows are [hi | lo] (QRows: [64][2·dp]), transposed
+/// rows likewise ([dp][hi 64 | lo 64]), and pair-packed operands are followed by
+/// their lo pieces' tiles (the lo tiles of KForS start 64·dp elements in).
 struct BwdAmxLayout {
   int dp = 0, dvp = 0;  // d, dv rounded up to 32
+  int pieces = 1;       // 2 for f16 inputs
   std::vector<size_t> q_base, k_base, row_base;
   size_t total = 0, rows = 0;
 
   // Per query tile: Q rows [64][dp], Qᵀ [dp][64], dO rows [64][dvp], dOᵀ [dvp][64].
-  size_t QTileElems() const { return size_t{2} * kBq * (dp + dvp); }
+  size_t QTileElems() const { return size_t{2} * pieces * kBq * (dp + dvp); }
   // Per key tile: K for S (pair-packed Kᵀ: groups of 16 keys × d chunks), K for dQ
   // (pair-packed over keys: key chunks × column groups), V for dP (like the first).
-  size_t KTileElems() const { return size_t{kBk} * (2 * dp + dvp); }
+  size_t KTileElems() const { return size_t{kBk} * pieces * (2 * dp + dvp); }
 
   bf16* QTile(bf16* pack, const Problem& p, int b, int h, int qt) const {
     return pack + q_base[b] + (static_cast<size_t>(h) * QueryTiles(p.seqs[b].Lq) + qt) * QTileElems();
@@ -91,13 +96,20 @@ struct BwdAmxLayout {
   bf16* KTile(bf16* pack, const Problem& p, int b, int hk, int kt) const {
     return pack + k_base[b] + (static_cast<size_t>(hk) * KeyTiles(p.seqs[b].Lk) + kt) * KTileElems();
   }
-  static bf16* QRows(bf16* t, int) { return t; }
-  static bf16* QCols(bf16* t, int dp) { return t + size_t{kBq} * dp; }
-  static bf16* GRows(bf16* t, int dp) { return t + size_t{2} * kBq * dp; }
-  static bf16* GCols(bf16* t, int dp, int dvp) { return t + size_t{2} * kBq * dp + size_t{kBq} * dvp; }
-  static bf16* KForS(bf16* t, int) { return t; }
-  static bf16* KForDq(bf16* t, int dp) { return t + size_t{kBk} * dp; }
-  static bf16* VForDp(bf16* t, int dp) { return t + size_t{2} * kBk * dp; }
+  bf16* QRows(bf16* t) const { return t; }
+  bf16* QCols(bf16* t) const { return t + size_t{kBq} * pieces * dp; }
+  bf16* GRows(bf16* t) const { return t + size_t{2} * kBq * pieces * dp; }
+  bf16* GCols(bf16* t) const { return GRows(t) + size_t{kBq} * pieces * dvp; }
+  bf16* KForS(bf16* t) const { return t; }
+  bf16* KForDq(bf16* t) const { return t + size_t{kBk} * pieces * dp; }
+  bf16* VForDp(bf16* t) const { return t + size_t{2} * kBk * pieces * dp; }
+  // The piece products of S = Q·Kᵀ, dP = dO·Vᵀ, dQ = dS·K (B = KForDq), and of the
+  // products whose inner dimension is the 64 queries (A = Qᵀ or dOᵀ, B = dS or P').
+  Pieces ForS() const { return Split(dp, size_t{kBk} * dp); }
+  Pieces ForDp() const { return Split(dvp, size_t{kBk} * dvp); }
+  Pieces ForDq() const { return Split(kBk, size_t{kBk} * dp); }
+  Pieces OverQueries() const { return Split(kBq, size_t{kBq} * kBk); }
+  Pieces Split(size_t a_lo, size_t b_lo) const { return pieces == 2 ? Pieces{3, a_lo, b_lo} : Pieces{}; }
   // Row r (< 64·tiles) of (b, h) in the per-row arrays.
   size_t Row(const Problem& p, int b, int h, int i) const {
     return row_base[b] + static_cast<size_t>(h) * QueryTiles(p.seqs[b].Lq) * kBq + i;
@@ -108,6 +120,7 @@ BwdAmxLayout MakeBwdAmxLayout(const Problem& p) {
   BwdAmxLayout l;
   l.dp = RoundUp(p.d, kPair);
   l.dvp = RoundUp(p.dv, kPair);
+  l.pieces = p.dtype == DType::f16 ? 2 : 1;
   for (const Sequence& seq : p.seqs) {
     l.q_base.push_back(l.total);
     l.total += static_cast<size_t>(p.Hq) * QueryTiles(seq.Lq) * l.QTileElems();
@@ -124,18 +137,32 @@ HWY_INLINE ATTN_AMX __m512 Bf16x16ToF32(__m256i x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
 }
 
-/// n f32 values into a bf16 (rounded to nearest even) or f32 tensor at element at.
+/// 16 values (masked by m) of a bf16, f16 or f32 tensor at element at, as f32.
+HWY_INLINE ATTN_AMX __m512 LoadAsF32(DType dt, const float* base, int64_t at, __mmask16 m) {
+  if (dt == DType::f32) return _mm512_maskz_loadu_ps(m, base + at);
+  const __m256i x = _mm256_maskz_loadu_epi16(m, reinterpret_cast<const bf16*>(base) + at);
+  return dt == DType::f16 ? _mm512_cvtph_ps(x) : Bf16x16ToF32(x);
+}
+
+/// n f32 values into a bf16 or f16 (rounded to nearest even) or f32 tensor at element at.
 inline ATTN_AMX void StoreAs(const Problem& p, float* base, int64_t at, const float* src, int n) {
   if (p.dtype == DType::bf16) {
     F32ToBf16(src, n, reinterpret_cast<bf16*>(base) + at);
+  } else if (p.dtype == DType::f16) {
+    bf16* dst = reinterpret_cast<bf16*>(base) + at;
+    for (int c = 0; c < n; c += 16) {
+      const __mmask16 m = static_cast<__mmask16>(n - c >= 16 ? 0xFFFFu : (1u << (n - c)) - 1);
+      _mm256_mask_storeu_epi16(dst + c, m,
+                               _mm512_cvtps_ph(_mm512_maskz_loadu_ps(m, src + c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
   } else {
     std::memcpy(base + at, src, sizeof(float) * n);
   }
 }
 
-/// Zeros n elements of a gradient tensor (bf16 or f32 storage) at element at.
+/// Zeros n elements of a gradient tensor (bf16, f16 or f32 storage) at element at.
 inline void ZeroAs(const Problem& p, float* base, int64_t at, int n) {
-  if (p.dtype == DType::bf16) {
+  if (p.dtype != DType::f32) {  // +0 is all zero bits in both 16-bit formats
     std::fill_n(reinterpret_cast<bf16*>(base) + at, n, bf16{0});
   } else {
     std::fill_n(base + at, n, 0.0f);
@@ -157,29 +184,29 @@ struct BwdAmxShared {
   bool tiles;  // products on AMX tiles (true) or on vdpbf16ps
 };
 
-/// Packs query tile qt of (b, h): Q and dO as rows and transposed, rounded to bf16;
-/// D = Σ dO·O per row (on the rounded dO, the one the tiles multiply); lse; zeroes
-/// the rows' dQ accumulator. Returns false when a value is NaN or ±∞ or an lse is
-/// outside what the kernel handles.
+/// Packs query tile qt of (b, h): Q and dO as rows and transposed, rounded to bf16
+/// (or split into exact hi + lo pieces); D = Σ dO·O per row (on the dO the tiles
+/// multiply: rounded to bf16, or the f16 value itself); lse; zeroes the rows' dQ
+/// accumulator. Returns false when a value is NaN or ±∞ or an lse is outside what
+/// the kernel handles.
 ATTN_AMX bool PackQueryTile(const BwdAmxShared& sh, int b, int h, int qt, bf16* staging) {
   const BackwardProblem& bp = sh.bp;
   const Problem& p = bp.fwd;
   const Sequence& seq = p.seqs[b];
   const BwdAmxLayout& l = sh.lay;
-  const int dp = l.dp, dvp = l.dvp;
+  const int dp = l.dp, dvp = l.dvp, pieces = l.pieces, qw = pieces * dp, gw = pieces * dvp;
   bf16* t = l.QTile(sh.pack, p, b, h, qt);
-  bf16 *qr = BwdAmxLayout::QRows(t, dp), *qc = BwdAmxLayout::QCols(t, dp);
-  bf16 *gr = BwdAmxLayout::GRows(t, dp), *gc = BwdAmxLayout::GCols(t, dp, dvp);
+  bf16 *qr = l.QRows(t), *qc = l.QCols(t), *gr = l.GRows(t), *gc = l.GCols(t);
   bool ok = true;
   for (int r = 0; r < kBq; ++r) {
     const int i = qt * kBq + r;
     const bool real = i < seq.Lq;
-    const bf16* q = Bf16Row(p, p.q, seq.q_offset + h * p.q_head + int64_t{i} * p.q_row, p.d, dp, real, staging);
-    const bf16* g = Bf16Row(p, bp.dout, seq.dout_offset + h * bp.dout_head + int64_t{i} * bp.dout_row, p.dv, dvp,
-                            real, staging + dp);
-    ok &= !AnyNonFiniteBf16(q, dp) && !AnyNonFiniteBf16(g, dvp);
-    std::memcpy(qr + static_cast<size_t>(r) * dp, q, sizeof(bf16) * dp);
-    std::memcpy(gr + static_cast<size_t>(r) * dvp, g, sizeof(bf16) * dvp);
+    const bf16* q = PackedRow(p, pieces, p.q, seq.q_offset + h * p.q_head + int64_t{i} * p.q_row, p.d, dp, real, staging);
+    const bf16* g = PackedRow(p, pieces, bp.dout, seq.dout_offset + h * bp.dout_head + int64_t{i} * bp.dout_row, p.dv,
+                              dvp, real, staging + qw);
+    ok &= !AnyNonFiniteBf16(q, qw) && !AnyNonFiniteBf16(g, gw);
+    std::memcpy(qr + static_cast<size_t>(r) * qw, q, sizeof(bf16) * qw);
+    std::memcpy(gr + static_cast<size_t>(r) * gw, g, sizeof(bf16) * gw);
     const size_t row = l.Row(p, b, h, i);
     std::fill_n(sh.dq + row * dp, dp, 0.0f);
     if (!real) {
@@ -189,61 +216,73 @@ ATTN_AMX bool PackQueryTile(const BwdAmxShared& sh, int b, int h, int qt, bf16* 
     const float lse = p.lse[seq.lse_offset + h * p.lse_h + int64_t{i} * p.lse_i];
     ok &= lse == -HUGE_VALF || (std::isfinite(lse) && std::fabs(lse) < kLseLimit);
     sh.lse[row] = lse;
-    // 16 columns at a time (masked past dv): g is bf16, O bf16 or f32.
+    // 16 columns at a time (masked past dv): g as packed (hi + lo is exact), O as stored.
     const int64_t o_at = seq.out_offset + h * p.out_head + int64_t{i} * p.out_row;
     __m512 sum = _mm512_setzero_ps();
     for (int c = 0; c < p.dv; c += 16) {
       const __mmask16 m = static_cast<__mmask16>(p.dv - c >= 16 ? 0xFFFFu : (1u << (p.dv - c)) - 1);
-      const __m512 gv = Bf16x16ToF32(_mm256_maskz_loadu_epi16(m, g + c));
-      const __m512 ov = p.dtype == DType::bf16
-                            ? Bf16x16ToF32(_mm256_maskz_loadu_epi16(m, reinterpret_cast<const bf16*>(p.out) + o_at + c))
-                            : _mm512_maskz_loadu_ps(m, p.out + o_at + c);
-      sum = _mm512_fmadd_ps(gv, ov, sum);
+      __m512 gv = Bf16x16ToF32(_mm256_maskz_loadu_epi16(m, g + c));
+      if (pieces == 2) gv = _mm512_add_ps(gv, Bf16x16ToF32(_mm256_maskz_loadu_epi16(m, g + dvp + c)));
+      sum = _mm512_fmadd_ps(gv, LoadAsF32(p.dtype, p.out, o_at + c, m), sum);
     }
     const float acc = _mm512_reduce_add_ps(sum);
     sh.dsum[row] = acc;
   }
-  // The transposes, written in order (strided reads of the rows just packed, in L1;
-  // strided 2-byte writes cost several times more).
-  for (int c = 0; c < dp; ++c) {
-    for (int r = 0; r < kBq; ++r) qc[static_cast<size_t>(c) * kBq + r] = qr[static_cast<size_t>(r) * dp + c];
-  }
-  for (int c = 0; c < dvp; ++c) {
-    for (int r = 0; r < kBq; ++r) gc[static_cast<size_t>(c) * kBq + r] = gr[static_cast<size_t>(r) * dvp + c];
+  // The transposes, piece by piece, written in order (strided reads of the rows just
+  // packed, in L1; strided 2-byte writes cost several times more).
+  const int tw = pieces * kBq;  // a transposed row: [hi 64 | lo 64]
+  for (int piece = 0; piece < pieces; ++piece) {
+    for (int c = 0; c < dp; ++c) {
+      bf16* dst = qc + static_cast<size_t>(c) * tw + piece * kBq;
+      for (int r = 0; r < kBq; ++r) dst[r] = qr[static_cast<size_t>(r) * qw + piece * dp + c];
+    }
+    for (int c = 0; c < dvp; ++c) {
+      bf16* dst = gc + static_cast<size_t>(c) * tw + piece * kBq;
+      for (int r = 0; r < kBq; ++r) dst[r] = gr[static_cast<size_t>(r) * gw + piece * dvp + c];
+    }
   }
   return ok;
 }
 
 /// Packs key tile kt of (b, hk): K as the B operand of S = Q·Kᵀ and of dQ = dS·K,
-/// V as the B operand of dP = dO·Vᵀ. Returns false when a value is NaN or ±∞.
+/// V as the B operand of dP = dO·Vᵀ, each piece's tiles after the other's. Returns
+/// false when a value is NaN or ±∞.
 ATTN_AMX bool PackKeyTile(const BwdAmxShared& sh, int b, int hk, int kt, bf16* staging) {
   const Problem& p = sh.bp.fwd;
   const Sequence& seq = p.seqs[b];
   const BwdAmxLayout& l = sh.lay;
-  const int dp = l.dp, dvp = l.dvp, dc = dp / kPair, vc = dvp / kPair;
+  const int dp = l.dp, dvp = l.dvp, dc = dp / kPair, vc = dvp / kPair, pieces = l.pieces;
+  const size_t kw = size_t(pieces) * dp, vw = size_t(pieces) * dvp;
   const bf16* krow[kBk];
   const bf16* vrow[kBk];
   bool ok = true;
   for (int n = 0; n < kBk; ++n) {
     const int j = kt * kBk + n;
-    krow[n] = Bf16Row(p, p.k, seq.k_offset + hk * p.k_head + int64_t{j} * p.k_row, p.d, dp, j < seq.Lk,
-                      staging + static_cast<size_t>(n) * dp);
-    vrow[n] = Bf16Row(p, p.v, seq.v_offset + hk * p.v_head + int64_t{j} * p.v_row, p.dv, dvp, j < seq.Lk,
-                      staging + static_cast<size_t>(kBk) * dp + static_cast<size_t>(n) * dvp);
-    ok &= !AnyNonFiniteBf16(krow[n], dp) && !AnyNonFiniteBf16(vrow[n], dvp);
+    krow[n] = PackedRow(p, pieces, p.k, seq.k_offset + hk * p.k_head + int64_t{j} * p.k_row, p.d, dp, j < seq.Lk,
+                        staging + n * kw);
+    vrow[n] = PackedRow(p, pieces, p.v, seq.v_offset + hk * p.v_head + int64_t{j} * p.v_row, p.dv, dvp, j < seq.Lk,
+                        staging + kBk * kw + n * vw);
+    ok &= !AnyNonFiniteBf16(krow[n], static_cast<int>(kw)) && !AnyNonFiniteBf16(vrow[n], static_cast<int>(vw));
   }
   bf16* t = l.KTile(sh.pack, p, b, hk, kt);
-  bf16 *ks = BwdAmxLayout::KForS(t, dp), *kq = BwdAmxLayout::KForDq(t, dp), *vp = BwdAmxLayout::VForDp(t, dp);
-  // Kᵀ and Vᵀ ([d][keys]): tile (d chunk c, key group g) at (g·chunks + c)·kTile.
-  for (int g = 0; g < kBk / 16; ++g) {
-    for (int c = 0; c < dc; ++c) PairTileTransposed(krow + g * 16, c * kPair, ks + (static_cast<size_t>(g) * dc + c) * kTile);
-    for (int c = 0; c < vc; ++c) PairTileTransposed(vrow + g * 16, c * kPair, vp + (static_cast<size_t>(g) * vc + c) * kTile);
-  }
-  // K ([keys][d]): tile (key chunk kc, column group g) at (kc·dp/16 + g)·kTile.
-  for (int kc = 0; kc < kBk / kPair; ++kc) {
-    for (int g = 0; g < dp / 16; ++g) {
-      bf16* tile = kq + (static_cast<size_t>(kc) * (dp / 16) + g) * kTile;
-      for (int kk = 0; kk < 16; ++kk) PairRow(krow[kc * kPair + 2 * kk] + g * 16, krow[kc * kPair + 2 * kk + 1] + g * 16, tile + kk * 32);
+  for (int piece = 0; piece < pieces; ++piece) {
+    bf16* ks = l.KForS(t) + size_t{kBk} * dp * piece;
+    bf16* kq = l.KForDq(t) + size_t{kBk} * dp * piece;
+    bf16* vp = l.VForDp(t) + size_t{kBk} * dvp * piece;
+    // Kᵀ and Vᵀ ([d][keys]): tile (d chunk c, key group g) at (g·chunks + c)·kTile.
+    for (int g = 0; g < kBk / 16; ++g) {
+      for (int c = 0; c < dc; ++c)
+        PairTileTransposed(krow + g * 16, piece * dp + c * kPair, ks + (static_cast<size_t>(g) * dc + c) * kTile);
+      for (int c = 0; c < vc; ++c)
+        PairTileTransposed(vrow + g * 16, piece * dvp + c * kPair, vp + (static_cast<size_t>(g) * vc + c) * kTile);
+    }
+    // K ([keys][d]): tile (key chunk kc, column group g) at (kc·dp/16 + g)·kTile.
+    for (int kc = 0; kc < kBk / kPair; ++kc) {
+      for (int g = 0; g < dp / 16; ++g) {
+        bf16* tile = kq + (static_cast<size_t>(kc) * (dp / 16) + g) * kTile;
+        const int col = piece * dp + g * 16;
+        for (int kk = 0; kk < 16; ++kk) PairRow(krow[kc * kPair + 2 * kk] + col, krow[kc * kPair + 2 * kk + 1] + col, tile + kk * 32);
+      }
     }
   }
   return ok;
@@ -257,27 +296,27 @@ struct BwdAmxScratch {
   float* dq;     // [64][dp]  this step's dQ
   float* dkt;    // [kItemTiles][dp][64]  the item's dKᵀ, per key tile
   float* dvt;    // [kItemTiles][dvp][64] the item's dVᵀ
-  bf16* p_pairs;   // P' pair-packed over queries (B of dVᵀ)
+  bf16* p_pairs;   // P' pair-packed over queries (B of dVᵀ), then its lo pieces
   bf16* ds_pairs;  // dS likewise (B of dKᵀ)
-  bf16* ds_rows;   // dS rows (A of dQ)
+  bf16* ds_rows;   // dS rows (A of dQ): [64][pieces·64]
   int *lo, *hi;
 
-  static size_t Floats(int dp, int dvp) {
+  static size_t Floats(int dp, int dvp, int pieces) {
     const size_t tile = size_t{kBq} * kBk;
-    return 3 * tile + 3 * tile / 2 + size_t{kBq} * dp + size_t{kItemTiles} * kBk * (dp + dvp) + 2 * kBq;
+    return 3 * tile + 3 * pieces * tile / 2 + size_t{kBq} * dp + size_t{kItemTiles} * kBk * (dp + dvp) + 2 * kBq;
   }
-  BwdAmxScratch(int dp_, int dvp_) {
+  BwdAmxScratch(int dp_, int dvp_, int pieces) {
     const size_t tile = size_t{kBq} * kBk;
-    float* x = thread_scratch(kSlotTile, Floats(dp_, dvp_));
+    float* x = thread_scratch(kSlotTile, Floats(dp_, dvp_, pieces));
     s = x, x += tile;
     dp = x, x += tile;
     drop = x, x += tile;
     dq = x, x += size_t{kBq} * dp_;
     dkt = x, x += size_t{kItemTiles} * kBk * dp_;
     dvt = x, x += size_t{kItemTiles} * kBk * dvp_;
-    p_pairs = reinterpret_cast<bf16*>(x), x += tile / 2;
-    ds_pairs = reinterpret_cast<bf16*>(x), x += tile / 2;
-    ds_rows = reinterpret_cast<bf16*>(x), x += tile / 2;
+    p_pairs = reinterpret_cast<bf16*>(x), x += pieces * tile / 2;
+    ds_pairs = reinterpret_cast<bf16*>(x), x += pieces * tile / 2;
+    ds_rows = reinterpret_cast<bf16*>(x), x += pieces * tile / 2;
     lo = reinterpret_cast<int*>(x), hi = lo + kBq;
   }
 };
@@ -290,7 +329,7 @@ std::atomic<int>& WaitTurn(const BwdAmxShared& sh, int b, int h, int kb, int qt)
 }
 
 /// P', dS (scaled) from S and dP for one step, in place (s ← P', dp ← dS), and
-/// their bf16 forms for the tiles.
+/// their bf16 forms for the tiles (hi and lo pieces with two pieces).
 ATTN_AMX void SoftmaxGradient(const BwdAmxShared& sh, BwdAmxScratch& w, int b, int h, int i0, int rows, int j0,
                               bool natural) {
   const Problem& p = sh.bp.fwd;
@@ -336,15 +375,27 @@ ATTN_AMX void SoftmaxGradient(const BwdAmxShared& sh, BwdAmxScratch& w, int b, i
       hn::Store(hn::Mul(hn::Mul(prob, hn::Sub(g, dsum)), scale), df, gr + c);
     }
   }
+  constexpr size_t kLo = size_t{kBq} * kBk;  // where the lo pieces start
   for (int r = 0; r < kBq; r += 2) {
     // Pair-packed over queries: tile (query chunk r/32, key group g), row (r % 32)/2.
     for (int g = 0; g < kBk / 16; ++g) {
       const size_t at = (static_cast<size_t>(r / kPair) * (kBk / 16) + g) * kTile + (r % kPair) / 2 * 32;
-      PairRowF32(w.s + r * kBk + g * 16, w.s + (r + 1) * kBk + g * 16, w.p_pairs + at);
-      PairRowF32(w.dp + r * kBk + g * 16, w.dp + (r + 1) * kBk + g * 16, w.ds_pairs + at);
+      const float *s0 = w.s + r * kBk + g * 16, *d0 = w.dp + r * kBk + g * 16;
+      if (sh.lay.pieces == 2) {
+        PairRowF32Pieces(s0, s0 + kBk, w.p_pairs + at, w.p_pairs + kLo + at);
+        PairRowF32Pieces(d0, d0 + kBk, w.ds_pairs + at, w.ds_pairs + kLo + at);
+      } else {
+        PairRowF32(s0, s0 + kBk, w.p_pairs + at);
+        PairRowF32(d0, d0 + kBk, w.ds_pairs + at);
+      }
     }
   }
   for (int r = 0; r < kBq; ++r) {
+    if (sh.lay.pieces == 2) {  // a row of [hi 64 | lo 64]
+      bf16* row = w.ds_rows + r * 2 * kBk;
+      for (int c = 0; c < kBk; c += 16) SplitBf16(_mm512_load_ps(w.dp + r * kBk + c), row + c, row + kBk + c);
+      continue;
+    }
     for (int c = 0; c < kBk; c += 2 * kLanes) {
       StoreBf16x2(hn::Load(df, w.dp + r * kBk + c), hn::Load(df, w.dp + r * kBk + c + kLanes), w.ds_rows + r * kBk + c);
     }
@@ -358,17 +409,17 @@ ATTN_AMX void TilePair(const BwdAmxShared& sh, BwdAmxScratch& w, int b, int h, i
   const Problem& p = sh.bp.fwd;
   const Sequence& seq = p.seqs[b];
   const BwdAmxLayout& l = sh.lay;
-  const int dp = l.dp, dvp = l.dvp;
+  const int dp = l.dp, dvp = l.dvp, pieces = l.pieces;
   const int i0 = qt * kBq, rows = std::min(kBq, seq.Lq - i0);
   const int j0 = kt * kBk, nk = std::min(kBk, seq.Lk - j0);
   bf16* qtile = l.QTile(sh.pack, p, b, h, qt);
   bf16* ktile = l.KTile(sh.pack, p, b, hk, kt);
 
   // S = Q·Kᵀ and dP = dO·Vᵀ: B tiles (chunk c, key group g) at (g·chunks + c)·kTile.
-  Bf16Gemm(sh.tiles, BwdAmxLayout::QRows(qtile, dp), dp, BwdAmxLayout::KForS(ktile, dp), kTile, size_t{dp / kPair} * kTile,
-           w.s, kBk, kBq, kBk, dp, false);
-  Bf16Gemm(sh.tiles, BwdAmxLayout::GRows(qtile, dp), dvp, BwdAmxLayout::VForDp(ktile, dp), kTile,
-           size_t{dvp / kPair} * kTile, w.dp, kBk, kBq, kBk, dvp, false);
+  Bf16Gemm(sh.tiles, l.QRows(qtile), size_t(pieces) * dp, l.KForS(ktile), kTile, size_t{dp / kPair} * kTile, w.s, kBk,
+           kBq, kBk, dp, false, l.ForS());
+  Bf16Gemm(sh.tiles, l.GRows(qtile), size_t(pieces) * dvp, l.VForDp(ktile), kTile, size_t{dvp / kPair} * kTile, w.dp,
+           kBk, kBq, kBk, dvp, false, l.ForDp());
 
   const TilePlace place{b, h, i0, rows, j0, nk, w.lo, w.hi};
   const bool band = TileNeedsBand(place);
@@ -382,13 +433,13 @@ ATTN_AMX void TilePair(const BwdAmxShared& sh, BwdAmxScratch& w, int b, int h, i
   SoftmaxGradient(sh, w, b, h, i0, rows, j0, natural);
 
   // dVᵀ += dOᵀ·P', dKᵀ += Qᵀ·dS: B tiles (query chunk, key group g) at (chunk·4 + g)·kTile.
-  Bf16Gemm(sh.tiles, BwdAmxLayout::GCols(qtile, dp, dvp), kBq, w.p_pairs, size_t{kBk / 16} * kTile, kTile,
-           w.dvt + static_cast<size_t>(u) * dvp * kBk, kBk, dvp, kBk, kBq, true);
-  Bf16Gemm(sh.tiles, BwdAmxLayout::QCols(qtile, dp), kBq, w.ds_pairs, size_t{kBk / 16} * kTile, kTile,
-           w.dkt + static_cast<size_t>(u) * dp * kBk, kBk, dp, kBk, kBq, true);
+  Bf16Gemm(sh.tiles, l.GCols(qtile), size_t(pieces) * kBq, w.p_pairs, size_t{kBk / 16} * kTile, kTile,
+           w.dvt + static_cast<size_t>(u) * dvp * kBk, kBk, dvp, kBk, kBq, true, l.OverQueries());
+  Bf16Gemm(sh.tiles, l.QCols(qtile), size_t(pieces) * kBq, w.ds_pairs, size_t{kBk / 16} * kTile, kTile,
+           w.dkt + static_cast<size_t>(u) * dp * kBk, kBk, dp, kBk, kBq, true, l.OverQueries());
   // dQ (+)= dS·K: B tiles (key chunk, column group g) at (chunk·dp/16 + g)·kTile.
-  Bf16Gemm(sh.tiles, w.ds_rows, kBk, BwdAmxLayout::KForDq(ktile, dp), size_t{dp / 16} * kTile, kTile, w.dq, dp, kBq, dp, kBk,
-           accumulate);
+  Bf16Gemm(sh.tiles, w.ds_rows, size_t(pieces) * kBk, l.KForDq(ktile), size_t{dp / 16} * kTile, kTile, w.dq, dp, kBq, dp,
+           kBk, accumulate, l.ForDq());
 }
 
 /// Writes the first nk columns of acc ([width][64] f32, transposed) as nk rows of
@@ -413,7 +464,7 @@ ATTN_AMX void BackwardItem(const BwdAmxShared& sh, int b, int hk, int kb) {
   const Problem& p = bp.fwd;
   const Sequence& seq = p.seqs[b];
   const int dp = sh.lay.dp, dvp = sh.lay.dvp;
-  BwdAmxScratch w(dp, dvp);
+  BwdAmxScratch w(dp, dvp, sh.lay.pieces);
   const int kt0 = kb * kItemTiles, kt1 = std::min(KeyTiles(seq.Lk), kt0 + kItemTiles);
   std::fill(w.dkt, w.dkt + size_t{kItemTiles} * kBk * dp, 0.0f);
   std::fill(w.dvt, w.dvt + size_t{kItemTiles} * kBk * dvp, 0.0f);
@@ -458,6 +509,8 @@ bool BackwardAmxImpl(const BackwardProblem& bp, int threads, bool tiles) {
   const Problem& p = bp.fwd;
   if (bp.dbias != nullptr || p.softcap > 0.0f || p.mods != nullptr) return false;
   const BwdAmxLayout lay = MakeBwdAmxLayout(p);
+  // f16's pieces take three products each: only the tile unit makes that pay.
+  if (lay.pieces == 2 && !tiles) return false;
   bf16* pack = reinterpret_cast<bf16*>(thread_scratch(kSlotPackedKv, (lay.total + 1) / 2));
   std::vector<float> lse(lay.rows), dsum(lay.rows), dq(lay.rows * lay.dp);
 
@@ -499,7 +552,9 @@ bool BackwardAmxImpl(const BackwardProblem& bp, int threads, bool tiles) {
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     bool ok = true;
-    bf16* staging = reinterpret_cast<bf16*>(thread_scratch(kSlotTile, static_cast<size_t>(kBk) * (lay.dp + lay.dvp)));
+    // 64 rows of K and of V as packed (pieces·(dp + dvp) bf16 each), as floats.
+    bf16* staging =
+        reinterpret_cast<bf16*>(thread_scratch(kSlotTile, static_cast<size_t>(kBk) * lay.pieces * (lay.dp + lay.dvp) / 2));
 #pragma omp for schedule(static) nowait
     for (int n = 0; n < nq; ++n) ok &= PackQueryTile(sh, qpacks[n].b, qpacks[n].h, qpacks[n].t, staging);
 #pragma omp for schedule(static)

@@ -1,4 +1,4 @@
-// The bf16 attention backward on Intel AMX tiles, or on AVX512-BF16's vdpbf16ps.
+// The bf16 (and f16) attention backward on Intel AMX tiles, or on AVX512-BF16's vdpbf16ps.
 #pragma once
 
 #include <cstddef>
@@ -12,7 +12,9 @@ namespace attn::detail {
 /// (path LowpPath::amx) or on vdpbf16ps (LowpPath::avx512bf16), bf16 operands and
 /// f32 accumulation either way; softmax and dS in AVX-512. bp.fwd.dtype is bf16,
 /// or f32 with Precision::bf16 (q, k, v and dout are then rounded to bf16 as they
-/// are packed; the gradients are written in f32). Bitwise identical for any thread
+/// are packed; the gradients are written in f32), or f16 on LowpPath::amx only
+/// (every operand, P' and dS included, as exact hi + lo bf16 pieces, three tile
+/// products per product; gradients written in f16). Bitwise identical for any thread
 /// count. The caller checks that the CPU can run `path` (lowp_path() does).
 /// Returns false, having written nothing, for what it leaves to the widened f32
 /// path: a NaN or ±∞ in q, k, v or dout (after rounding), an lse whose magnitude

@@ -133,14 +133,6 @@ inline void PrefetchRows(const Problem& p, const float* base, int64_t at0, int64
   }
 }
 
-/// One input row as packed bf16: `wp` values (Bf16Row), or for f16 inputs 2·wp, the
-/// [hi | lo] pieces (SplitF16Row). staging holds l.pieces·wp values.
-inline ATTN_AMX const bf16* PackedRow(const Problem& p, const AmxLayout& l, const float* base, int64_t at, int width,
-                                      int wp, bool real, bf16* staging) {
-  if (l.pieces == 2) return SplitF16Row(base, at, width, wp, real, staging);
-  return Bf16Row(p, base, at, width, wp, real, staging);
-}
-
 /// Packs query block qt of (b, h); rows beyond Lq and columns beyond d are zero.
 /// Returns true when a packed value is NaN or ±∞.
 ATTN_AMX bool PackQueries(const Problem& p, const AmxLayout& l, bf16* pack, int b, int h, int qt, bf16* staging) {
@@ -151,7 +143,7 @@ ATTN_AMX bool PackQueries(const Problem& p, const AmxLayout& l, bf16* pack, int 
   for (int r = 0; r < kQ; ++r) {
     const int i = qt * kQ + r;
     const int64_t at = seq.q_offset + h * p.q_head + int64_t{i} * p.q_row;
-    const bf16* row = PackedRow(p, l, p.q, at, p.d, l.dp, i < seq.Lq, staging);
+    const bf16* row = PackedRow(p, l.pieces, p.q, at, p.d, l.dp, i < seq.Lq, staging);
     bad |= AnyNonFiniteBf16(row, width);
     std::memcpy(dst + static_cast<size_t>(r) * width, row, sizeof(bf16) * width);
   }
@@ -173,9 +165,9 @@ ATTN_AMX bool PackKeysValues(const Problem& p, const AmxLayout& l, bf16* pack, i
   bool bad = false;
   for (int n = 0; n < kPair; ++n) {
     const int j = t * kPair + n;
-    krow[n] = PackedRow(p, l, p.k, seq.k_offset + hk * p.k_head + int64_t{j} * p.k_row, p.d, l.dp, j < seq.Lk,
+    krow[n] = PackedRow(p, l.pieces, p.k, seq.k_offset + hk * p.k_head + int64_t{j} * p.k_row, p.d, l.dp, j < seq.Lk,
                         staging + n * kw);
-    vrow[n] = PackedRow(p, l, p.v, seq.v_offset + hk * p.v_head + int64_t{j} * p.v_row, p.dv, l.dvp, j < seq.Lk,
+    vrow[n] = PackedRow(p, l.pieces, p.v, seq.v_offset + hk * p.v_head + int64_t{j} * p.v_row, p.dv, l.dvp, j < seq.Lk,
                         staging + kPair * kw + n * vw);
     bad |= AnyNonFiniteBf16(krow[n], static_cast<int>(kw)) || AnyNonFiniteBf16(vrow[n], static_cast<int>(vw));
   }

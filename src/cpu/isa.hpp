@@ -11,8 +11,10 @@ namespace attn::detail {
 ///   avx512bf16  the same kernels with the products on vdpbf16ps (AMD Zen 4/5,
 ///               Intel Cooper Lake): same packing, same softmax;
 ///   f32         the portable path: inputs widened to f32, the f32 kernel.
-/// f16 inputs always take the f32 path on CPUs without AMX-FP16 (bf16 cannot hold
-/// an f16 value exactly, so the bf16 products would lose precision).
+/// f16 inputs: one bf16 cannot hold an f16 value, two can (hi + lo, exactly), so on
+/// amx f16 values enter the tiles as two bf16 pieces and each product takes three tile
+/// products; on avx512bf16 those would cost more than the f32 kernel, so f16 takes
+/// the f32 path there (and everywhere without AMX).
 enum class LowpPath { amx, avx512bf16, f32 };
 
 /// What this CPU and OS can run, detected once: AMX needs CPUID's AMX-TILE and
