@@ -14,15 +14,18 @@ def rand(rng, *shape):
     return rng.standard_normal(shape).astype(np.float32)
 
 
-def reference_grads(q, k, v, g, **opts):
-    leaves = [torch.tensor(np.asarray(x), dtype=torch.float64, requires_grad=True) for x in (q, k, v)]
+def reference_grads(q, k, v, g, dtype=torch.float64, **opts):
+    """Autograd through the explicit pipeline in float64 (the oracle) or, with
+    dtype=torch.float32, the plain f32 implementation whose error FlashAttention's rule
+    compares with."""
+    leaves = [torch.tensor(np.asarray(x), dtype=dtype, requires_grad=True) for x in (q, k, v)]
     mask = opts.pop("mask", None)
     mask_leaf = None
     if mask is not None and np.asarray(mask).dtype == np.float32:
-        mask_leaf = torch.tensor(np.asarray(mask), dtype=torch.float64, requires_grad=True)
+        mask_leaf = torch.tensor(np.asarray(mask), dtype=dtype, requires_grad=True)
         mask = mask_leaf
-    out, _ = reference(*leaves, mask=mask, **opts)
-    (out * torch.as_tensor(np.asarray(g), dtype=torch.float64)).sum().backward()
+    out, _ = reference(*leaves, mask=mask, dtype=dtype, **opts)
+    (out * torch.as_tensor(np.asarray(g), dtype=dtype)).sum().backward()
     grads = [t.grad for t in leaves]
     return grads + ([mask_leaf.grad] if mask_leaf is not None else [])
 
@@ -49,9 +52,13 @@ def test_gradients_match_float64_autograd(rng, case):
     ref_opts = {"is_causal": opts.get("is_causal", False), "alignment": opts.get("causal_alignment", "top_left"),
                 "window": opts.get("window"), "softcap": opts.get("softcap")}
     want = reference_grads(q, k, v, g, mask=mask, **ref_opts)
-    for name, got, w in zip(("dq", "dk", "dv", "dmask"), grads, want):
+    plain = reference_grads(q, k, v, g, dtype=torch.float32, mask=mask, **ref_opts)
+    for name, got, w, pl in zip(("dq", "dk", "dv", "dmask"), grads, want, plain):
         assert got.shape == tuple(w.shape), name
-        assert rel_err(got, w) <= 1e-5, "%s seed %d case %d" % (name, SEED, case)
+        # 1e-5, or 10× the plain f32 pipeline's error where that is larger: the mask's
+        # gradient P∘(dP − D) sums to zero over each row, so with few keys it can be a
+        # small difference of large terms that no f32 computation gets to 1e-5.
+        assert rel_err(got, w) <= max(1e-5, 10 * rel_err(pl, w)), "%s seed %d case %d" % (name, SEED, case)
 
 
 def test_autograd_wrapper_matches_float64_autograd(rng):
