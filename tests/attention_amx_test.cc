@@ -103,11 +103,11 @@ TEST_P(Bf16KernelForward, Bf16PrecisionForF32InputsIsTheBf16KernelWithAnF32Outpu
   for (size_t i = 0; i < out.size(); ++i) ASSERT_EQ(f32_to_bf16(out[i]), oh[i]) << i;
 }
 
-TEST_P(Bf16KernelForward, NonFiniteInputsTakeThePortablePathsSemantics) {
-  SKIP_UNLESS_PATH(GetParam());
-  std::mt19937_64 rng = make_rng(24);
-  LowpCall c(DType::bf16, 1, 70, 90, 2, 1, 64, 64, rng);
-  c.v[7 * 64 + 3] = f32_to_bf16(INFINITY);  // value 7: only rows that see key 7 are affected
+// Runs c (1 sequence, 70 queries × 90 keys, 2 query heads on 1 kv head, d = 64,
+// causal top-left; an input poisoned by the caller) on the portable path and then on
+// `isa`, and expects the two outputs bit for bit equal (the kernel declines non-finite
+// inputs). c.out holds the result.
+void ExpectKernelMatchesThePortablePath(const char* isa, LowpCall& c) {
   AttentionOptions o;
   o.causal = Causal::TopLeft;
   const TensorView q = c.view(c.q, 70, 2, 64), k = c.view(c.k, 90, 1, 64), v = c.view(c.v, 90, 1, 64),
@@ -118,9 +118,17 @@ TEST_P(Bf16KernelForward, NonFiniteInputsTakeThePortablePathsSemantics) {
     attention(q, k, v, out, o, c.lse_view());
     portable = c.out;
   }
-  const ScopedIsa isa(GetParam());
+  const ScopedIsa kernel(isa);
   attention(q, k, v, out, o, c.lse_view());
   EXPECT_EQ(portable, c.out);
+}
+
+TEST_P(Bf16KernelForward, NonFiniteInputsTakeThePortablePathsSemantics) {
+  SKIP_UNLESS_PATH(GetParam());
+  std::mt19937_64 rng = make_rng(24);
+  LowpCall c(DType::bf16, 1, 70, 90, 2, 1, 64, 64, rng);
+  c.v[7 * 64 + 3] = f32_to_bf16(INFINITY);  // value 7: only rows that see key 7 are affected
+  ExpectKernelMatchesThePortablePath(GetParam(), c);
   EXPECT_FALSE(std::isnan(bf16_to_f32(c.out[6 * 2 * 64 + 3]))) << "row 6 cannot see key 7";
   EXPECT_TRUE(std::isinf(bf16_to_f32(c.out[8 * 2 * 64 + 3])) || std::isnan(bf16_to_f32(c.out[8 * 2 * 64 + 3])));
 }
@@ -205,19 +213,7 @@ TEST(F16OnAmxTiles, NonFiniteInputsTakeThePortablePathsSemantics) {
   std::mt19937_64 rng = make_rng(34);
   LowpCall c(DType::f16, 1, 70, 90, 2, 1, 64, 64, rng);
   c.k[11 * 64 + 5] = f32_to_f16(NAN);  // key 11: only rows that see it turn NaN
-  AttentionOptions o;
-  o.causal = Causal::TopLeft;
-  const TensorView q = c.view(c.q, 70, 2, 64), k = c.view(c.k, 90, 1, 64), v = c.view(c.v, 90, 1, 64),
-                   out = c.view(c.out, 70, 2, 64);
-  std::vector<uint16_t> portable;
-  {
-    const ScopedIsa f32("f32");
-    attention(q, k, v, out, o, c.lse_view());
-    portable = c.out;
-  }
-  const ScopedIsa isa("amx");
-  attention(q, k, v, out, o, c.lse_view());
-  EXPECT_EQ(portable, c.out);
+  ExpectKernelMatchesThePortablePath("amx", c);
   EXPECT_FALSE(std::isnan(f16_to_f32(c.out[10 * 2 * 64]))) << "row 10 cannot see key 11";
   EXPECT_TRUE(std::isnan(f16_to_f32(c.out[12 * 2 * 64])));
 }

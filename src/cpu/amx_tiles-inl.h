@@ -188,6 +188,22 @@ HWY_INLINE ATTN_AMX VF Exp2Probability(VF x) {
   return VF{_mm512_scalef_ps(e, x.raw)};
 }
 
+/// One step of a 2×2 block of tdpbf16ps: loads A's two row tiles (a and 16 rows
+/// below, row stride lda elements) and B's two column tiles (b0, b1; pair-packed, 64
+/// bytes a row), and adds their four products into accumulators 0–3 (ConfigureTiles's
+/// layout: 4–5 A, 6–7 B), so each loaded tile feeds two products.
+HWY_INLINE ATTN_AMX void TileProducts2x2(const bf16* a, size_t lda, const bf16* b0, const bf16* b1) {
+  const size_t a_ld = sizeof(bf16) * lda;
+  _tile_loadd(4, a, a_ld);
+  _tile_loadd(5, a + 16 * lda, a_ld);
+  _tile_loadd(6, b0, 64);
+  _tile_loadd(7, b1, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
 /// How a product's operands are split. terms = 1: A and B are plain bf16. terms = 3:
 /// both hold hi + lo bf16 pieces of each value (f16 inputs, SplitBf16), the lo pieces
 /// a_lo / b_lo elements after the hi ones, in the same layout; the product is then
@@ -209,7 +225,7 @@ struct Pieces {
 /// products in turn: as many tile loads per tdpbf16ps as one piece.
 inline ATTN_AMX void TileGemm(const bf16* a, size_t lda, const bf16* b, size_t b_kc, size_t b_g, float* c,
                               size_t ldc, int M, int N, int K, bool accumulate, const Pieces& pc = {}) {
-  const size_t a_ld = sizeof(bf16) * lda, c_ld = sizeof(float) * ldc;
+  const size_t c_ld = sizeof(float) * ldc;
   for (int m0 = 0; m0 < M; m0 += 32) {
     for (int n0 = 0; n0 < N; n0 += 32) {
       float* c0 = c + m0 * ldc + n0;
@@ -229,16 +245,8 @@ inline ATTN_AMX void TileGemm(const bf16* a, size_t lda, const bf16* b, size_t b
       const bf16* bg = b + (n0 / 16) * b_g;
       for (int kc = 0; kc < K / kPair; ++kc) {
         for (int t = 0; t < pc.terms; ++t) {
-          const bf16* at = a0 + kc * kPair + pc.A(t);
           const bf16* bt = bg + kc * b_kc + pc.B(t);
-          _tile_loadd(4, at, a_ld);
-          _tile_loadd(5, at + 16 * lda, a_ld);
-          _tile_loadd(6, bt, 64);
-          _tile_loadd(7, bt + b_g, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
+          TileProducts2x2(a0 + kc * kPair + pc.A(t), lda, bt, bt + b_g);
         }
       }
       _tile_stored(0, c0, c_ld);

@@ -261,7 +261,6 @@ ATTN_AMX void TileJob::Step() {
     const bf16* k0 = k + static_cast<size_t>(2 * i) * kdc * kTile;
     const bf16* k1 = k0 + static_cast<size_t>(kdc) * kTile;
     const int q_width = pieces * dp;
-    const size_t q_ld = sizeof(bf16) * q_width;
     if (j == 0) {
       _tile_zero(0);
       _tile_zero(1);
@@ -270,14 +269,7 @@ ATTN_AMX void TileJob::Step() {
     }
     // Step j's (query chunk, key chunk): j < dc hi·hi; then lo·hi; then hi·lo.
     const int qc = j < 2 * dc ? j : j - 2 * dc, kc = j < dc ? j : j - dc;
-    _tile_loadd(4, q + qc * kPair, q_ld);
-    _tile_loadd(5, q + 16 * q_width + qc * kPair, q_ld);
-    _tile_loadd(6, k0 + kc * kTile, 64);
-    _tile_loadd(7, k1 + kc * kTile, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    TileProducts2x2(q + qc * kPair, q_width, k0 + kc * kTile, k1 + kc * kTile);
     if (++j == dc * Terms()) {
       float* s0 = s + i * kPair;
       const size_t s_ld = sizeof(float) * kW;
@@ -292,7 +284,7 @@ ATTN_AMX void TileJob::Step() {
     return;
   }
   const int terms = Terms(), chunks = pv_width / kPair * terms, vc = dvp / 16, pw = pieces * kW;
-  const size_t o_ld = sizeof(float) * dvp, p_ld = sizeof(bf16) * pw;
+  const size_t o_ld = sizeof(float) * dvp;
   float* o0 = o + i * kPair;
   float* o1 = o0 + 16 * dvp;
   if (j == 0) {
@@ -305,14 +297,7 @@ ATTN_AMX void TileJob::Step() {
   const int kc = j / terms, piece = j % terms;
   const bf16* vt = v + (static_cast<size_t>(kc) * pieces * vc + 2 * i + (piece == 2 ? vc : 0)) * kTile;
   const bf16* pt = pb + (piece == 1 ? kW : 0) + kc * kPair;
-  _tile_loadd(4, pt, p_ld);
-  _tile_loadd(5, pt + 16 * pw, p_ld);
-  _tile_loadd(6, vt, 64);
-  _tile_loadd(7, vt + kTile, 64);
-  _tile_dpbf16ps(0, 4, 6);
-  _tile_dpbf16ps(1, 4, 7);
-  _tile_dpbf16ps(2, 5, 6);
-  _tile_dpbf16ps(3, 5, 7);
+  TileProducts2x2(pt, pw, vt, vt + kTile);
   if (++j == chunks) {
     _tile_stored(0, o0, o_ld);
     _tile_stored(1, o0 + 16, o_ld);
