@@ -81,9 +81,9 @@ ForwardRow time_forward(const ForwardConfig& c, const TableOptions& o) {
     if (lowp) narrow(dout, dout16), dq16.resize(n), dk16.resize(n), dv16.resize(n);
     const TensorView lv(lse.data(), DType::f32, {c.B, c.H, c.N});
     attention(qv, kv, vv, ov, opt, lv);
-    run_attn = [&, lv] {
-      attention_backward(qv, kv, vv, ov, lv, view(dout, dout16), view(dq, dq16), view(dk, dk16), view(dv, dv16), opt);
-    };
+    const TensorView dov = view(dout, dout16), dqv = view(dq, dq16), dkv = view(dk, dk16), dvv = view(dv, dv16);
+    row.extra_mb = attention_backward_workspace_bytes(qv, kv, vv, ov, lv, dov, dqv, dkv, dvv, opt, c.threads) / 1e6;
+    run_attn = [&, lv, dov, dqv, dkv, dvv] { attention_backward(qv, kv, vv, ov, lv, dov, dqv, dkv, dvv, opt); };
     if (o.baseline) {
       probs.resize(static_cast<size_t>(c.B) * c.H * c.N * c.N);
       const TensorView q32(q.data(), DType::f32, {c.B, c.N, c.H, c.d}), k32(k.data(), DType::f32, {c.B, c.N, c.H, c.d}),

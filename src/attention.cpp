@@ -74,16 +74,15 @@ int64_t span(const TensorView& t) {
   return last + 1;
 }
 
-// Copies a float64 buffer laid out like `view` into the view (f32), element by
-// element through the view's strides.
-void round_into(const TensorView& view, const std::vector<double>& src) {
+// Calls visit(at) with the offset of every element of `view`, through its strides.
+template <class Visit>
+void for_each_offset(const TensorView& view, Visit visit) {
   if (view.empty() || view.numel() == 0) return;
-  float* dst = view.data_as<float>();
   std::vector<int64_t> idx(static_cast<size_t>(view.rank()), 0);
   for (int64_t n = 0; n < view.numel(); ++n) {
     int64_t at = 0;
     for (int i = 0; i < view.rank(); ++i) at += idx[static_cast<size_t>(i)] * view.stride(i);
-    dst[at] = static_cast<float>(src[static_cast<size_t>(at)]);
+    visit(at);
     for (int i = view.rank() - 1; i >= 0; --i) {
       if (++idx[static_cast<size_t>(i)] < view.size(i)) break;
       idx[static_cast<size_t>(i)] = 0;
@@ -91,10 +90,19 @@ void round_into(const TensorView& view, const std::vector<double>& src) {
   }
 }
 
+// Copies a float64 buffer laid out like `view` into the view (f32), element by
+// element through the view's strides.
+void round_into(const TensorView& view, const std::vector<double>& src) {
+  if (view.empty()) return;
+  float* dst = view.data_as<float>();
+  for_each_offset(view, [&](int64_t at) { dst[at] = static_cast<float>(src[static_cast<size_t>(at)]); });
+}
+
 // Sets every element of an f32 view to 0 through its strides.
 void zero_view(const TensorView& view) {
-  std::vector<double> zeros(static_cast<size_t>(span(view)), 0.0);
-  round_into(view, zeros);
+  if (view.empty()) return;
+  float* dst = view.data_as<float>();
+  for_each_offset(view, [&](int64_t at) { dst[at] = 0.0f; });
 }
 
 }  // namespace
@@ -219,6 +227,22 @@ size_t attention_workspace_bytes(const TensorView& q, const TensorView& k, const
   }
   return detail::attention_forward_workspace_bytes(p, threads) +
          detail::widening_bytes(p, q, k, v, out, options);
+}
+
+size_t attention_backward_workspace_bytes(const TensorView& q, const TensorView& k, const TensorView& v,
+                                          const TensorView& out, const TensorView& lse, const TensorView& dout,
+                                          const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                                          const AttentionOptions& options, int threads, const TensorView& dbias) {
+  const detail::BackwardProblem bp = detail::make_backward_problem(
+      "attention_backward_workspace_bytes", q, k, v, out, lse, dout, dq, dk, dv, options, dbias, nullptr);
+  // The f32 kernel's bytes depend on the shapes only, which its widened copies share.
+  const size_t f32_kernel = detail::attention_backward_workspace_bytes_cpu(bp.fwd, threads);
+  if (!detail::needs_widening(bp.fwd, options)) return f32_kernel;
+  if (const detail::LowpPath path = detail::lowp_kernel(bp.fwd, options);
+      path != detail::LowpPath::f32 && !detail::amx_backward_declines_options(bp, path)) {
+    return detail::attention_backward_amx_workspace_bytes(bp, threads) + detail::mask_widening_bytes(options);
+  }
+  return f32_kernel + detail::backward_widening_bytes(q, k, v, out, dout, dq, dk, dv, options);
 }
 
 void attention_reference(const TensorView& q, const TensorView& k, const TensorView& v,

@@ -50,9 +50,20 @@ size_t widening_bytes(const Problem& p, const TensorView& q, const TensorView& k
   if (!needs_widening(p, options)) return 0;
   // bf16/f16 inputs are widened inside the kernel; only f32 inputs rounded to bf16
   // (Precision::bf16) are copied.
-  int64_t n = p.dtype == DType::f32 ? q.numel() + k.numel() + v.numel() + out.numel() : 0;
-  if (!options.mask.empty() && is_lowp(options.mask.dtype())) n += options.mask.numel();
-  return static_cast<size_t>(n) * sizeof(float);
+  const int64_t n = p.dtype == DType::f32 ? q.numel() + k.numel() + v.numel() + out.numel() : 0;
+  return static_cast<size_t>(n) * sizeof(float) + mask_widening_bytes(options);
+}
+
+size_t mask_widening_bytes(const AttentionOptions& options) {
+  return !options.mask.empty() && is_lowp(options.mask.dtype()) ? sizeof(float) * options.mask.numel() : 0;
+}
+
+size_t backward_widening_bytes(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                               const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                               const TensorView& dv, const AttentionOptions& options) {
+  int64_t n = 0;
+  for (const TensorView* t : {&q, &k, &v, &out, &dout, &dq, &dk, &dv}) n += t->numel();
+  return static_cast<size_t>(n) * sizeof(float) + mask_widening_bytes(options);
 }
 
 AttentionOptions with_f32_mask(const AttentionOptions& options, std::vector<float>& storage) {

@@ -34,6 +34,15 @@ LowpPath lowp_kernel(const Problem& p, const AttentionOptions& options);
 size_t widening_bytes(const Problem& p, const TensorView& q, const TensorView& k, const TensorView& v,
                       const TensorView& out, const AttentionOptions& options);
 
+/// Bytes of the f32 copies that attention_backward()'s widening path makes
+/// (backward_widened): q, k, v, out, dout, dq, dk, dv, and a bf16/f16 mask.
+size_t backward_widening_bytes(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                               const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                               const TensorView& dv, const AttentionOptions& options);
+
+/// Bytes of the f32 copy of a bf16/f16 mask (0 for an f32 mask or none).
+size_t mask_widening_bytes(const AttentionOptions& options);
+
 /// The options with an f32 copy of a bf16/f16 mask (held in `storage`) in place of the
 /// mask, for kernels that read bf16 inputs but f32 masks; other options unchanged.
 AttentionOptions with_f32_mask(const AttentionOptions& options, std::vector<float>& storage);

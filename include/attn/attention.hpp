@@ -200,11 +200,33 @@ void dropout_mask(const TensorView& mask, float dropout_p, uint64_t seed, uint64
 /// on AMX, whose values are packed as hi + lo bf16 pieces) plus one tile workspace per
 /// thread, and for f32 inputs with Precision::bf16 on the portable path their rounded
 /// f32 copies (bf16/f16 inputs there are widened in the kernel; a bf16/f16 mask is
-/// copied to f32). The workspace is allocated once per calling thread and reused by
-/// later calls; the Lq×Lk matrix is never stored.
+/// copied to f32). The packed operands and tiles are held per calling thread and
+/// reused by later calls (a buffer grows by up to 1.5× what a call asks, so that
+/// growing calls re-allocate rarely); the Lq×Lk matrix is never stored.
 size_t attention_workspace_bytes(const TensorView& q, const TensorView& k, const TensorView& v,
                                  const TensorView& out, const AttentionOptions& options,
                                  int threads);
+
+/// Extra memory in bytes that attention_backward() needs for these arguments when run
+/// with `threads` threads (the arguments as attention_backward()'s, checked the same
+/// way). On the AMX and AVX512-BF16 paths: q, k, v and dout packed as bf16 tiles
+/// (for f16 on AMX, twice that: hi + lo pieces), an f32 dQ accumulator the size of q
+/// with d padded to 32, per-row lse and D, and one tile scratch per thread. On the
+/// portable f32 kernel: K (in two layouts) and V packed in f32, per-row statistics
+/// and one tile scratch per thread; bf16/f16 inputs there (and f32 inputs with
+/// Precision::bf16, and every call the bf16 kernels leave to it: softcap, a dbias,
+/// f16 without AMX) add f32 copies of q, k, v, out, dout, dq, dk and dv, and a
+/// bf16/f16 mask its f32 copy. The bf16 kernels also hand a call whose q, k, v or dout
+/// holds a NaN or ±∞, or whose lse reaches ±128, to the portable path; those values
+/// are not known here, so that call can take the portable path's bytes instead. The
+/// packed tiles and the scratch are held per calling thread and reused by later calls
+/// (a buffer grows by up to 1.5× what a call asks, so that growing calls re-allocate
+/// rarely); the rest is allocated per call. The Lq×Lk matrix is never stored.
+size_t attention_backward_workspace_bytes(const TensorView& q, const TensorView& k, const TensorView& v,
+                                          const TensorView& out, const TensorView& lse, const TensorView& dout,
+                                          const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                                          const AttentionOptions& options, int threads,
+                                          const TensorView& dbias = {});
 
 /// Combines two attentions of the same queries over disjoint sets of keys (two halves
 /// of a KV cache, two ranks of a ring) into the attention over their union, exactly in

@@ -115,11 +115,13 @@ struct BwdScratch {
   float* inv_l;          // [Bq]                 1 / softmax sum (1 when lse is used)
   int *lo, *hi, *first, *count;
 
+  static size_t Floats(int dp, int dvp) {
+    const size_t tile = size_t{kBq} * kBk + kLanes;
+    return size_t{kBkRows} * (dp + dvp) + size_t{kBq} * (2 * dp + dvp) + 7 * tile + 7 * size_t{kBq} + 64;
+  }
   BwdScratch(int dp, int dvp) {
     const size_t tile = size_t{kBq} * kBk + kLanes;
-    const size_t total = size_t{kBkRows} * (dp + dvp) + size_t{kBq} * (2 * dp + dvp) + 7 * tile +
-                         7 * size_t{kBq} + 64;
-    float* x = thread_scratch(kSlotTile, total);
+    float* x = thread_scratch(kSlotTile, Floats(dp, dvp));
     dk = x, x += size_t{kBkRows} * dp;
     dv = x, x += size_t{kBkRows} * dvp;
     q = x, x += size_t{kBq} * dp;
@@ -561,6 +563,20 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
   }
 }
 
+size_t BackwardWorkspaceBytes(const Problem& p, int threads) {
+  const BwdPack pk = MakeBwdPack(p);
+  size_t rows = 0, turns = 0;
+  for (const Sequence& seq : p.seqs) {
+    rows += static_cast<size_t>(p.Hq) * seq.Lq;
+    turns += static_cast<size_t>(p.Hq) * QueryTiles(seq.Lq);
+  }
+  // The packed key tiles and their non-finite flags, one scratch per thread, and the
+  // call's D, row maxima and 1/l per query row and turn counter per query tile.
+  const size_t floats = pk.total + static_cast<size_t>(std::max(1, threads)) *
+                                       BwdScratch::Floats(pk.dp, RoundUp(p.dv, kLanes)) + 3 * rows;
+  return sizeof(float) * floats + pk.kv_nonfinite.size() + sizeof(std::atomic<int>) * std::max<size_t>(1, turns);
+}
+
 }  // namespace attn::detail::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
@@ -568,6 +584,11 @@ HWY_AFTER_NAMESPACE();
 namespace attn::detail {
 
 HWY_EXPORT(BackwardF32);
+HWY_EXPORT(BackwardWorkspaceBytes);
+
+size_t attention_backward_workspace_bytes_cpu(const Problem& p, int threads) {
+  return HWY_DYNAMIC_DISPATCH(BackwardWorkspaceBytes)(p, threads);
+}
 
 void attention_backward_cpu(const BackwardProblem& bp, int threads) {
   if (bp.fwd.dtype != DType::f32) throw std::logic_error("attention_backward_cpu: widen bf16/f16 problems first");

@@ -1,6 +1,8 @@
 // The fused CPU attention backward (FlashAttention-2's algorithm, deterministic).
 #pragma once
 
+#include <cstddef>
+
 #include "problem.hpp"
 
 namespace attn::detail {
@@ -9,5 +11,10 @@ namespace attn::detail {
 /// threads on the best SIMD target this CPU supports. Bitwise identical for any
 /// thread count (see attention_backward.cc for how dQ's sum order is fixed).
 void attention_backward_cpu(const BackwardProblem& bp, int threads);
+
+/// Bytes attention_backward_cpu allocates for `p` (an f32 problem) with `threads`
+/// threads: the packed key/value tiles, one tile scratch per thread, and the per-row
+/// statistics and per-tile counters of the call.
+size_t attention_backward_workspace_bytes_cpu(const Problem& p, int threads);
 
 }  // namespace attn::detail

@@ -505,12 +505,15 @@ ATTN_AMX void BackwardItem(const BwdAmxShared& sh, int b, int hk, int kb) {
   }
 }
 
+/// Floats of the staging rows that packing reads K and V through: 64 rows of each as
+/// packed (pieces·(dp + dvp) bf16 per key).
+size_t StagingFloats(const BwdAmxLayout& lay) { return static_cast<size_t>(kBk) * lay.pieces * (lay.dp + lay.dvp) / 2; }
+
 bool BackwardAmxImpl(const BackwardProblem& bp, int threads, bool tiles) {
   const Problem& p = bp.fwd;
-  if (bp.dbias != nullptr || p.softcap > 0.0f || p.mods != nullptr) return false;
-  const BwdAmxLayout lay = MakeBwdAmxLayout(p);
   // f16's pieces take three products each: only the tile unit makes that pay.
-  if (lay.pieces == 2 && !tiles) return false;
+  if (amx_backward_declines_options(bp, tiles ? LowpPath::amx : LowpPath::avx512bf16)) return false;
+  const BwdAmxLayout lay = MakeBwdAmxLayout(p);
   bf16* pack = reinterpret_cast<bf16*>(thread_scratch(kSlotPackedKv, (lay.total + 1) / 2));
   std::vector<float> lse(lay.rows), dsum(lay.rows), dq(lay.rows * lay.dp);
 
@@ -553,8 +556,7 @@ bool BackwardAmxImpl(const BackwardProblem& bp, int threads, bool tiles) {
   {
     bool ok = true;
     // 64 rows of K and of V as packed (pieces·(dp + dvp) bf16 each), as floats.
-    bf16* staging =
-        reinterpret_cast<bf16*>(thread_scratch(kSlotTile, static_cast<size_t>(kBk) * lay.pieces * (lay.dp + lay.dvp) / 2));
+    bf16* staging = reinterpret_cast<bf16*>(thread_scratch(kSlotTile, StagingFloats(lay)));
 #pragma omp for schedule(static) nowait
     for (int n = 0; n < nq; ++n) ok &= PackQueryTile(sh, qpacks[n].b, qpacks[n].h, qpacks[n].t, staging);
 #pragma omp for schedule(static)
@@ -602,13 +604,26 @@ bool BackwardAmxImpl(const BackwardProblem& bp, int threads, bool tiles) {
   return !declined.load();
 }
 
+size_t WorkspaceBytesImpl(const BackwardProblem& bp, int threads) {
+  const Problem& p = bp.fwd;
+  const BwdAmxLayout lay = MakeBwdAmxLayout(p);
+  size_t turns = 0;
+  for (const Sequence& seq : p.seqs) turns += static_cast<size_t>(p.Hq) * QueryTiles(seq.Lq);
+  // The tile slot serves the staging rows while packing, then the items' scratch.
+  const size_t per_thread = std::max(StagingFloats(lay), BwdAmxScratch::Floats(lay.dp, lay.dvp, lay.pieces));
+  return sizeof(bf16) * lay.total + sizeof(float) * (static_cast<size_t>(std::max(1, threads)) * per_thread +
+                                                     lay.rows * (2 + static_cast<size_t>(lay.dp))) +
+         sizeof(std::atomic<int>) * std::max<size_t>(1, turns);
+}
 #else
 bool BackwardAmxImpl(const BackwardProblem&, int, bool) { return false; }
+size_t WorkspaceBytesImpl(const BackwardProblem&, int) { return 0; }
 #endif  // ATTN_AMX_KERNEL
 
 }  // namespace
 
 bool BackwardAmx(const BackwardProblem& bp, int threads, bool tiles) { return BackwardAmxImpl(bp, threads, tiles); }
+size_t BackwardAmxWorkspaceBytes(const BackwardProblem& bp, int threads) { return WorkspaceBytesImpl(bp, threads); }
 
 }  // namespace attn::detail::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
@@ -622,6 +637,15 @@ bool attention_backward_amx(const BackwardProblem& bp, int threads, LowpPath pat
 #else
   (void)bp, (void)threads, (void)path;
   return false;
+#endif
+}
+
+size_t attention_backward_amx_workspace_bytes(const BackwardProblem& bp, int threads) {
+#if defined(__x86_64__) && (HWY_TARGETS & HWY_AVX3)
+  return N_AVX3::BackwardAmxWorkspaceBytes(bp, threads);
+#else
+  (void)bp, (void)threads;
+  return 0;
 #endif
 }
 

@@ -22,4 +22,16 @@ namespace attn::detail {
 /// user's score mods, or a requested dbias.
 bool attention_backward_amx(const BackwardProblem& bp, int threads, LowpPath path);
 
+/// True when attention_backward_amx declines bp whatever its values: a requested
+/// dbias, softcap, the user's score mods, or f16 pieces off the tile unit.
+inline bool amx_backward_declines_options(const BackwardProblem& bp, LowpPath path) {
+  return bp.dbias != nullptr || bp.fwd.softcap > 0.0f || bp.fwd.mods != nullptr ||
+         (bp.fwd.dtype == DType::f16 && path != LowpPath::amx);
+}
+
+/// Bytes attention_backward_amx allocates for bp with `threads` threads: q, k, v and
+/// dout packed as bf16 tiles (two pieces each for f16), one scratch per thread, and
+/// the call's per-row lse, D and f32 dQ accumulator.
+size_t attention_backward_amx_workspace_bytes(const BackwardProblem& bp, int threads);
+
 }  // namespace attn::detail

@@ -1,6 +1,7 @@
 // Per-thread scratch buffers (see workspace.hpp).
 #include "workspace.hpp"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <initializer_list>
@@ -12,6 +13,7 @@ namespace {
 struct Buffer {
   float* data = nullptr;
   size_t capacity = 0;  // in floats
+  size_t largest = 0;   // the largest request, in floats
   ~Buffer() { std::free(data); }
 };
 
@@ -21,6 +23,7 @@ thread_local Buffer g_buffers[kNumSlots];
 
 float* thread_scratch(int slot, size_t floats) {
   Buffer& b = g_buffers[slot];
+  b.largest = std::max(b.largest, floats);
   if (floats > b.capacity) {
     // Grow by 1.5× so a slowly growing sequence of calls re-allocates rarely; when
     // that much is not to be had, ask for exactly what this call needs.
@@ -38,6 +41,12 @@ float* thread_scratch(int slot, size_t floats) {
     b.capacity = want;
   }
   return b.data;
+}
+
+size_t thread_scratch_needed_bytes() {
+  size_t floats = 0;
+  for (const Buffer& b : g_buffers) floats += b.largest;
+  return floats * sizeof(float);
 }
 
 }  // namespace attn::detail

@@ -12,6 +12,11 @@ namespace attn::detail {
 /// contents are unspecified. Valid until the same thread asks the same slot again.
 float* thread_scratch(int slot, size_t floats);
 
+/// Bytes of the largest request the calling thread has made of each slot, summed
+/// over the slots: what its calls so far needed at once (for tests of
+/// attention_workspace_bytes; the buffers themselves may be up to 1.5× that).
+size_t thread_scratch_needed_bytes();
+
 enum ScratchSlot : int {
   kSlotPackedKv = 0,  // packed K/V panels of one call (owned by the calling thread)
   kSlotTile = 1,      // per-worker tile buffers (Q tile, scores, output accumulator)
