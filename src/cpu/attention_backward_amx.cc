@@ -511,7 +511,8 @@ size_t StagingFloats(const BwdAmxLayout& lay) { return static_cast<size_t>(kBk) 
 
 bool BackwardAmxImpl(const BackwardProblem& bp, int threads, bool tiles) {
   const Problem& p = bp.fwd;
-  // f16's pieces take three products each: only the tile unit makes that pay.
+  // What the portable path does instead (f16's pieces take three products each: only
+  // the tile unit makes that pay).
   if (amx_backward_declines_options(bp, tiles ? LowpPath::amx : LowpPath::avx512bf16)) return false;
   const BwdAmxLayout lay = MakeBwdAmxLayout(p);
   bf16* pack = reinterpret_cast<bf16*>(thread_scratch(kSlotPackedKv, (lay.total + 1) / 2));
