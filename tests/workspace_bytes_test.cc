@@ -97,8 +97,7 @@ std::string describe(const Shape& s) {
 // One forward and backward call's tensors, in the storage dtype or as f32 (the
 // LowpCall's exact f32 twins), with its gradients' buffers.
 struct Call {
-  LowpCall c;
-  std::vector<uint16_t> dq, dk, dv;
+  LowpCall c;  // its dq, dk, dv_ hold the gradients in the storage dtype
   std::vector<float> out32, dq32, dk32, dv32;
   TensorView q, k, v, out, lse, dout, dqv, dkv, dvv;
 
@@ -111,10 +110,10 @@ struct Call {
       out = c.view32(out32, s.Lq, s.Hq, s.dv), dout = c.view32(c.dout32, s.Lq, s.Hq, s.dv);
       dqv = c.view32(dq32, s.Lq, s.Hq, s.d), dkv = c.view32(dk32, s.Lk, s.Hkv, s.d), dvv = c.view32(dv32, s.Lk, s.Hkv, s.dv);
     } else {
-      dq.resize(c.q.size()), dk.resize(c.k.size()), dv.resize(c.v.size());
+      c.dq.resize(c.q.size()), c.dk.resize(c.k.size()), c.dv_.resize(c.v.size());
       q = c.view(c.q, s.Lq, s.Hq, s.d), k = c.view(c.k, s.Lk, s.Hkv, s.d), v = c.view(c.v, s.Lk, s.Hkv, s.dv);
       out = c.view(c.out, s.Lq, s.Hq, s.dv), dout = c.view(c.dout, s.Lq, s.Hq, s.dv);
-      dqv = c.view(dq, s.Lq, s.Hq, s.d), dkv = c.view(dk, s.Lk, s.Hkv, s.d), dvv = c.view(dv, s.Lk, s.Hkv, s.dv);
+      dqv = c.view(c.dq, s.Lq, s.Hq, s.d), dkv = c.view(c.dk, s.Lk, s.Hkv, s.d), dvv = c.view(c.dv_, s.Lk, s.Hkv, s.dv);
     }
   }
 
