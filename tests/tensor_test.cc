@@ -51,5 +51,19 @@ TEST(Tensor, IsAlignedOwningAndViewable) {
   EXPECT_STREQ(dtype_name(DType::boolean), "bool");
 }
 
+// Large tensors sit on 2 MiB boundaries, so whole huge pages can back them; smaller
+// ones keep the 64-byte alignment without the 2 MiB rounding.
+TEST(Tensor, LargeTensorsAreHugePageAligned) {
+  for (int64_t n : {int64_t{2} << 20, (int64_t{5} << 20) + 3}) {  // 8 MiB and ~20 MiB of f32
+    Tensor t(DType::f32, {n});
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(t.data()) % (uintptr_t{2} << 20), 0u) << n;
+    t.data_as<float>()[0] = 1.0f;
+    t.data_as<float>()[n - 1] = 2.0f;  // the whole extent is writable
+    EXPECT_EQ(t.data_as<float>()[n - 1], 2.0f);
+  }
+  Tensor small(DType::bf16, {1000, 3});
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(small.data()) % 64, 0u);
+}
+
 }  // namespace
 }  // namespace attn

@@ -104,6 +104,9 @@ class TensorView {
 
 /// Owning, contiguous, 64-byte-aligned storage. Converts to a TensorView.
 /// Contents are uninitialised after construction (use fill / copies).
+/// From 8 MiB on, storage is 2 MiB-aligned and, on Linux, advised as transparent huge
+/// pages (madvise, as NumPy does for its large arrays): a paged KV cache read in a
+/// scattered page order runs up to ~10% faster on them (docs/PERFORMANCE.md).
 class Tensor {
  public:
   Tensor() = default;
