@@ -92,7 +92,8 @@ DecodeRow time_decode(const DecodeConfig& c, const DecodeOptions& o) {
     cache.k_scale = ks;
     cache.v_scale = vs;
   }
-  // Pages of a sequence are scattered (as a serving engine's allocator leaves them).
+  // Pages of a sequence are scattered (as a serving engine's allocator leaves them),
+  // unless c.pages_in_order.
   Tensor table(DType::i32, {c.B, blocks_per_seq});
   std::vector<int32_t> perm(static_cast<size_t>(num_blocks));
   for (int64_t i = 0; i < num_blocks; ++i) perm[i] = static_cast<int32_t>(i);
@@ -101,6 +102,7 @@ DecodeRow time_decode(const DecodeConfig& c, const DecodeOptions& o) {
     r ^= r << 13, r ^= r >> 7, r ^= r << 17;
     std::swap(perm[i], perm[r % static_cast<uint64_t>(i + 1)]);
   }
+  if (c.pages_in_order) std::sort(perm.begin(), perm.end());
   std::copy(perm.begin(), perm.end(), table.data_as<int32_t>());
   if (paged) cache.block_table = table;
 
@@ -149,7 +151,7 @@ std::vector<DecodeRow> run_decode_table(const DecodeOptions& o, std::ostream& lo
       for (int L : o.lengths)
         for (int page : o.pages) {
           DecodeConfig c;
-          c.B = B, c.L = L, c.page = page, c.cache = dt;
+          c.B = B, c.L = L, c.page = page, c.cache = dt, c.pages_in_order = o.pages_in_order;
           const double gb = 2.0 * B * L * c.Hkv * c.d * dtype_size(dt) / 1e9;
           if (gb > o.max_cache_gb) {
             log << "  skip B=" << B << " L=" << L << " " << dtype_name(dt) << ": cache " << gb << " GB > "
@@ -178,7 +180,7 @@ std::string format_decode_table(const std::vector<DecodeRow>& rows, const std::v
     const double bw = c.threads < static_cast<int>(bandwidth.size()) ? bandwidth[c.threads] : 0.0;
     char line[200];
     std::snprintf(line, sizeof line, "| %s | %d | %d | %s | %d | %.3f | %.1f | %s |\n", dtype_name(c.cache), c.B, c.L,
-                  c.page > 0 ? std::to_string(c.page).c_str() : "contiguous", c.threads, r.ms, r.gbps(),
+                  c.page == 0 ? "contiguous" : (std::to_string(c.page) + (c.pages_in_order ? " in order" : "")).c_str(), c.threads, r.ms, r.gbps(),
                   bw > 0 ? (std::to_string(static_cast<int>(100 * r.gbps() / bw + 0.5)) + "%").c_str() : "-");
     s << line;
   }

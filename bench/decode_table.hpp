@@ -23,6 +23,10 @@ struct DecodeConfig {
   DType cache = DType::bf16;
   int threads = 1;
   int splits = 0;  // 0 = automatic
+  /// Pages of a sequence in a random order (what a serving engine's allocator leaves),
+  /// or in order, which lays the cache out as a contiguous one: the two differ only in
+  /// where the pages lie, so their gap is the memory system's, not the kernel's.
+  bool pages_in_order = false;
 };
 
 struct DecodeRow {
@@ -39,6 +43,7 @@ struct DecodeOptions {
   std::vector<DType> dtypes = {DType::f32, DType::bf16, DType::i8};
   std::vector<int> threads = {1, 2};
   double max_cache_gb = 6.0;  // rows whose cache is larger are skipped (and said so)
+  bool pages_in_order = false;  // DecodeConfig::pages_in_order of every row
   int min_reps = 5;
   double min_seconds = 0.5;
 };

@@ -33,6 +33,7 @@ struct BenchArgs {
   bool no_baseline = false;
   bool backward = false;
   bool decode = false;
+  bool pages_in_order = false;
   double max_cache_gb = 6.0;
   std::vector<int> sizes, dims, threads, batches, pages;
   std::vector<std::string> dtypes;
@@ -50,6 +51,7 @@ int run_decode(const BenchArgs& a, int all, const Write& write) {
   if (!a.batches.empty()) o.batches = a.batches;
   if (!a.pages.empty()) o.pages = a.pages;
   o.max_cache_gb = a.max_cache_gb;
+  o.pages_in_order = a.pages_in_order;
   if (a.quick) o.lengths = {1024, 8192}, o.batches = {1}, o.min_reps = 3, o.min_seconds = 0.2;
   if (!a.dtypes.empty()) {
     o.dtypes.clear();
@@ -80,7 +82,8 @@ int run_decode(const BenchArgs& a, int all, const Write& write) {
     for (int t : o.threads) j["read_bandwidth_gbps"][std::to_string(t)] = bw[t];
     for (const auto& r : rows) {
       j["rows"].push_back({{"cache", dtype_name(r.config.cache)}, {"B", r.config.B}, {"L", r.config.L},
-                           {"page", r.config.page}, {"Hq", r.config.Hq}, {"Hkv", r.config.Hkv}, {"d", r.config.d},
+                           {"page", r.config.page}, {"pages_in_order", r.config.pages_in_order},
+                           {"Hq", r.config.Hq}, {"Hkv", r.config.Hkv}, {"d", r.config.d},
                            {"threads", r.config.threads}, {"ms", r.ms}, {"bytes", r.bytes}, {"gbps", r.gbps()}});
     }
     write(a.json, j.dump(2) + "\n");
@@ -115,6 +118,9 @@ Command add_bench_command(CLI::App& app) {
   sub->add_option("--batches", args->batches, "decode: batch sizes (default 1 8)")->check(CLI::Range(1, 4096));
   sub->add_option("--pages", args->pages, "decode: page sizes, 0 = contiguous (default 16 256)")
       ->check(CLI::Range(0, 1 << 20));
+  sub->add_flag("--pages-in-order", args->pages_in_order,
+                "decode: each sequence's pages in order rather than scattered at random (the layout of a "
+                "contiguous cache, to tell the memory system's cost of scattered pages from the kernel's)");
   sub->add_option("--max-cache-gb", args->max_cache_gb, "decode: skip rows whose cache is larger (default 6)");
   sub->add_option("--markdown", args->markdown, "also write the table to this file");
   sub->add_option("--json", args->json, "also write all figures to this JSON file");
