@@ -10,7 +10,7 @@ mkdir -p "$out/checkpoint_corpus"
 cxx="$(command -v clang++-14 || command -v clang++)"
 srcs=("$root/tests/fuzz/checkpoint_fuzz.cc" "$root/src/train/checkpoint_files.cpp" "$root/src/train/model_config.cpp"
       "$root/src/train/tokenizer.cpp" "$root/src/train/tasks.cpp" "$root/src/io/files.cpp"
-      "$root/src/io/safetensors.cpp" "$root/src/nn/module.cpp" "$root/src/tensor/tensor.cpp"
+      "$root/src/io/safetensors.cpp" "$root/src/nn/module.cpp" "$root/src/tensor/tensor.cpp" "$root/src/tensor/storage.cpp"
       "$root/src/tensor/convert.cpp")
 bin="$out/checkpoint_fuzz"
 newest_src=$(ls -t "${srcs[@]}" "$0" | head -1)

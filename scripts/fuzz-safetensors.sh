@@ -9,7 +9,7 @@ out="${2:-$root/build/fuzz}"
 mkdir -p "$out/corpus"
 cxx="$(command -v clang++-14 || command -v clang++)"
 srcs=("$root/tests/fuzz/safetensors_fuzz.cc" "$root/src/io/safetensors.cpp" "$root/src/nn/module.cpp"
-      "$root/src/tensor/tensor.cpp" "$root/src/tensor/convert.cpp" "$root/src/io/files.cpp")
+      "$root/src/tensor/tensor.cpp" "$root/src/tensor/storage.cpp" "$root/src/tensor/convert.cpp" "$root/src/io/files.cpp")
 bin="$out/safetensors_fuzz"
 newest_src=$(ls -t "${srcs[@]}" "$0" | head -1)
 if [ ! -x "$bin" ] || [ "$newest_src" -nt "$bin" ]; then

@@ -202,7 +202,8 @@ void dropout_mask(const TensorView& mask, float dropout_p, uint64_t seed, uint64
 /// f32 copies (bf16/f16 inputs there are widened in the kernel; a bf16/f16 mask is
 /// copied to f32). The packed operands and tiles are held per calling thread and
 /// reused by later calls (a buffer grows by up to 1.5× what a call asks, so that
-/// growing calls re-allocate rarely); the Lq×Lk matrix is never stored.
+/// growing calls re-allocate rarely, and from 8 MiB on is rounded up to whole 2 MiB
+/// huge pages); the Lq×Lk matrix is never stored.
 size_t attention_workspace_bytes(const TensorView& q, const TensorView& k, const TensorView& v,
                                  const TensorView& out, const AttentionOptions& options,
                                  int threads);
@@ -221,7 +222,8 @@ size_t attention_workspace_bytes(const TensorView& q, const TensorView& k, const
 /// are not known here, so that call can take the portable path's bytes instead. The
 /// packed tiles and the scratch are held per calling thread and reused by later calls
 /// (a buffer grows by up to 1.5× what a call asks, so that growing calls re-allocate
-/// rarely); the rest is allocated per call. The Lq×Lk matrix is never stored.
+/// rarely, and from 8 MiB on is rounded up to whole 2 MiB huge pages); the rest is
+/// allocated per call. The Lq×Lk matrix is never stored.
 size_t attention_backward_workspace_bytes(const TensorView& q, const TensorView& k, const TensorView& v,
                                           const TensorView& out, const TensorView& lse, const TensorView& dout,
                                           const TensorView& dq, const TensorView& dk, const TensorView& dv,

@@ -7,6 +7,8 @@
 #include <initializer_list>
 #include <new>
 
+#include "tensor/storage.hpp"
+
 namespace attn::detail {
 namespace {
 
@@ -27,18 +29,20 @@ float* thread_scratch(int slot, size_t floats) {
   if (floats > b.capacity) {
     // Grow by 1.5× so a slowly growing sequence of calls re-allocates rarely; when
     // that much is not to be had, ask for exactly what this call needs.
+    // Large buffers land on huge pages (storage.hpp): the bf16 forward's packed
+    // q/k/v then cost fewer TLB misses to write and to tile-load.
     void* p = nullptr;
-    size_t want = 0;
+    size_t got = 0;
     for (size_t ask : {floats + floats / 2, floats}) {
-      if (ask > SIZE_MAX / sizeof(float) - 16) continue;
-      want = (ask + 15) / 16 * 16;
-      p = std::aligned_alloc(64, want * sizeof(float));
+      if (ask > SIZE_MAX / sizeof(float)) continue;
+      p = allocate_storage(ask * sizeof(float));
+      got = storage_bytes(ask * sizeof(float)) / sizeof(float);
       if (p != nullptr) break;
     }
     if (p == nullptr) throw std::bad_alloc();
     std::free(b.data);
     b.data = static_cast<float*>(p);
-    b.capacity = want;
+    b.capacity = got;
   }
   return b.data;
 }

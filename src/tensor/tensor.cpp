@@ -2,15 +2,13 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <new>
 #include <sstream>
 #include <string>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
 #include "attn/error.hpp"
 #include "attn/tensor.hpp"
+#include "tensor/storage.hpp"
 #include "tensor/view_util.hpp"
 
 namespace attn {
@@ -168,33 +166,6 @@ std::string Device::describe() const {
 
 void Tensor::FreeAligned::operator()(void* p) const { std::free(p); }
 
-namespace {
-
-// Tensors from this size on are placed on 2 MiB boundaries and offered to the kernel
-// as transparent huge pages (madvise: under the THP mode "madvise", Debian's default,
-// nothing else gives them any). Why: a paged KV cache whose pages of 16 tokens are
-// scattered read 8–12% slower than the same cache in order on 4 KiB pages, and 1–9%
-// on huge pages (Intel Xeon with AMX, docs/PERFORMANCE.md); a TLB miss per 4 KiB of
-// scattered pages, whose page-table lines are scattered too, is the likely cause.
-// NumPy advises its arrays from 4 MiB on in the same way.
-constexpr size_t kHugePage = size_t{2} << 20;
-constexpr size_t kHugePageMinBytes = 4 * kHugePage;
-
-void* allocate_tensor_bytes(size_t bytes) {
-  const bool huge = bytes >= kHugePageMinBytes;
-  const size_t align = huge ? kHugePage : 64;
-  // aligned_alloc needs a size that is a multiple of the alignment.
-  const size_t rounded = bytes == 0 ? align : (bytes + align - 1) / align * align;
-  void* p = std::aligned_alloc(align, rounded);
-  if (p == nullptr) throw std::bad_alloc();
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  if (huge) madvise(p, rounded, MADV_HUGEPAGE);  // advice only: a refusal changes nothing
-#endif
-  return p;
-}
-
-}  // namespace
-
 Tensor::Tensor(DType dtype, std::vector<int64_t> shape) : dtype_(dtype), shape_(std::move(shape)) {
   for (size_t i = 0; i < shape_.size(); ++i) {
     if (shape_[i] < 0) {
@@ -208,7 +179,9 @@ Tensor::Tensor(DType dtype, std::vector<int64_t> shape) : dtype_(dtype), shape_(
     throw Error("Tensor: shape " + shape_string(shape_) + " is too large (" +
                 std::to_string(bytes) + " bytes)");
   }
-  buffer_.reset(allocate_tensor_bytes(bytes));
+  void* p = detail::allocate_storage(bytes);
+  if (p == nullptr) throw std::bad_alloc();
+  buffer_.reset(p);
 }
 
 int64_t Tensor::numel() const {
