@@ -30,7 +30,7 @@ int main(int argc, char** argv) {
   std::vector<double> bw(3, 0.0);
   for (int t : {1, 2}) {
     bw[t] = attn::bench::measure_read_bandwidth(t);
-    std::printf("read bandwidth, %d thread(s): %.1f GB/s\n", t, bw[t]);
+    std::printf("read bandwidth, %d thread(s): %.1f GB/s (huge pages)\n", t, bw[t]);
   }
   const auto rows = attn::bench::run_decode_table(o, std::cout);
   std::printf("\n%s", attn::bench::format_decode_table(rows, bw).c_str());

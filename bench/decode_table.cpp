@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <ostream>
 #include <sstream>
 
@@ -19,10 +20,7 @@ namespace {
 
 // Random values in [-1, 1) (i8: -127 .. 127, f8e4m3: -448 .. 448) from a per-index hash,
 // filled in parallel.
-void fill_random(Tensor& t, uint64_t salt) {
-  const int64_t n = t.numel();
-  const DType dt = t.dtype();
-  void* base = t.data();
+void fill_random(void* base, int64_t n, DType dt, uint64_t salt) {
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) {
     uint64_t x = (static_cast<uint64_t>(i) + salt) * 0x9E3779B97F4A7C15ull;
@@ -40,13 +38,19 @@ void fill_random(Tensor& t, uint64_t salt) {
   }
 }
 
+void fill_random(Tensor& t, uint64_t salt) { fill_random(t.data(), t.numel(), t.dtype(), salt); }
+
 }  // namespace
 
-double measure_read_bandwidth(int threads, size_t bytes) {
+double measure_read_bandwidth(int threads, size_t bytes, bool huge_pages) {
   const int64_t n = static_cast<int64_t>(bytes / sizeof(float));
-  Tensor a(DType::f32, {n});
-  fill_random(a, 7);
-  const float* x = a.data_as<float>();
+  // A Tensor this large lies on huge pages (tensor/storage.hpp); plain malloc'd memory
+  // gets 4 KiB pages unless the system's THP mode is "always".
+  Tensor on_huge = huge_pages ? Tensor(DType::f32, {n}) : Tensor();
+  std::unique_ptr<float[]> on_small(huge_pages ? nullptr : new float[static_cast<size_t>(n)]);
+  float* data = huge_pages ? on_huge.data_as<float>() : on_small.get();
+  fill_random(data, n, DType::f32, 7);
+  const float* x = data;
   std::vector<double> gbps;
   double sink = 0;
   for (int rep = 0; rep < 7; ++rep) {
