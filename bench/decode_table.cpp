@@ -182,9 +182,11 @@ std::string format_decode_table(const std::vector<DecodeRow>& rows, const std::v
   for (const DecodeRow& r : rows) {
     const DecodeConfig& c = r.config;
     const double bw = c.threads < static_cast<int>(bandwidth.size()) ? bandwidth[c.threads] : 0.0;
+    const std::string page =
+        c.page == 0 ? "contiguous" : std::to_string(c.page) + (c.pages_in_order ? " in order" : "");
     char line[200];
     std::snprintf(line, sizeof line, "| %s | %d | %d | %s | %d | %.3f | %.1f | %s |\n", dtype_name(c.cache), c.B, c.L,
-                  c.page == 0 ? "contiguous" : (std::to_string(c.page) + (c.pages_in_order ? " in order" : "")).c_str(), c.threads, r.ms, r.gbps(),
+                  page.c_str(), c.threads, r.ms, r.gbps(),
                   bw > 0 ? (std::to_string(static_cast<int>(100 * r.gbps() / bw + 0.5)) + "%").c_str() : "-");
     s << line;
   }

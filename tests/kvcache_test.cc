@@ -604,6 +604,13 @@ TEST(KVCache, ErrorsNameTheArgument) {
   bt = kc.block_table;
   bt[size_t(kc.max_blocks) + 0] = bt[1];  // seq 0 appends at t = 5, page index 1
   expect_attn_error(call(bad, kc.seqlen_view(), kv), "shared pages must be read-only");
+  // Without an append that page may be shared; a repeat within sequence 1 alone is
+  // still caught (the check's marks of sequence 0 must not leak into sequence 1's).
+  EXPECT_NO_THROW(call(bad, kc.seqlen_view(), KVCacheOptions{})());
+  bt = kc.block_table;
+  bt[size_t(kc.max_blocks) + 2] = bt[size_t(kc.max_blocks) + 0];
+  expect_attn_error(call(bad, kc.seqlen_view(), kv), "cache.block_table[1, 2]");
+  expect_attn_error(call(bad, kc.seqlen_view(), kv), "repeats a page sequence 1 already uses");
   // Capacity.
   std::vector<int32_t> long_lens = {5, kc.max_blocks * 4};
   expect_attn_error(call(good, TensorView(long_lens.data(), DType::i32, {2}), kv), "exceeds the cache's capacity");

@@ -5,8 +5,8 @@
 //   the same cache in order on 4 KiB pages, and 1–9% slower on huge pages (a TLB miss
 //   per 4 KiB of scattered pages, whose page-table lines are scattered too, is the
 //   likely cause);
-// - the bf16 forward's packed q/k/v (10–18 MiB at N = 2048, H = 8) on huge pages made
-//   the call 1–7% faster.
+// - the bf16 forward's packed q/k/v (10–19 MiB at N = 2048, H = 8) on huge pages made
+//   the call 1% faster at d = 64 and 3–10% at d = 128.
 #include "tensor/storage.hpp"
 
 #include <cstdint>
