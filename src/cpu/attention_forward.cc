@@ -26,6 +26,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "cpu/owned_ranges.hpp"
 #include "cpu/workspace.hpp"
 #include "traffic.hpp"
 #include "dropout/philox.hpp"
@@ -303,15 +304,17 @@ void ForwardF32(const Problem& p, int threads) {
   // Threads cost a few microseconds to wake; tiny problems run on the caller.
   const int nt = flops < 2e6 ? 1 : std::max(1, threads);
   const int npacks = static_cast<int>(packs.size()), ntiles = static_cast<int>(tiles.size());
+  // Tiles are ordered by (b, h, t): each thread's range is a few heads, whose packed
+  // K/V stay in its L2; the ranges' ends are shared out as causal and windowed tiles
+  // differ in cost. Each item is computed the same way on any thread, so the
+  // schedule cannot change any bit of the result.
+  OwnedRanges ranges(ntiles, nt);
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     float* row_buf = TileScratch(p.d, pl.dvp).row;  // this thread's tile workspace, reused below
 #pragma omp for schedule(static)
     for (int i = 0; i < npacks; ++i) PackTile(p, pl, pack, packs[i].b, packs[i].h, packs[i].t, row_buf);
-    // Dynamic: causal and windowed tiles differ in cost. Each item is computed the
-    // same way on any thread, so the schedule cannot change any bit of the result.
-#pragma omp for schedule(dynamic, 1)
-    for (int i = 0; i < ntiles; ++i) ForwardTile(p, pl, pack, tiles[i].b, tiles[i].h, tiles[i].t);
+    ranges.Run(omp_get_thread_num(), [&](int i) { ForwardTile(p, pl, pack, tiles[i].b, tiles[i].h, tiles[i].t); });
   }
 }
 

@@ -43,6 +43,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu/owned_ranges.hpp"
 #include "cpu/workspace.hpp"
 #include "traffic.hpp"
 
@@ -652,6 +653,7 @@ bool ForwardAmxImpl(const Problem& p, int threads, bool tiles) {
   const int nq = static_cast<int>(qpacks.size()), nkv = static_cast<int>(kvpacks.size());
   const int nblocks = static_cast<int>(blocks.size());
   std::atomic<bool> nonfinite{false};
+  OwnedRanges ranges(nblocks, nt);  // blocks are ordered by (b, h, t): a range is a few heads
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     bool bad = false;
@@ -681,11 +683,11 @@ bool ForwardAmxImpl(const Problem& p, int threads, bool tiles) {
     if (bad) nonfinite.store(true);
 #pragma omp barrier
     // Every thread reads the same flag after the barrier, so all or none of them
-    // reach the worksharing loop below.
+    // reach the work loop below.
     if (!nonfinite.load()) {
       if (tiles) ConfigureTiles();
-#pragma omp for schedule(dynamic, 1)
-      for (int i = 0; i < nblocks; ++i) ForwardBlock(p, lay, pack, blocks[i].b, blocks[i].h, blocks[i].t, tiles);
+      ranges.Run(omp_get_thread_num(),
+                 [&](int i) { ForwardBlock(p, lay, pack, blocks[i].b, blocks[i].h, blocks[i].t, tiles); });
       if (tiles) ReleaseTiles();
     }
   }
