@@ -82,6 +82,65 @@ TEST_P(Bf16KernelForward, ThreadCountDoesNotChangeABit) {
   ExpectThreadCountDoesNotChangeABit(GetParam(), DType::bf16, 64, make_rng(22));
 }
 
+// A work item chains a group of query blocks through one pipeline, panel by panel of
+// keys (ATTN_AMX_GROUP and ATTN_AMX_PANEL override the choice): every grouping gives
+// the bits of one block at a time, for every option case on path `isa` in `dtype`.
+void ExpectGroupingDoesNotChangeABit(const char* isa, DType dtype, int d, std::mt19937_64 rng) {
+  const ScopedIsa forced(isa);
+  const int B = 2, Lq = 170, Lk = 1000, Hq = 4, Hkv = 2;  // 6 query blocks, 4 key blocks of 256
+  const char* const plans[][2] = {{"4", "64"}, {"6", "300"}, {"16", "1000000"}, {"3", "1"}};
+  for (const OptionCase& oc : option_cases()) {
+    LowpCall c(dtype, B, Lq, Lk, Hq, Hkv, d, d, rng);
+    OptionStore store;
+    const AttentionOptions o = oc.make(store, c, rng);
+    const TensorView q = c.view(c.q, Lq, Hq, d), k = c.view(c.k, Lk, Hkv, d), v = c.view(c.v, Lk, Hkv, d),
+                     out = c.view(c.out, Lq, Hq, d);
+    std::vector<uint16_t> one;
+    std::vector<float> lse_one;
+    {
+      const ScopedEnv group("ATTN_AMX_GROUP", "1");
+      attention(q, k, v, out, o, c.lse_view());
+      one = c.out, lse_one = c.lse;
+    }
+    for (const auto& plan : plans) {
+      const ScopedEnv group("ATTN_AMX_GROUP", plan[0]), panel("ATTN_AMX_PANEL", plan[1]);
+      std::fill(c.out.begin(), c.out.end(), uint16_t{0});
+      attention(q, k, v, out, o, c.lse_view());
+      EXPECT_EQ(one, c.out) << oc.name << ", group " << plan[0] << ", panel " << plan[1];
+      EXPECT_EQ(lse_one, c.lse) << oc.name << ", group " << plan[0] << ", panel " << plan[1];
+    }
+  }
+}
+
+TEST_P(Bf16KernelForward, GroupsOfQueryBlocksDoNotChangeABit) {
+  SKIP_UNLESS_PATH(GetParam());
+  ExpectGroupingDoesNotChangeABit(GetParam(), DType::bf16, 64, make_rng(27));
+}
+
+TEST_P(Bf16KernelForward, BadGroupingOverridesAreErrorsThatNameThem) {
+  SKIP_UNLESS_PATH(GetParam());
+  const ScopedIsa isa(GetParam());
+  std::mt19937_64 rng = make_rng(28);
+  LowpCall c(DType::bf16, 1, 40, 40, 1, 1, 32, 32, rng);
+  auto call = [&] { attention(c.view(c.q, 40, 1, 32), c.view(c.k, 40, 1, 32), c.view(c.v, 40, 1, 32), c.view(c.out, 40, 1, 32)); };
+  for (const char* bad : {"0", "17", "four", "4x"}) {
+    const ScopedEnv group("ATTN_AMX_GROUP", bad);
+    EXPECT_THROW(
+        {
+          try {
+            call();
+          } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find("ATTN_AMX_GROUP"), std::string::npos) << e.what();
+            throw;
+          }
+        },
+        Error)
+        << bad;
+  }
+  const ScopedEnv panel("ATTN_AMX_PANEL", "-5");
+  EXPECT_THROW(call(), Error);
+}
+
 TEST_P(Bf16KernelForward, Bf16PrecisionForF32InputsIsTheBf16KernelWithAnF32Output) {
   SKIP_UNLESS_PATH(GetParam());
   const ScopedIsa isa(GetParam());
@@ -175,6 +234,11 @@ TEST(F16OnAmxTiles, EveryOptionWithinTwiceThePlainF16Error) {
 TEST(F16OnAmxTiles, ThreadCountDoesNotChangeABit) {
   SKIP_UNLESS_PATH("amx");
   ExpectThreadCountDoesNotChangeABit("amx", DType::f16, 96, make_rng(32));
+}
+
+TEST(F16OnAmxTiles, GroupsOfQueryBlocksDoNotChangeABit) {
+  SKIP_UNLESS_PATH("amx");
+  ExpectGroupingDoesNotChangeABit("amx", DType::f16, 96, make_rng(34));
 }
 
 // The pieces hold f16 exactly, so the tile path is as accurate as the portable f32

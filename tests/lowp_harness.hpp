@@ -63,30 +63,37 @@ inline const char* const kBf16KernelPaths[] = {"amx", "avx512bf16"};
 /// Test-name suffix for a path parameter.
 inline std::string PathName(const ::testing::TestParamInfo<const char*>& info) { return info.param; }
 
-/// Sets ATTN_ISA for its lifetime (nullptr: unset), then restores the previous value.
-class ScopedIsa {
+/// Sets environment variable `name` for its lifetime (value nullptr: unsets it),
+/// then restores the previous value.
+class ScopedEnv {
  public:
-  explicit ScopedIsa(const char* isa) {
-    if (const char* old = std::getenv("ATTN_ISA")) old_ = old, had_ = true;
-    if (isa != nullptr) {
-      setenv("ATTN_ISA", isa, 1);
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
+    if (value != nullptr) {
+      setenv(name, value, 1);
     } else {
-      unsetenv("ATTN_ISA");
+      unsetenv(name);
     }
   }
-  ~ScopedIsa() {
+  ~ScopedEnv() {
     if (had_) {
-      setenv("ATTN_ISA", old_.c_str(), 1);
+      setenv(name_.c_str(), old_.c_str(), 1);
     } else {
-      unsetenv("ATTN_ISA");
+      unsetenv(name_.c_str());
     }
   }
-  ScopedIsa(const ScopedIsa&) = delete;
-  ScopedIsa& operator=(const ScopedIsa&) = delete;
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
 
  private:
-  std::string old_;
+  std::string name_, old_;
   bool had_ = false;
+};
+
+/// Sets ATTN_ISA for its lifetime (nullptr: unset), then restores the previous value.
+class ScopedIsa : public ScopedEnv {
+ public:
+  explicit ScopedIsa(const char* isa) : ScopedEnv("ATTN_ISA", isa) {}
 };
 
 // One call's tensors in a storage dtype, with their exact f32 twins.

@@ -3,8 +3,8 @@
 // same code runs with both products on vdpbf16ps (TileJob::tiles = false: VecGemm on
 // the same packed operands, no overlap to arrange since one unit does everything).
 //
-// One work item is (sequence b, query head h, block of kQ = 32 queries). Per block
-// of up to kW = 256 keys that the rows' bands reach:
+// One work item is (sequence b, query head h, a group of blocks of kQ = 32 queries).
+// Per query block and block of up to kW = 256 keys that the rows' bands reach:
 //   S = Q·Kᵀ                 tdpbf16ps, 2×2 tiles of 16×16 (TileJob)
 //   S = modifiers and masks  the f32 kernel's ApplyScoreMods, per 64 keys
 //   P = e^(scale·S − m_new)  AVX-512, one row max over the whole block first, so
@@ -16,7 +16,8 @@
 //   out = O / l, lse = m + ln l
 // The tile unit and AVX-512 work side by side: while the softmax of key block t
 // runs, the tile products of blocks t+1 (scores) and t−1 (P·V) are issued between
-// its rows (ForwardBlock). AMX and the bf16 conversions are intrinsics (Highway has
+// its rows (ForwardGroup). A group's query blocks share one pipeline, panel by
+// panel of keys, so that a head's K and V are read from L2 by all of them at long N. AMX and the bf16 conversions are intrinsics (Highway has
 // no AMX target); the rest is Highway, compiled for its AVX3 target only.
 // f16 inputs (AMX only) are packed as two bf16 pieces per value, hi + lo, exact; each
 // product then takes three tile products (TileJob::pieces), and P is split likewise.
@@ -40,9 +41,12 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
+#include "attn/error.hpp"
 #include "cpu/owned_ranges.hpp"
 #include "cpu/workspace.hpp"
 #include "traffic.hpp"
@@ -456,22 +460,26 @@ ATTN_AMX void WriteOutputRow(float* acc, int dv, float inv, bool nan, DType to, 
   }
 }
 
-/// The per-thread workspace of one work item. Scores and probabilities are double
-/// buffered: the tile unit fills one block's scores and multiplies the previous
-/// block's probabilities while AVX-512 exponentiates the current one.
+/// The most query blocks one work item chains through its pipeline (ForwardGroup).
+constexpr int kMaxGroup = 16;
+
+/// The per-thread workspace of one work item: a group of up to kMaxGroup query
+/// blocks. Scores and probabilities are double buffered: the tile unit fills one
+/// block's scores and multiplies the previous block's probabilities while AVX-512
+/// exponentiates the current one. O, l, m and the bands are per query block.
 struct AmxScratch {
   float* s[2];   // [kQ][kW]  scores, then (with dropout) f32 probabilities
   bf16* pb[2];   // [kQ][pieces·kW]  probabilities as bf16 pieces
-  float* o;      // [kQ][dvp] output accumulator
-  float* l;      // [kQ][kLanes]
-  float* m;      // [kQ]
-  float* alpha;  // [kQ]
+  float* o;      // [kMaxGroup][kQ][dvp] output accumulators
+  float* l;      // [kMaxGroup][kQ][kLanes]
+  float* m;      // [kMaxGroup][kQ]
+  int* lo;       // [kMaxGroup][kQ]
+  int* hi;       // [kMaxGroup][kQ]
+  float* alpha;  // [kQ]  of the block being exponentiated
   float* tmp;    // [kQ]
-  int* lo;       // [kQ]
-  int* hi;       // [kQ]
 
   static size_t Floats(int dvp, int pieces) {
-    return (2 + pieces) * size_t{kQ} * kW + size_t{kQ} * dvp + size_t{kQ} * kLanes + 5 * kQ;
+    return (2 + pieces) * size_t{kQ} * kW + size_t{kMaxGroup} * kQ * (dvp + kLanes + 3) + 2 * kQ;
   }
   AmxScratch(int dvp, int pieces) {
     float* base = thread_scratch(kSlotTile, Floats(dvp, pieces));
@@ -480,83 +488,119 @@ struct AmxScratch {
     pb[0] = reinterpret_cast<bf16*>(base + 2 * kQ * kW);
     pb[1] = pb[0] + pieces * kQ * kW;
     o = base + (2 + pieces) * kQ * kW;
-    l = o + static_cast<size_t>(kQ) * dvp;
-    m = l + kQ * kLanes;
-    alpha = m + kQ;
+    l = o + static_cast<size_t>(kMaxGroup) * kQ * dvp;
+    m = l + kMaxGroup * kQ * kLanes;
+    lo = reinterpret_cast<int*>(m + kMaxGroup * kQ);
+    hi = lo + kMaxGroup * kQ;
+    alpha = reinterpret_cast<float*>(hi + kMaxGroup * kQ);
     tmp = alpha + kQ;
-    lo = reinterpret_cast<int*>(tmp + kQ);
-    hi = lo + kQ;
   }
 };
 
-/// One work item: sequence b, query head h, query block qt. Blocks of keys go
-/// through a two-stage pipeline: while AVX-512 turns block t's scores into
-/// probabilities, the tile unit computes block t+1's scores and adds block t−1's
-/// P·V into O (both interleaved row by row with the softmax, so neither unit waits
-/// for the other); O is rescaled by block t's α once that P·V is in.
-ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, int b, int h, int qt, bool tiles) {
+/// How a head's query blocks are grouped into work items, and the order of each
+/// group's key blocks.
+struct GroupPlan {
+  int group = 1;       // query blocks per work item (≤ kMaxGroup)
+  int panel = 1 << 30; // keys per panel: a group visits panel by panel, every query block in turn
+};
+
+/// One block of keys [start, start + width) for query block g of the group.
+struct KeyTask {
+  int g, start, width;
+};
+
+/// One work item: query blocks qt0 … qt0 + count − 1 of sequence b, query head h.
+/// The key blocks of all of them form one task list that runs through a two-stage
+/// pipeline: while AVX-512 turns task t's scores into probabilities, the tile unit
+/// computes task t+1's scores and adds task t−1's P·V into its block's O (both
+/// interleaved row by row with the softmax, so neither unit waits for the other); O
+/// is rescaled by task t's α once that P·V is in. Chaining the query blocks fills
+/// and drains the pipeline once per group, not once per block, and ordering the
+/// tasks panel by panel lets the blocks share each panel of K and V while it is in
+/// L2. Each query block still sees its key blocks in the same order, so the result
+/// is bitwise that of one block at a time.
+ATTN_AMX void ForwardGroup(const Problem& p, const AmxLayout& lay, bf16* pack, int b, int h, int qt0, int count,
+                           const GroupPlan& plan, bool tiles) {
   const Sequence& seq = p.seqs[b];
   const int hk = h / p.group();
-  const int i0 = qt * kQ, rows = std::min(kQ, seq.Lq - i0);
   const int dvp = lay.dvp;
   AmxScratch w(dvp, lay.pieces);
+  auto o_of = [&](int g) { return w.o + static_cast<size_t>(g) * kQ * dvp; };
+  auto rows_of = [&](int g) { return std::min(kQ, seq.Lq - (qt0 + g) * kQ); };
 
-  int jmin = seq.Lk, jmax = -1;
-  for (int r = 0; r < rows; ++r) {
-    BandOfRow(p, seq, i0 + r, &w.lo[r], &w.hi[r]);
-    if (w.lo[r] <= w.hi[r]) jmin = std::min(jmin, w.lo[r]), jmax = std::max(jmax, w.hi[r]);
+  // Each query block's key blocks: every span of kW keys of its band but those
+  // options.block_mask removes whole (thread-local, reused: an item may see
+  // thousands of spans).
+  thread_local std::vector<KeyTask> own, tasks;
+  thread_local std::vector<int> own_end, cursor;
+  own.clear(), own_end.clear();
+  for (int g = 0; g < count; ++g) {
+    const int i0 = (qt0 + g) * kQ, rows = rows_of(g);
+    int* lo = w.lo + g * kQ;
+    int* hi = w.hi + g * kQ;
+    int jmin = seq.Lk, jmax = -1;
+    for (int r = 0; r < rows; ++r) {
+      BandOfRow(p, seq, i0 + r, &lo[r], &hi[r]);
+      if (lo[r] <= hi[r]) jmin = std::min(jmin, lo[r]), jmax = std::max(jmax, hi[r]);
+    }
+    if (jmax >= 0) {
+      const int first = jmin / kPair * kPair, end = RoundUp(jmax + 1, kPair);
+      for (int j0 = first; j0 < end; j0 += kW) {
+        const int width = std::min(kW, end - j0);
+        if (BlockMaskCover(p, b, h, i0, rows, j0, std::min(width, seq.Lk - j0)) != Cover::kEmpty) {
+          own.push_back({g, j0, width});
+        }
+      }
+    }
+    own_end.push_back(static_cast<int>(own.size()));
   }
-  std::fill(w.o, w.o + static_cast<size_t>(kQ) * dvp, 0.0f);
-  std::fill(w.m, w.m + kQ, -HUGE_VALF);
-  std::fill(w.l, w.l + kQ * kLanes, 0.0f);
+  // Panel by panel, and within a panel query block by query block.
+  tasks.clear();
+  cursor.assign(count, 0);
+  for (int g = 1; g < count; ++g) cursor[g] = own_end[g - 1];
+  for (int panel = 0; static_cast<int>(tasks.size()) < static_cast<int>(own.size()); ++panel) {
+    for (int g = 0; g < count; ++g) {
+      while (cursor[g] < own_end[g] && own[cursor[g]].start / plan.panel <= panel) tasks.push_back(own[cursor[g]++]);
+    }
+  }
+  std::fill(w.o, w.o + static_cast<size_t>(count) * kQ * dvp, 0.0f);
+  std::fill(w.m, w.m + count * kQ, -HUGE_VALF);
+  std::fill(w.l, w.l + count * kQ * kLanes, 0.0f);
 
-  const bf16* q = lay.Q(pack, p, b, h) + static_cast<size_t>(i0) * lay.QWidth();
   const bf16* k = lay.K(pack, p, b, hk);
   const bf16* v = lay.V(pack, p, b, hk);
   const bool mods = HasScoreMods(p), dropout = p.dropout_p > 0.0f;
   const int dc = lay.KChunks(), vc = lay.VGroups();
-  const int first = jmax < 0 ? 0 : jmin / kPair * kPair;
-  const int spans = jmax < 0 ? 0 : (jmax - first) / kW + 1;
-  auto span_width = [&](int u) { return std::min(kW, RoundUp(jmax + 1, kPair) - first - u * kW); };
-  // The key blocks to visit: every span of kW keys but those options.block_mask
-  // removes whole (thread-local, reused: an item may see thousands of spans).
-  thread_local std::vector<int> live;
-  live.clear();
-  for (int u = 0; u < spans; ++u) {
-    const int j0 = first + u * kW;
-    if (BlockMaskCover(p, b, h, i0, rows, j0, std::min(span_width(u), seq.Lk - j0)) != Cover::kEmpty) {
-      live.push_back(u);
-    }
-  }
-  const int blocks = static_cast<int>(live.size());
-  auto block_start = [&](int t) { return first + live[t] * kW; };
-  auto block_width = [&](int t) { return span_width(live[t]); };
+  const int ntasks = static_cast<int>(tasks.size());
   auto qk_job = [&](TileJob& job, int t) {
     job.tiles = tiles, job.pieces = lay.pieces;
-    job.q = q, job.dp = lay.dp, job.s = w.s[t % 2];
-    job.k = k + static_cast<size_t>(block_start(t) / 16) * dc * kTile;
-    job.qk_width = block_width(t);
+    job.q = lay.Q(pack, p, b, h) + static_cast<size_t>(qt0 + tasks[t].g) * kQ * lay.QWidth();
+    job.dp = lay.dp, job.s = w.s[t % 2];
+    job.k = k + static_cast<size_t>(tasks[t].start / 16) * dc * kTile;
+    job.qk_width = tasks[t].width;
   };
   auto pv_job = [&](TileJob& job, int t) {
     job.tiles = tiles, job.pieces = lay.pieces;
-    job.pb = w.pb[t % 2], job.o = w.o, job.dvp = dvp;
-    job.v = v + static_cast<size_t>(block_start(t) / kPair) * vc * kTile;
-    job.pv_width = block_width(t);
+    job.pb = w.pb[t % 2], job.o = o_of(tasks[t].g), job.dvp = dvp;
+    job.v = v + static_cast<size_t>(tasks[t].start / kPair) * vc * kTile;
+    job.pv_width = tasks[t].width;
   };
 
-  if (blocks > 0) {
+  if (ntasks > 0) {
     TileJob first_scores;
     qk_job(first_scores, 0);
     first_scores.Start();
     first_scores.Finish();
   }
-  int pending_pv = -1;  // a block whose P·V is still to be added
-  for (int t = 0; t < blocks; ++t) {
-    const int j0 = block_start(t), width = block_width(t);
+  int pending_pv = -1;  // a task whose P·V is still to be added
+  for (int t = 0; t < ntasks; ++t) {
+    const int g = tasks[t].g, j0 = tasks[t].start, width = tasks[t].width;
+    const int i0 = (qt0 + g) * kQ, rows = rows_of(g);
+    float* m = w.m + g * kQ;
     float* sc = w.s[t % 2];
     TileJob job;
     job.tiles = tiles, job.pieces = lay.pieces;
-    if (t + 1 < blocks) qk_job(job, t + 1);
+    if (t + 1 < ntasks) qk_job(job, t + 1);
     if (pending_pv >= 0) pv_job(job, pending_pv);
     job.Start();
     pending_pv = -1;
@@ -577,16 +621,17 @@ ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, i
       mult = 1.0f;
     }
     for (int s0 = 0; s0 < width; s0 += kBk) {
-      const TilePlace place{b, h, i0, rows, j0 + s0, std::min(kBk, seq.Lk - j0 - s0), w.lo, w.hi};
+      const TilePlace place{b, h, i0, rows, j0 + s0, std::min(kBk, seq.Lk - j0 - s0), w.lo + g * kQ, w.hi + g * kQ};
       const bool band = TileNeedsBand(place);
       if (mods || band) ApplyScoreMods(p, seq, place, sc + s0, kW, band);
     }
-    const bool visible = UpdateMaxima(sc, width, mult, w.m, w.alpha, w.tmp, job);
+    const bool visible = UpdateMaxima(sc, width, mult, m, w.alpha, w.tmp, job);
     if (visible) {
+      float* l = w.l + g * kQ * kLanes;
       if (lay.pieces == 2) {
-        Exponentials<2>(sc, width, mult, w.m, w.tmp, w.alpha, w.l, w.pb[t % 2], dropout, job);
+        Exponentials<2>(sc, width, mult, m, w.tmp, w.alpha, l, w.pb[t % 2], dropout, job);
       } else {
-        Exponentials<1>(sc, width, mult, w.m, w.tmp, w.alpha, w.l, w.pb[t % 2], dropout, job);
+        Exponentials<1>(sc, width, mult, m, w.tmp, w.alpha, l, w.pb[t % 2], dropout, job);
       }
       if (dropout) {
         for (int s0 = 0; s0 < width; s0 += kBk) ApplyDropout(p, b, h, i0, rows, j0 + s0, sc + s0, kW);
@@ -599,8 +644,8 @@ ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, i
       pending_pv = t;
     }
     job.Finish();
-    // O now holds every block before t; scale it to block t's maxima.
-    if (visible) RescaleRows(w.o, dvp, w.alpha);
+    // O of block g now holds its key blocks before task t; scale it to t's maxima.
+    if (visible) RescaleRows(o_of(g), dvp, w.alpha);
   }
   if (pending_pv >= 0) {
     TileJob last;
@@ -610,21 +655,58 @@ ATTN_AMX void ForwardBlock(const Problem& p, const AmxLayout& lay, bf16* pack, i
   }
 
   // Normalise and write out, as the f32 kernel does.
-  for (int r = 0; r < rows; ++r) {
-    const int64_t at = seq.out_offset + h * p.out_head + int64_t{i0 + r} * p.out_row;
-    const float sum = RowSum(w.l, r);
-    const bool none = w.m[r] == -HUGE_VALF;
-    const bool nan = std::isnan(w.m[r]) || std::isnan(sum);
-    const float inv = none ? 0.0f : nan ? NAN : 1.0f / sum;
-    float* acc = w.o + static_cast<size_t>(r) * dvp;
-    const DType to = p.out_f32 ? DType::f32 : p.dtype;
-    const bool out16 = to != DType::f32;
-    WriteOutputRow(acc, p.dv, inv, nan, to, p.out + (out16 ? 0 : at), reinterpret_cast<bf16*>(p.out) + (out16 ? at : 0));
-    if (p.lse != nullptr) {
-      p.lse[seq.lse_offset + h * p.lse_h + int64_t{i0 + r} * p.lse_i] =
-          none ? -HUGE_VALF : static_cast<float>(double{w.m[r]} + std::log(double{sum}));
+  for (int g = 0; g < count; ++g) {
+    const int i0 = (qt0 + g) * kQ;
+    const float* m = w.m + g * kQ;
+    const float* l = w.l + g * kQ * kLanes;
+    for (int r = 0; r < rows_of(g); ++r) {
+      const int64_t at = seq.out_offset + h * p.out_head + int64_t{i0 + r} * p.out_row;
+      const float sum = RowSum(l, r);
+      const bool none = m[r] == -HUGE_VALF;
+      const bool nan = std::isnan(m[r]) || std::isnan(sum);
+      const float inv = none ? 0.0f : nan ? NAN : 1.0f / sum;
+      float* acc = o_of(g) + static_cast<size_t>(r) * dvp;
+      const DType to = p.out_f32 ? DType::f32 : p.dtype;
+      const bool out16 = to != DType::f32;
+      WriteOutputRow(acc, p.dv, inv, nan, to, p.out + (out16 ? 0 : at),
+                     reinterpret_cast<bf16*>(p.out) + (out16 ? at : 0));
+      if (p.lse != nullptr) {
+        p.lse[seq.lse_offset + h * p.lse_h + int64_t{i0 + r} * p.lse_i] =
+            none ? -HUGE_VALF : static_cast<float>(double{m[r]} + std::log(double{sum}));
+      }
     }
   }
+}
+
+/// An integer in [lo, hi] from environment variable `name`, or `fallback` when it is
+/// unset or empty; anything else is an Error naming the variable.
+int EnvOverride(const char* name, int lo, int hi, int fallback) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return fallback;
+  char* end = nullptr;
+  const long n = std::strtol(env, &end, 10);
+  if (end == env || *end != '\0' || n < lo || n > hi) {
+    throw Error(std::string(name) + " must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                "], got \"" + env + "\"");
+  }
+  return static_cast<int>(n);
+}
+
+/// Query blocks per work item and keys per panel for this call: groups of up to
+/// kMaxGroup blocks while every thread still gets ~8 items to balance the end with;
+/// panels whose packed K and V take 1 MiB, half of this CPU's 2 MiB L2 (the rest
+/// holds the scores, O and the query blocks). ATTN_AMX_GROUP and ATTN_AMX_PANEL
+/// override both (tests and measurements; the results do not depend on them).
+GroupPlan PlanGroups(const Problem& p, const AmxLayout& lay, int threads) {
+  GroupPlan plan;
+  int64_t qblocks = 0;
+  for (const Sequence& seq : p.seqs) qblocks += int64_t{AmxLayout::QRows(seq.Lq) / kQ} * p.Hq;
+  plan.group = static_cast<int>(std::clamp<int64_t>(qblocks / (8 * int64_t{threads}), 1, kMaxGroup));
+  const size_t key_bytes = sizeof(bf16) * lay.pieces * (lay.dp + lay.dvp);
+  plan.panel = std::max(kW, static_cast<int>((size_t{1} << 20) / key_bytes) / kW * kW);
+  plan.group = EnvOverride("ATTN_AMX_GROUP", 1, kMaxGroup, plan.group);
+  plan.panel = EnvOverride("ATTN_AMX_PANEL", 1, 1 << 30, plan.panel);
+  return plan;
 }
 
 bool ForwardAmxImpl(const Problem& p, int threads, bool tiles) {
@@ -644,12 +726,16 @@ bool ForwardAmxImpl(const Problem& p, int threads, bool tiles) {
     // are adjacent in memory, so the reads stream instead of striding by H·d.
     for (int t = 0; t < AmxLayout::KRows(seq.Lk) / kPair; ++t) kvpacks.push_back({b, 0, t});
     for (int t = 0; t < AmxLayout::QRows(seq.Lq) / kQ; ++t) qpacks.push_back({b, 0, t});
-    for (int h = 0; h < p.Hq; ++h) {
-      for (int t = 0; t < AmxLayout::QRows(seq.Lq) / kQ; ++t) blocks.push_back({b, h, t});
-    }
     flops += 2.0 * seq.Lq * seq.Lk * (p.d + p.dv) * p.Hq;
   }
   const int nt = flops < 2e6 ? 1 : std::max(1, threads);
+  const GroupPlan plan = PlanGroups(p, lay, nt);
+  for (int b = 0; b < p.B; ++b) {
+    const int nqt = AmxLayout::QRows(p.seqs[b].Lq) / kQ;
+    for (int h = 0; h < p.Hq; ++h) {
+      for (int t = 0; t < nqt; t += plan.group) blocks.push_back({b, h, t});
+    }
+  }
   const int nq = static_cast<int>(qpacks.size()), nkv = static_cast<int>(kvpacks.size());
   const int nblocks = static_cast<int>(blocks.size());
   std::atomic<bool> nonfinite{false};
@@ -687,7 +773,11 @@ bool ForwardAmxImpl(const Problem& p, int threads, bool tiles) {
     if (!nonfinite.load()) {
       if (tiles) ConfigureTiles();
       ranges.Run(omp_get_thread_num(),
-                 [&](int i) { ForwardBlock(p, lay, pack, blocks[i].b, blocks[i].h, blocks[i].t, tiles); });
+                 [&](int i) {
+                   const Item& it = blocks[i];
+                   const int count = std::min(plan.group, AmxLayout::QRows(p.seqs[it.b].Lq) / kQ - it.t);
+                   ForwardGroup(p, lay, pack, it.b, it.h, it.t, count, plan, tiles);
+                 });
       if (tiles) ReleaseTiles();
     }
   }
