@@ -19,6 +19,7 @@
 #include "attention_harness.hpp"
 #include "attn/attention.hpp"
 #include "attn/kvcache.hpp"
+#include "lowp_harness.hpp"
 #include "tensor/convert.hpp"
 
 namespace attn::testing {
@@ -190,23 +191,38 @@ TEST(BlockMaskEquivalence, BitwiseEqualToItsDenseMaskBf16) {
   std::vector<uint16_t> q(size_t(B) * Lq * H * d), k(size_t(B) * Lk * H * d), v(k.size());
   for (auto* t : {&q, &k, &v})
     for (uint16_t& x : *t) x = detail::f32_to_bf16(u(rng));
-  const OwnedBlockMask m = random_block_mask(rng, 1, H, Lq, Lk, 64, 64, 0.5, 0.25);
+  OwnedBlockMask m = random_block_mask(rng, 1, H, Lq, Lk, 64, 64, 0.5, 0.25);
+  // Queries 64 … 127 of head 0 see no key: whole query blocks of the kernel with no
+  // key block to visit.
+  for (int kb = 0; kb < m.nkb; ++kb) m.at(0, 0, 1, kb) = BlockMask::kEmpty;
   const std::vector<uint8_t> bits = expand(m, Lq, Lk);
   SCOPED_TRACE("bf16 path: " + cpu_info().bf16_path);
-  std::vector<uint16_t> out[2];
-  std::vector<float> lse[2];
-  for (int which = 0; which < 2; ++which) {
-    AttentionOptions o;
-    if (which == 0) o.block_mask = m.view();
-    else o.mask = TensorView(bits.data(), DType::boolean, {1, H, Lq, Lk});
-    out[which].assign(size_t(B) * Lq * H * d, 0);
-    lse[which].assign(size_t(B) * H * Lq, 0);
-    attention(TensorView(q.data(), DType::bf16, {B, Lq, H, d}), TensorView(k.data(), DType::bf16, {B, Lk, H, d}),
-              TensorView(v.data(), DType::bf16, {B, Lk, H, d}), TensorView(out[which].data(), DType::bf16, {B, Lq, H, d}),
-              o, TensorView(lse[which].data(), DType::f32, {B, H, Lq}));
+  // The AMX kernel's own choice of query blocks per work item, and forced groupings
+  // (ATTN_AMX_GROUP, ATTN_AMX_PANEL; ignored by the other paths).
+  const char* const plans[][2] = {{nullptr, nullptr}, {"3", "64"}, {"7", "1000000"}, {"2", "128"}};
+  for (const auto& plan : plans) {
+    const ScopedEnv group("ATTN_AMX_GROUP", plan[0]), panel("ATTN_AMX_PANEL", plan[1]);
+    std::vector<uint16_t> out[2];
+    std::vector<float> lse[2];
+    for (int which = 0; which < 2; ++which) {
+      AttentionOptions o;
+      if (which == 0) o.block_mask = m.view();
+      else o.mask = TensorView(bits.data(), DType::boolean, {1, H, Lq, Lk});
+      out[which].assign(size_t(B) * Lq * H * d, 0);
+      lse[which].assign(size_t(B) * H * Lq, 0);
+      attention(TensorView(q.data(), DType::bf16, {B, Lq, H, d}), TensorView(k.data(), DType::bf16, {B, Lk, H, d}),
+                TensorView(v.data(), DType::bf16, {B, Lk, H, d}),
+                TensorView(out[which].data(), DType::bf16, {B, Lq, H, d}), o,
+                TensorView(lse[which].data(), DType::f32, {B, H, Lq}));
+    }
+    const std::string where = std::string("group ") + (plan[0] ? plan[0] : "auto");
+    EXPECT_EQ(out[0], out[1]) << where;
+    for (size_t i = 0; i < lse[0].size(); ++i) ASSERT_EQ(lse[0][i], lse[1][i]) << where << ", lse " << i;
+    for (int i = 64; i < 128; ++i) {
+      EXPECT_EQ(lse[0][i], -INFINITY) << where << ", row " << i << " sees no key";
+      EXPECT_EQ(out[0][size_t(i) * H * d], 0) << where << ", row " << i << " sees no key";
+    }
   }
-  EXPECT_EQ(out[0], out[1]);
-  for (size_t i = 0; i < lse[0].size(); ++i) ASSERT_EQ(lse[0][i], lse[1][i]) << i;
 }
 
 // The reference reads the block mask itself; it must agree with this test's own

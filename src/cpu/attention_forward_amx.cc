@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "attn/error.hpp"
+#include "cpu/isa.hpp"
 #include "cpu/owned_ranges.hpp"
 #include "cpu/workspace.hpp"
 #include "traffic.hpp"
@@ -216,6 +217,7 @@ struct TileJob {
   const bf16* v = nullptr;
   float* o = nullptr;
   int dvp = 0, pv_width = 0;
+  bool o_fresh = false;  // O holds nothing yet: start the accumulators at zero
 
   // False on CPUs without AMX: both products run on vdpbf16ps (VecGemm) in Finish,
   // since they would share the vector unit with the softmax anyway.
@@ -255,7 +257,7 @@ ATTN_AMX void TileJob::FinishOnVectors() {
     VecGemm(q, dp, k, kTile, static_cast<size_t>(dp / kPair) * kTile, s, kW, kQ, qk_width, dp, false);
   }
   if (pv_width > 0) {
-    VecGemm(pb, kW, v, static_cast<size_t>(dvp / 16) * kTile, kTile, o, dvp, kQ, dvp, pv_width, true);
+    VecGemm(pb, kW, v, static_cast<size_t>(dvp / 16) * kTile, kTile, o, dvp, kQ, dvp, pv_width, !o_fresh);
   }
   done = total;
 }
@@ -292,7 +294,12 @@ ATTN_AMX void TileJob::Step() {
   const size_t o_ld = sizeof(float) * dvp;
   float* o0 = o + i * kPair;
   float* o1 = o0 + 16 * dvp;
-  if (j == 0) {
+  if (j == 0 && o_fresh) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  } else if (j == 0) {
     _tile_loadd(0, o0, o_ld);
     _tile_loadd(1, o0 + 16, o_ld);
     _tile_loadd(2, o1, o_ld);
@@ -525,7 +532,8 @@ ATTN_AMX void ForwardGroup(const Problem& p, const AmxLayout& lay, bf16* pack, i
   const int hk = h / p.group();
   const int dvp = lay.dvp;
   AmxScratch w(dvp, lay.pieces);
-  auto o_of = [&](int g) { return w.o + static_cast<size_t>(g) * kQ * dvp; };
+  int slots = count;  // O accumulators in use: query block g takes slot g % slots
+  auto o_of = [&](int g) { return w.o + static_cast<size_t>(g % slots) * kQ * dvp; };
   auto rows_of = [&](int g) { return std::min(kQ, seq.Lq - (qt0 + g) * kQ); };
 
   // Each query block's key blocks: every span of kW keys of its band but those
@@ -558,12 +566,23 @@ ATTN_AMX void ForwardGroup(const Problem& p, const AmxLayout& lay, bf16* pack, i
   tasks.clear();
   cursor.assign(count, 0);
   for (int g = 1; g < count; ++g) cursor[g] = own_end[g - 1];
-  for (int panel = 0; static_cast<int>(tasks.size()) < static_cast<int>(own.size()); ++panel) {
+  int panels = 0;
+  for (; static_cast<int>(tasks.size()) < static_cast<int>(own.size()); ++panels) {
     for (int g = 0; g < count; ++g) {
-      while (cursor[g] < own_end[g] && own[cursor[g]].start / plan.panel <= panel) tasks.push_back(own[cursor[g]++]);
+      while (cursor[g] < own_end[g] && own[cursor[g]].start / plan.panel <= panels) tasks.push_back(own[cursor[g]++]);
     }
   }
-  std::fill(w.o, w.o + static_cast<size_t>(count) * kQ * dvp, 0.0f);
+  // With one panel the blocks run one after the other, and a block's O is written
+  // out as soon as its last P·V is in (Finalize), so two slots take turns: the
+  // accumulators stay in L1 as they would for one block at a time.
+  if (panels <= 1) slots = std::min(count, 2);
+  thread_local std::vector<int> last_task;
+  last_task.assign(count, -1);
+  for (int t = 0; t < static_cast<int>(tasks.size()); ++t) last_task[tasks[t].g] = t;
+  // O of a query block is written by its first P·V (TileJob::o_fresh), not zeroed
+  // here: a group's O is up to 256 KiB, and zeroing all of it up front evicts what
+  // the first blocks need from L1 and L2.
+  bool written[kMaxGroup] = {};
   std::fill(w.m, w.m + count * kQ, -HUGE_VALF);
   std::fill(w.l, w.l + count * kQ * kLanes, 0.0f);
 
@@ -582,8 +601,37 @@ ATTN_AMX void ForwardGroup(const Problem& p, const AmxLayout& lay, bf16* pack, i
   auto pv_job = [&](TileJob& job, int t) {
     job.tiles = tiles, job.pieces = lay.pieces;
     job.pb = w.pb[t % 2], job.o = o_of(tasks[t].g), job.dvp = dvp;
+    job.o_fresh = !written[tasks[t].g];
+    written[tasks[t].g] = true;
     job.v = v + static_cast<size_t>(tasks[t].start / kPair) * vc * kTile;
     job.pv_width = tasks[t].width;
+  };
+
+  // Normalises block g's O and writes its rows out, as the f32 kernel does; once
+  // its last P·V is in.
+  auto Finalize = [&](int g) {
+    // A block that saw no key has no O (its slot may be another block's): rows of 0.
+    thread_local std::vector<float> zero_row;
+    if (!written[g]) zero_row.assign(dvp, 0.0f);
+    const int i0 = (qt0 + g) * kQ;
+    const float* m = w.m + g * kQ;
+    const float* l = w.l + g * kQ * kLanes;
+    for (int r = 0; r < rows_of(g); ++r) {
+      const int64_t at = seq.out_offset + h * p.out_head + int64_t{i0 + r} * p.out_row;
+      const float sum = RowSum(l, r);
+      const bool none = m[r] == -HUGE_VALF;
+      const bool nan = std::isnan(m[r]) || std::isnan(sum);
+      const float inv = none ? 0.0f : nan ? NAN : 1.0f / sum;
+      float* acc = written[g] ? o_of(g) + static_cast<size_t>(r) * dvp : zero_row.data();
+      const DType to = p.out_f32 ? DType::f32 : p.dtype;
+      const bool out16 = to != DType::f32;
+      WriteOutputRow(acc, p.dv, inv, nan, to, p.out + (out16 ? 0 : at),
+                     reinterpret_cast<bf16*>(p.out) + (out16 ? at : 0));
+      if (p.lse != nullptr) {
+        p.lse[seq.lse_offset + h * p.lse_h + int64_t{i0 + r} * p.lse_i] =
+            none ? -HUGE_VALF : static_cast<float>(double{m[r]} + std::log(double{sum}));
+      }
+    }
   };
 
   if (ntasks > 0) {
@@ -644,8 +692,14 @@ ATTN_AMX void ForwardGroup(const Problem& p, const AmxLayout& lay, bf16* pack, i
       pending_pv = t;
     }
     job.Finish();
-    // O of block g now holds its key blocks before task t; scale it to t's maxima.
-    if (visible) RescaleRows(o_of(g), dvp, w.alpha);
+    // O of block g now holds its key blocks before task t; scale it to t's maxima
+    // (nothing to scale before g's first P·V).
+    if (visible && written[g]) RescaleRows(o_of(g), dvp, w.alpha);
+    // Blocks whose last task was t − 1 are complete: that task's P·V (if any) ran in
+    // this step.
+    for (int x = 0; x < count; ++x) {
+      if (last_task[x] == t - 1) Finalize(x);
+    }
   }
   if (pending_pv >= 0) {
     TileJob last;
@@ -654,27 +708,8 @@ ATTN_AMX void ForwardGroup(const Problem& p, const AmxLayout& lay, bf16* pack, i
     last.Finish();
   }
 
-  // Normalise and write out, as the f32 kernel does.
   for (int g = 0; g < count; ++g) {
-    const int i0 = (qt0 + g) * kQ;
-    const float* m = w.m + g * kQ;
-    const float* l = w.l + g * kQ * kLanes;
-    for (int r = 0; r < rows_of(g); ++r) {
-      const int64_t at = seq.out_offset + h * p.out_head + int64_t{i0 + r} * p.out_row;
-      const float sum = RowSum(l, r);
-      const bool none = m[r] == -HUGE_VALF;
-      const bool nan = std::isnan(m[r]) || std::isnan(sum);
-      const float inv = none ? 0.0f : nan ? NAN : 1.0f / sum;
-      float* acc = o_of(g) + static_cast<size_t>(r) * dvp;
-      const DType to = p.out_f32 ? DType::f32 : p.dtype;
-      const bool out16 = to != DType::f32;
-      WriteOutputRow(acc, p.dv, inv, nan, to, p.out + (out16 ? 0 : at),
-                     reinterpret_cast<bf16*>(p.out) + (out16 ? at : 0));
-      if (p.lse != nullptr) {
-        p.lse[seq.lse_offset + h * p.lse_h + int64_t{i0 + r} * p.lse_i] =
-            none ? -HUGE_VALF : static_cast<float>(double{m[r]} + std::log(double{sum}));
-      }
-    }
+    if (last_task[g] == ntasks - 1 || last_task[g] < 0) Finalize(g);
   }
 }
 
@@ -692,18 +727,28 @@ int EnvOverride(const char* name, int lo, int hi, int fallback) {
   return static_cast<int>(n);
 }
 
-/// Query blocks per work item and keys per panel for this call: groups of up to
-/// kMaxGroup blocks while every thread still gets ~8 items to balance the end with;
-/// panels whose packed K and V take 1 MiB, half of this CPU's 2 MiB L2 (the rest
-/// holds the scores, O and the query blocks). ATTN_AMX_GROUP and ATTN_AMX_PANEL
-/// override both (tests and measurements; the results do not depend on them).
+/// Query blocks per work item and keys per panel for this call. A panel's packed K
+/// and V take half of this core's L2 (the rest holds the scores, O and the query
+/// blocks). When a head's K and V fit in one panel, each item is one query block, as
+/// grouping gains nothing there (measured: level to a few percent slower at N ≤ 2048
+/// in bf16, and coarser items balance causal work worse on 2 threads). Otherwise up to
+/// kMaxGroup blocks share each panel, so a head's K and V are read from L3 once per
+/// group instead of once per block, while every thread still gets ~8 items.
+/// ATTN_AMX_GROUP and ATTN_AMX_PANEL override both (tests and measurements; the
+/// results do not depend on them).
 GroupPlan PlanGroups(const Problem& p, const AmxLayout& lay, int threads) {
   GroupPlan plan;
   int64_t qblocks = 0;
-  for (const Sequence& seq : p.seqs) qblocks += int64_t{AmxLayout::QRows(seq.Lq) / kQ} * p.Hq;
-  plan.group = static_cast<int>(std::clamp<int64_t>(qblocks / (8 * int64_t{threads}), 1, kMaxGroup));
+  int max_lk = 0;
+  for (const Sequence& seq : p.seqs) {
+    qblocks += int64_t{AmxLayout::QRows(seq.Lq) / kQ} * p.Hq;
+    max_lk = std::max(max_lk, seq.Lk);
+  }
   const size_t key_bytes = sizeof(bf16) * lay.pieces * (lay.dp + lay.dvp);
-  plan.panel = std::max(kW, static_cast<int>((size_t{1} << 20) / key_bytes) / kW * kW);
+  plan.panel = static_cast<int>(std::clamp<size_t>(l2_cache_bytes() / 2 / key_bytes / kW, 1, 1 << 16)) * kW;
+  if (max_lk > plan.panel) {
+    plan.group = static_cast<int>(std::clamp<int64_t>(qblocks / (8 * int64_t{threads}), 1, kMaxGroup));
+  }
   plan.group = EnvOverride("ATTN_AMX_GROUP", 1, kMaxGroup, plan.group);
   plan.panel = EnvOverride("ATTN_AMX_PANEL", 1, 1 << 30, plan.panel);
   return plan;

@@ -11,10 +11,11 @@
 #include "attn/error.hpp"
 #include "cpu/attention_forward.hpp"
 
+#include <unistd.h>
+
 #if defined(__x86_64__)
 #include <cpuid.h>
 #include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace attn::detail {
@@ -84,6 +85,18 @@ LowpPath lowp_path() {
                 (f.amx_refused.empty() ? std::string("the CPU has no AMX-BF16") : f.amx_refused));
   }
   throw Error("ATTN_ISA must be amx, avx512bf16 or f32, got \"" + want + "\"");
+}
+
+size_t l2_cache_bytes() {
+  static const size_t bytes = [] {
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+    const long n = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#else
+    const long n = 0;
+#endif
+    return n > 0 ? static_cast<size_t>(n) : size_t{1} << 20;
+  }();
+  return bytes;
 }
 
 bool decode_i8_on_tiles() { return cpu_features().amx_int8 && lowp_path() == LowpPath::amx; }

@@ -2,6 +2,7 @@
 // and what the user forces with ATTN_ISA.
 #pragma once
 
+#include <cstddef>
 #include <string>
 
 namespace attn::detail {
@@ -39,6 +40,11 @@ LowpPath lowp_path();
 /// Whether the decode kernel reads i8 caches with AMX-INT8 tiles: the CPU and OS
 /// allow it and lowp_path() is amx (so ATTN_ISA=f32 forces the vector kernel).
 bool decode_i8_on_tiles();
+
+/// This core's L2 cache in bytes, as the C library reports it (sysconf), detected
+/// once; 1 MiB when it reports nothing. The kernels size the key panels they keep in
+/// L2 by it (2 MiB per core on the Intel Xeon with AMX, 1 MiB on Zen 4/5).
+size_t l2_cache_bytes();
 
 /// "amx", "avx512bf16" or "f32".
 const char* lowp_path_name(LowpPath path);
