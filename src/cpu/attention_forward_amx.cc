@@ -16,9 +16,10 @@
 //   out = O / l, lse = m + ln l
 // The tile unit and AVX-512 work side by side: while the softmax of key block t
 // runs, the tile products of blocks t+1 (scores) and t−1 (P·V) are issued between
-// its rows (ForwardGroup). A group's query blocks share one pipeline, panel by
-// panel of keys, so that a head's K and V are read from L2 by all of them at long N. AMX and the bf16 conversions are intrinsics (Highway has
-// no AMX target); the rest is Highway, compiled for its AVX3 target only.
+// its rows (ForwardGroup). At long N a group's query blocks share one pipeline,
+// panel by panel of keys, so that all of them read a head's K and V from L2.
+// AMX and the bf16 conversions are intrinsics (Highway has no AMX target); the
+// rest is Highway, compiled for its AVX3 target only.
 // f16 inputs (AMX only) are packed as two bf16 pieces per value, hi + lo, exact; each
 // product then takes three tile products (TileJob::pieces), and P is split likewise.
 // Operand layouts, packed once per call (bf16 as uint16_t):
@@ -695,11 +696,9 @@ ATTN_AMX void ForwardGroup(const Problem& p, const AmxLayout& lay, bf16* pack, i
     // O of block g now holds its key blocks before task t; scale it to t's maxima
     // (nothing to scale before g's first P·V).
     if (visible && written[g]) RescaleRows(o_of(g), dvp, w.alpha);
-    // Blocks whose last task was t − 1 are complete: that task's P·V (if any) ran in
-    // this step.
-    for (int x = 0; x < count; ++x) {
-      if (last_task[x] == t - 1) Finalize(x);
-    }
+    // If task t − 1 was its block's last, that block is complete: the task's P·V
+    // (if any) ran in this step.
+    if (t > 0 && last_task[tasks[t - 1].g] == t - 1) Finalize(tasks[t - 1].g);
   }
   if (pending_pv >= 0) {
     TileJob last;
@@ -708,6 +707,7 @@ ATTN_AMX void ForwardGroup(const Problem& p, const AmxLayout& lay, bf16* pack, i
     last.Finish();
   }
 
+  // The last task's block, and the blocks that had no task at all.
   for (int g = 0; g < count; ++g) {
     if (last_task[g] == ntasks - 1 || last_task[g] < 0) Finalize(g);
   }
