@@ -28,6 +28,11 @@ double time_ms(Fn&& fn) {
 
 }  // namespace
 
+std::string dtype_label(const ForwardConfig& c) {
+  if (c.dtype != DType::f32 || c.precision == Precision::f32) return dtype_name(c.dtype);
+  return c.precision == Precision::bf16 ? "f32/bf16" : "f32/bf16x3";
+}
+
 ForwardRow time_forward(const ForwardConfig& c, const TableOptions& o) {
   const size_t n = static_cast<size_t>(c.B) * c.N * c.H * c.d;
   std::vector<float> q(n), k(n), v(n), out(n), out_base(n);
@@ -53,14 +58,18 @@ ForwardRow time_forward(const ForwardConfig& c, const TableOptions& o) {
   const TensorView qv = view(q, q16), kv = view(k, k16), vv = view(v, v16), ov = view(out, out16);
   AttentionOptions opt;
   opt.causal = c.causal ? Causal::TopLeft : Causal::None;
+  opt.precision = c.precision;
 
   ForwardRow row;
   row.config = c;
-  // bf16 runs where cpu_info() says; f16 on AMX tiles (as hi + lo bf16 pieces) where
-  // there are tiles, else on the f32 kernel.
+  // bf16 (and f32 with Precision::bf16) runs where cpu_info() says; f16 and f32 with
+  // Precision::bf16x3 on AMX tiles (as hi + lo bf16 pieces) where there are tiles,
+  // else on the f32 kernel.
   const std::string bf16_path = cpu_info().bf16_path;
-  const bool f16_tiles = c.dtype == DType::f16 && bf16_path == "amx";
-  row.path = c.dtype == DType::bf16 ? bf16_path : f16_tiles ? "amx" : "f32";
+  const bool f32_in = c.dtype == DType::f32;
+  const bool pieces = c.dtype == DType::f16 || (f32_in && c.precision == Precision::bf16x3);
+  const bool rounded = c.dtype == DType::bf16 || (f32_in && c.precision == Precision::bf16);
+  row.path = rounded ? bf16_path : pieces && bf16_path == "amx" ? "amx" : "f32";
   row.flops = 4.0 * c.N * c.N * c.d * c.H * c.B * (c.causal ? 0.5 : 1.0) * (c.backward ? 2.5 : 1.0);
   row.extra_mb = attention_workspace_bytes(qv, kv, vv, ov, opt, c.threads) / 1e6;
   row.baseline_extra_mb = baseline_extra_bytes(c.N, c.threads) / 1e6;
@@ -142,16 +151,18 @@ std::vector<ForwardRow> run_forward_table(const TableOptions& o, std::ostream& l
         for (bool causal : o.causal) {
           ForwardConfig c;
           c.N = N, c.d = d, c.causal = causal, c.threads = threads, c.backward = o.backward, c.dtype = dtype;
+          c.precision = o.precision;
           rows.push_back(time_forward(c, o));
           const ForwardRow& r = rows.back();
           char line[200];
           std::snprintf(line, sizeof line,
                         "  %-4s (%s) N=%-5d d=%-3d %-6s threads=%d  attn %9.2f ms %7.1f GFLOP/s   baseline %9.2f ms %6.1f GFLOP/s\n",
-                        dtype_name(dtype), r.path.c_str(), N, d, causal ? "causal" : "full", threads, r.ms, r.gflops(), r.baseline_ms,
+                        dtype_label(c).c_str(), r.path.c_str(), N, d, causal ? "causal" : "full", threads, r.ms, r.gflops(), r.baseline_ms,
                         r.baseline_gflops());
           log << line << std::flush;
           // bf16 rounds P (and out) to 8 bits: the two differ by ~1e-3 there.
-          if (r.baseline_difference > (dtype == DType::f32 ? 1e-4 : 2e-2)) {
+          const bool eight_bits = dtype != DType::f32 || c.precision == Precision::bf16;
+          if (r.baseline_difference > (eight_bits ? 2e-2 : 1e-4)) {
             log << "  WARNING: attn and the baseline disagree (relative difference "
                 << r.baseline_difference << ")\n";
           }
@@ -182,7 +193,7 @@ std::string format_forward_table(const std::vector<ForwardRow>& rows, const Peak
     }
     char line[400];
     std::snprintf(line, sizeof line, "| %s (%s) | %d | %d | %s | %d | %.2f | %.1f | %.0f%% | %s | %.1f | %s |\n",
-                  dtype_name(r.config.dtype), r.path.c_str(), r.config.N, r.config.d,
+                  dtype_label(r.config).c_str(), r.path.c_str(), r.config.N, r.config.d,
                   r.config.causal ? "causal" : "none", r.config.threads, r.ms, r.gflops(),
                   peak > 0 ? 100.0 * r.gflops() / peak : 0.0, base, r.extra_mb, base_mb);
     os << line;

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "attn/attention.hpp"
 #include "attn/tensor.hpp"
 #include "peak.hpp"
 
@@ -18,7 +19,12 @@ struct ForwardConfig {
   int threads = 1;
   bool backward = false;  // time attention_backward (flops: 2.5× the forward's)
   DType dtype = DType::f32;  // of q, k, v, out (the baseline computes f32 on the same values)
+  Precision precision = Precision::f32;  // AttentionOptions::precision (f32 inputs only)
 };
+
+/// The dtype column's text: the dtype, and for f32 inputs a precision other than f32
+/// ("f32/bf16", "f32/bf16x3").
+std::string dtype_label(const ForwardConfig& c);
 
 struct ForwardRow {
   ForwardConfig config;
@@ -43,6 +49,7 @@ struct TableOptions {
   bool baseline = true;
   bool backward = false;  // the backward table instead of the forward's
   std::vector<DType> dtypes = {DType::f32};
+  Precision precision = Precision::f32;  // for the f32 rows
 };
 
 /// Times one configuration: attn and (optionally) the baseline interleaved, so

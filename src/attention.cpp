@@ -23,7 +23,9 @@ namespace detail {
 // cpu/isa.hpp).
 LowpPath lowp_kernel(const Problem& p, const AttentionOptions& options) {
   if (!needs_widening(p, options) || p.probs != nullptr) return LowpPath::f32;
-  if (p.dtype == DType::f16) return lowp_path() == LowpPath::amx ? LowpPath::amx : LowpPath::f32;
+  // Two pieces (f16, and f32 with Precision::bf16x3) take three products each: only
+  // the tile unit makes that pay.
+  if (p.dtype == DType::f16 || p.split_f32()) return lowp_path() == LowpPath::amx ? LowpPath::amx : LowpPath::f32;
   return lowp_path();
 }
 
@@ -50,8 +52,9 @@ void attention_with_mods(const TensorView& q, const TensorView& k, const TensorV
       if (attention_forward_amx(p, num_threads(), path)) return;
       // Declined (a NaN or ±∞ in q, k or v): the portable path's exact semantics.
     }
-    // The portable path: the f32 kernel widens bf16/f16 rows in its packing step.
-    if (p.dtype != DType::f32) {
+    // The portable path: the f32 kernel widens bf16/f16 rows in its packing step, and
+    // takes f32 inputs with Precision::bf16x3 as they are (more accurate than asked).
+    if (p.dtype != DType::f32 || p.split_f32()) {
       attention_forward_cpu(p, num_threads());
       return;
     }

@@ -181,6 +181,11 @@ void bind_scalars(const Checker& c, const AttentionOptions& opt, Problem* p) {
   p->dropout_p = opt.dropout_p;
   p->seed = opt.seed;
   p->offset = opt.offset;
+  if (opt.precision != Precision::f32 && opt.precision != Precision::bf16 && opt.precision != Precision::bf16x3) {
+    c.fail("precision must be Precision::f32, Precision::bf16 or Precision::bf16x3, got " +
+           std::to_string(static_cast<int>(opt.precision)));
+  }
+  p->precision = opt.precision;
 }
 
 // The sequences: packed boundaries (cu_seqlens_q/k) or the batch rows, key_lengths,

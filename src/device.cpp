@@ -56,7 +56,8 @@ void check_gpu_options(const Checker& c, const TensorView& q, const AttentionOpt
   }
   if (q.dtype() == DType::f32 && options.precision != Precision::bf16) {
     c.fail("f32 inputs on a CUDA device need options.precision = Precision::bf16 (the GPU kernels multiply "
-           "bf16 operands on the tensor cores, with f32 softmax and accumulation; TF32 is not built)");
+           "bf16 operands on the tensor cores, with f32 softmax and accumulation; TF32 and Precision::bf16x3 are "
+           "not built for the GPU)");
   }
 }
 

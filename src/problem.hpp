@@ -102,6 +102,10 @@ struct Problem {
   // out is f32 although dtype is bf16 (a placed call's partial result on the AMX
   // path, merged before it is rounded). The portable path never sets it.
   bool out_f32 = false;
+  // What the caller allows for f32 inputs (AttentionOptions::precision).
+  Precision precision = Precision::f32;
+  /// f32 inputs that the bf16 tile kernels take as hi + lo pieces (Precision::bf16x3).
+  bool split_f32() const { return dtype == DType::f32 && precision == Precision::bf16x3; }
 
   // Dropout on the probabilities (0 = off): keep with probability 1 − p, scale
   // kept ones by 1/(1 − p); decisions from DropoutRng(p, seed, offset, heads_total)

@@ -147,7 +147,8 @@ TEST(WorkspaceBytes, ForwardAndBackwardReportWhatF32CallsAllocate) {
 }
 
 // bf16 and f16 on every path this CPU can run (the tile and vdpbf16ps kernels' packs,
-// the portable path's f32 copies), and f32 inputs rounded to bf16 in the call.
+// the portable path's f32 copies), and f32 inputs rounded to bf16 or split into two
+// bf16 pieces in the call.
 TEST(WorkspaceBytes, ForwardAndBackwardReportWhatLowPrecisionCallsAllocate) {
   std::mt19937_64 rng(43);
   for (const char* isa : isas()) {
@@ -159,6 +160,9 @@ TEST(WorkspaceBytes, ForwardAndBackwardReportWhatLowPrecisionCallsAllocate) {
       AttentionOptions rounded;
       rounded.precision = Precision::bf16;
       Call(DType::f32, s, rng).expect_reports_match(rounded, std::string(isa) + " f32 as bf16 " + describe(s));
+      AttentionOptions split;
+      split.precision = Precision::bf16x3;
+      Call(DType::f32, s, rng).expect_reports_match(split, std::string(isa) + " f32 as bf16x3 " + describe(s));
     }
   }
 }

@@ -54,11 +54,20 @@ namespace attn {
 enum class Causal : uint8_t { None, TopLeft, BottomRight };
 
 /// Arithmetic for f32 inputs (like torch.backends.cuda.matmul.allow_bf16_reduced_precision
-/// and torch.set_float32_matmul_precision): `f32` computes on the inputs as given; `bf16`
-/// rounds q, k and v to bf16 inside the call (then as for bf16 inputs: f32 scores,
-/// softmax and accumulation), for the fast bf16 kernels. Outputs stay f32. Ignored for
-/// bf16/f16 inputs.
-enum class Precision : uint8_t { f32, bf16 };
+/// and torch.set_float32_matmul_precision). Outputs stay f32; ignored for bf16/f16 inputs.
+///   f32     computes on the inputs as given (PyTorch's "highest").
+///   bf16    rounds q, k and v to bf16 inside the call (then as for bf16 inputs: f32
+///           scores, softmax and accumulation), for the fast bf16 kernels ("medium").
+///           Relative error ~2⁻⁹ per operand.
+///   bf16x3  splits every f32 operand into two bf16 pieces, x ≈ hi + lo with
+///           hi = bf16(x) and lo = bf16(x − hi) (16 significant bits: |x − hi − lo| ≤
+///           2⁻¹⁸·|x|), P likewise, and takes three bf16 products per product
+///           (hi·hi + lo·hi + hi·lo, f32 accumulation), on AMX tiles: ~2.5× the f32
+///           kernel's speed at ~1e-5 relative error (PyTorch's "high", which also names
+///           this scheme bf16x3). Where the CPU has no AMX tiles, and for what the tile
+///           kernels decline (see attention()), the f32 kernel runs instead: never less
+///           accurate than asked. Not on CUDA devices.
+enum class Precision : uint8_t { f32, bf16, bf16x3 };
 
 /// Sliding window around the bottom-right-aligned diagonal i' = i + Lk − Lq:
 /// key j visible iff i' − left ≤ j ≤ i' + right. −1 means unbounded on that side.
@@ -129,7 +138,8 @@ struct AttentionOptions {
   float dropout_p = 0.0f;
   uint64_t seed = 0;
   uint64_t offset = 0;
-  /// See Precision: f32 inputs may be rounded to bf16 for speed.
+  /// See Precision: f32 inputs may be rounded to bf16, or split into two bf16
+  /// pieces, for speed.
   Precision precision = Precision::f32;
 };
 

@@ -227,6 +227,15 @@ def _like(x, template):
     return x
 
 
+_PRECISIONS = {"f32": 0, "bf16": 1, "bf16x3": 2}
+
+
+def _precision(precision):
+    if precision not in _PRECISIONS:
+        raise ValueError("precision must be one of %s, got %r" % (", ".join(map(repr, _PRECISIONS)), precision))
+    return _PRECISIONS[precision]
+
+
 def _is_bf16(x):
     """True for a torch.bfloat16 tensor (passed to the kernels as its int16 bits)."""
     return _is_torch(x) and str(x.dtype) == "torch.bfloat16"
@@ -234,7 +243,8 @@ def _is_bf16(x):
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, causal_alignment="top_left", window=None, softcap=None,
-                                 alibi_slopes=None, seed=None, return_lse=False, return_seed=False, block_mask=None):
+                                 alibi_slopes=None, seed=None, return_lse=False, return_seed=False, block_mask=None,
+                                 precision="f32"):
     """softmax(query·keyᵀ·scale + mask)·value, fused (never forms the L×S matrix).
 
     Shapes follow PyTorch: query [..., Hq, L, d], key [..., Hkv, S, d], value [..., Hkv, S, dv];
@@ -268,6 +278,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return_seed: also return the dropout seed used (an int; drawn at random when
         ``seed`` is None), last in the returned tuple. ``attn.last_dropout_seed()``
         gives the same after the call.
+    precision: arithmetic for float32 inputs (ignored for 16-bit ones), like
+        ``torch.set_float32_matmul_precision``: "f32" (as given; "highest"), "bf16"
+        (q, k, v rounded to bfloat16 inside, the bf16 kernels; "medium"), or "bf16x3"
+        (each value as two bfloat16 pieces, three products per product on AMX tiles:
+        ~2-2.5x the f32 kernel at ~1e-5 relative error; "high"; the f32 kernel where
+        the CPU has no AMX). The result stays float32.
 
     A query that sees no key gets output 0 and lse -inf (PyTorch gives NaN). NaN and
     +inf scores make their row NaN, as in PyTorch; only -inf (or False) removes a key.
@@ -303,7 +319,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                   mask=_mask(attn_mask, batch, hq, lq, lk), alibi_slopes=_alibi(alibi_slopes, batch, hq),
                   softcap=float(softcap or 0.0), dropout_p=float(dropout_p), seed=_seed(seed, dropout_p),
                   lse=None if lse is None else lse.reshape((q4.shape[0], hq, lq)), bf16=_is_bf16(query),
-                  **_block_mask(block_mask, batch, hq, lq, lk))
+                  precision=_precision(precision), **_block_mask(block_mask, batch, hq, lq, lk))
     result = (_like(out, query),) + ((_like(lse, query),) if return_lse else ())
     if return_seed:
         result += (last_dropout_seed(),)
@@ -312,7 +328,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 def attention_backward(grad_out, query, key, value, out, lse, attn_mask=None, dropout_p=0.0, is_causal=False,
                        scale=None, enable_gqa=False, *, causal_alignment="top_left", window=None, softcap=None,
-                       alibi_slopes=None, seed=None, return_mask_grad=False, block_mask=None):
+                       alibi_slopes=None, seed=None, return_mask_grad=False, block_mask=None, precision="f32"):
     """Gradients of ``scaled_dot_product_attention`` (FlashAttention-2's backward).
 
     Takes grad_out (d loss / d out, shaped like out), the forward's inputs, its ``out`` and
@@ -320,8 +336,8 @@ def attention_backward(grad_out, query, key, value, out, lse, attn_mask=None, dr
     the forward used is required (ValueError without it).
     Returns (dq, dk, dv) shaped like query, key, value; with grouped-query heads dk and dv
     sum over each group. With ``return_mask_grad=True`` and a float32 ``attn_mask``, also
-    d loss / d attn_mask, summed over the mask's broadcast dimensions. Deterministic:
-    identical for any number of threads.
+    d loss / d attn_mask, summed over the mask's broadcast dimensions. ``precision`` as
+    for the forward. Deterministic: identical for any number of threads.
     """
     seed = _backward_seed(seed, dropout_p, "attention_backward")
     if _is_cuda(query):
@@ -364,7 +380,7 @@ def attention_backward(grad_out, query, key, value, out, lse, attn_mask=None, dr
                    scale=None if scale is None else float(scale), causal=_causal_code(is_causal, causal_alignment),
                    window_left=left, window_right=right, mask=mask, alibi_slopes=_alibi(alibi_slopes, batch, hq),
                    softcap=float(softcap or 0.0), dropout_p=float(dropout_p), seed=seed, dbias=dmask,
-                   bf16=_is_bf16(query), **_block_mask(block_mask, batch, hq, lq, lk))
+                   bf16=_is_bf16(query), precision=_precision(precision), **_block_mask(block_mask, batch, hq, lq, lk))
     grads = (_like(dq, query), _like(dk, query), _like(dvv, query))
     if return_mask_grad:
         m = _array(attn_mask, "attn_mask")

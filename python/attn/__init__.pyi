@@ -41,6 +41,7 @@ def scaled_dot_product_attention(
     return_lse: bool = ...,
     return_seed: bool = ...,
     block_mask: Optional["BlockMask"] = ...,
+    precision: str = ...,
 ) -> Union[ArrayT, Tuple[Union[ArrayT, int], ...]]: ...
 def attention_backward(
     grad_out: ArrayT,
@@ -62,6 +63,7 @@ def attention_backward(
     seed: Optional[int] = ...,
     return_mask_grad: bool = ...,
     block_mask: Optional["BlockMask"] = ...,
+    precision: str = ...,
 ) -> Tuple[ArrayT, ...]: ...
 def varlen_attention(
     q: ArrayT,

@@ -93,8 +93,11 @@ attn::AttentionOptions make_options(std::optional<float> scale, int causal, int 
                                     const py::object& cu_seqlens_q, const py::object& cu_seqlens_k,
                                     const py::object& key_lengths, float dropout_p, uint64_t seed, uint64_t offset, bool bf16,
                                     int block_q, int block_k, const py::object& block_table,
-                                    const py::object& block_tiles) {
+                                    const py::object& block_tiles, int precision = 0) {
   attn::AttentionOptions o;
+  // 0, 1, 2: f32, bf16, bf16x3 (the Python layer checks the name; anything else is
+  // left to the library's own check, which names "precision").
+  o.precision = static_cast<attn::Precision>(precision);
   o.scale = scale;
   o.causal = causal == 0 ? attn::Causal::None : causal == 1 ? attn::Causal::TopLeft : attn::Causal::BottomRight;
   o.window = {window_left, window_right};
@@ -145,10 +148,11 @@ PYBIND11_MODULE(_attn, m) {
          const py::object& alibi_slopes, float softcap, const py::object& cu_seqlens_q,
          const py::object& cu_seqlens_k, const py::object& key_lengths, float dropout_p, uint64_t seed,
          uint64_t offset, const py::object& lse, const py::object& probs, bool bf16, int block_q, int block_k,
-         const py::object& block_table, const py::object& block_tiles) {
+         const py::object& block_table, const py::object& block_tiles, int precision) {
         const attn::AttentionOptions o = make_options(scale, causal, window_left, window_right, mask, alibi_slopes,
                                                 softcap, cu_seqlens_q, cu_seqlens_k, key_lengths, dropout_p,
-                                                seed, offset, bf16, block_q, block_k, block_table, block_tiles);
+                                                seed, offset, bf16, block_q, block_k, block_table, block_tiles,
+                                                precision);
         const attn::TensorView qv = view_of(q, "query", false, bf16), kv = view_of(k, "key", false, bf16),
                                vv = view_of(v, "value", false, bf16), ov = view_of(out, "out", true, bf16),
                                lv = view_of(lse, "lse", true), pv = view_of(probs, "probs", true);
@@ -162,7 +166,7 @@ PYBIND11_MODULE(_attn, m) {
       py::arg("key_lengths") = py::none(), py::arg("dropout_p") = 0.0f, py::arg("seed") = 0,
       py::arg("offset") = 0, py::arg("lse") = py::none(), py::arg("probs") = py::none(), py::arg("bf16") = false,
       py::arg("block_q") = 0, py::arg("block_k") = 0, py::arg("block_table") = py::none(),
-      py::arg("block_tiles") = py::none(),
+      py::arg("block_tiles") = py::none(), py::arg("precision") = 0,
       "Fused attention forward on BSHD views (or packed [total, H, d] with cu_seqlens); writes out, lse, probs.");
 
   m.def(
@@ -173,10 +177,11 @@ PYBIND11_MODULE(_attn, m) {
          const py::object& mask, const py::object& alibi_slopes, float softcap, const py::object& cu_seqlens_q,
          const py::object& cu_seqlens_k, const py::object& key_lengths, float dropout_p, uint64_t seed,
          uint64_t offset, const py::object& dbias, bool bf16, int block_q, int block_k, const py::object& block_table,
-         const py::object& block_tiles) {
+         const py::object& block_tiles, int precision) {
         const attn::AttentionOptions o = make_options(scale, causal, window_left, window_right, mask, alibi_slopes,
                                                 softcap, cu_seqlens_q, cu_seqlens_k, key_lengths, dropout_p,
-                                                seed, offset, bf16, block_q, block_k, block_table, block_tiles);
+                                                seed, offset, bf16, block_q, block_k, block_table, block_tiles,
+                                                precision);
         const attn::TensorView qv = view_of(q, "query", false, bf16), kv = view_of(k, "key", false, bf16),
                                vv = view_of(v, "value", false, bf16), ov = view_of(out, "out", false, bf16),
                                lv = view_of(lse, "lse", false), gv = view_of(dout, "grad_out", false, bf16),
@@ -192,7 +197,7 @@ PYBIND11_MODULE(_attn, m) {
       py::arg("cu_seqlens_k") = py::none(), py::arg("key_lengths") = py::none(), py::arg("dropout_p") = 0.0f,
       py::arg("seed") = 0, py::arg("offset") = 0, py::arg("dbias") = py::none(), py::arg("bf16") = false,
       py::arg("block_q") = 0, py::arg("block_k") = 0, py::arg("block_table") = py::none(),
-      py::arg("block_tiles") = py::none(),
+      py::arg("block_tiles") = py::none(), py::arg("precision") = 0,
       "Gradients of forward (FlashAttention-2's backward); writes dq, dk, dv and optionally dbias.");
 
   m.def(

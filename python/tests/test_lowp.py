@@ -78,3 +78,43 @@ def test_mixed_dtypes_are_refused(rng):
         attn.scaled_dot_product_attention(qt.to(torch.bfloat16), kt.to(torch.float16), vt.to(torch.bfloat16))
     with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
         attn.scaled_dot_product_attention(q.astype(np.float64), k, v)
+
+
+def _f64_attention(q, k, v, causal):
+    """softmax(q·kᵀ/√d)·v in float64 (grouped heads), the oracle for the precision tests."""
+    q, k, v = (x.astype(np.float64) for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    s = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+    if causal:
+        s = np.where(np.tril(np.ones(s.shape[-2:], bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_precision_options_for_float32_inputs(rng, causal):
+    q, k, v = _qkv(rng, lq=130, lk=257, d=64)
+    want = _f64_attention(q, k, v, causal)
+    err = {}
+    for precision in ("f32", "bf16", "bf16x3"):
+        out = attn.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True, precision=precision)
+        assert out.dtype == np.float32
+        err[precision] = np.sqrt(np.mean((out - want) ** 2) / np.mean(want ** 2))
+    assert err["f32"] < 1e-6
+    assert err["bf16"] < 1e-2
+    # Two bf16 pieces hold 16 bits: ~1e-5 on AMX tiles, the f32 kernel's error elsewhere.
+    assert err["bf16x3"] < 5e-5 and err["bf16x3"] * 50 < err["bf16"], err
+    g = rng.uniform(-1, 1, want.shape).astype(np.float32)
+    out, lse = attn.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True, return_lse=True)
+    grads = {p: attn.attention_backward(g, q, k, v, out, lse, is_causal=causal, enable_gqa=True, precision=p)
+             for p in ("f32", "bf16x3")}
+    for a, b in zip(grads["f32"], grads["bf16x3"]):
+        assert a.dtype == b.dtype == np.float32
+        assert np.sqrt(np.mean((a - b) ** 2) / np.mean(a ** 2)) < 5e-5
+
+
+def test_unknown_precision_is_an_error_that_names_it(rng):
+    q, k, v = _qkv(rng)
+    with pytest.raises(ValueError, match="precision"):
+        attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, precision="tf32")

@@ -119,18 +119,21 @@ HWY_INLINE ATTN_AMX void SplitBf16(__m512 x, bf16* hi, bf16* lo) {
                       reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_sub_ps(x, Bf16ToF32(h)))));
 }
 
-/// Row i of an f16 input tensor (base + at, `width` elements) as two bf16 pieces,
-/// staging[0, wp) = hi and staging[wp, 2·wp) = lo, with hi + lo equal to the f16 value
-/// exactly (SplitBf16). Columns beyond width and rows past the end (real = false) are
-/// zero. A NaN or ±∞ input gives a NaN or ±∞ hi.
-inline ATTN_AMX const bf16* SplitF16Row(const float* base, int64_t at, int width, int wp, bool real, bf16* staging) {
+/// Row i of an f16 or f32 input tensor (dtype dt; base + at, `width` elements) as two
+/// bf16 pieces, staging[0, wp) = hi and staging[wp, 2·wp) = lo (SplitBf16): hi + lo
+/// is an f16 value exactly, and an f32 value to 2⁻¹⁸ of its magnitude
+/// (Precision::bf16x3). Columns beyond width and rows past the end (real = false) are
+/// zero. A NaN or ±∞ input, or an f32 beyond bf16's range, gives a NaN or ±∞ hi.
+inline ATTN_AMX const bf16* SplitRow(DType dt, const float* base, int64_t at, int width, int wp, bool real,
+                                     bf16* staging) {
   std::fill(staging, staging + 2 * wp, bf16{0});
   if (!real) return staging;
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(base) + at;
+  const uint16_t* src16 = reinterpret_cast<const uint16_t*>(base) + at;
   for (int c = 0; c < width; c += 16) {
     const int n = std::min(16, width - c);
     const __mmask16 m = static_cast<__mmask16>(n == 16 ? 0xFFFFu : (1u << n) - 1);
-    const __m512 x = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src + c));
+    const __m512 x = dt == DType::f16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src16 + c))
+                                      : _mm512_maskz_loadu_ps(m, base + at + c);
     alignas(32) bf16 hi[16], lo[16];
     SplitBf16(x, hi, lo);
     std::memcpy(staging + c, hi, sizeof(bf16) * n);
@@ -140,11 +143,11 @@ inline ATTN_AMX const bf16* SplitF16Row(const float* base, int64_t at, int width
 }
 
 /// One input row as packed bf16 pieces: `wp` values (Bf16Row) when pieces = 1, or for
-/// f16 inputs (pieces = 2) 2·wp, the [hi | lo] pieces (SplitF16Row). staging holds
-/// pieces·wp values.
+/// f16 inputs and f32 ones with Precision::bf16x3 (pieces = 2) 2·wp, the [hi | lo]
+/// pieces (SplitRow). staging holds pieces·wp values.
 inline ATTN_AMX const bf16* PackedRow(const Problem& p, int pieces, const float* base, int64_t at, int width, int wp,
                                       bool real, bf16* staging) {
-  if (pieces == 2) return SplitF16Row(base, at, width, wp, real, staging);
+  if (pieces == 2) return SplitRow(p.dtype, base, at, width, wp, real, staging);
   return Bf16Row(p, base, at, width, wp, real, staging);
 }
 
@@ -363,6 +366,24 @@ inline ATTN_AMX void PairTileTransposed(const bf16* const* rows, int col0, bf16*
     for (int n = 0; n < 16; ++n) std::memcpy(&row[n], rows[n] + col0 + 2 * kk, sizeof(uint32_t));
     std::memcpy(tile + kk * 32, row, sizeof row);
   }
+}
+
+/// 2^x as Exp2Probability, for probabilities that keep 16 bits (f32 inputs as two
+/// bf16 pieces, Precision::bf16x3): a degree-6 polynomial, fitted to 2^f on [0, 1) for
+/// the least maximum relative error, gives 9.0e-8 (evaluated in f32; 2^0 = 1 exact),
+/// under the pieces' own 2⁻¹⁸ = 3.8e-6. 8 vector ops, where Exp2NonPositive's
+/// rounding and clamp take 11 for the same accuracy. The same −∞, NaN and
+/// subnormal behaviour as Exp2Probability.
+HWY_INLINE ATTN_AMX VF Exp2Accurate(VF x) {
+  const __m512 f = _mm512_reduce_ps(x.raw, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 e = _mm512_set1_ps(2.161291988e-4f);
+  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(1.246784514e-3f));
+  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(9.675451694e-3f));
+  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(5.548528056e-2f));
+  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(2.402293056e-1f));
+  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(6.931470444e-1f));
+  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(1.0f));
+  return VF{_mm512_scalef_ps(e, x.raw)};
 }
 
 #endif  // ATTN_AMX_KERNEL

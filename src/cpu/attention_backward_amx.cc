@@ -74,13 +74,13 @@ HWY_INLINE int KeyBlocks(int lk) { return (KeyTiles(lk) + kItemTiles - 1) / kIte
 
 /// Where the packed operands of each query tile and key tile lie (bf16 elements),
 /// and the per-row f32 arrays (lse, D, the dQ accumulator).
-/// With two pieces (f16 inputs) every operand holds hi and lo bf16 pieces whose sum is
-/// the value exactly (SplitBf16): rows are [hi | lo] (QRows: [64][2·dp]), transposed
+/// With two pieces (f16 inputs, and f32 ones with Precision::bf16x3) every operand
+/// holds hi and lo bf16 pieces whose sum is the value (exactly for f16; SplitBf16): rows are [hi | lo] (QRows: [64][2·dp]), transposed
 /// rows likewise ([dp][hi 64 | lo 64]), and pair-packed operands are followed by
 /// their lo pieces' tiles (the lo tiles of KForS start 64·dp elements in).
 struct BwdAmxLayout {
   int dp = 0, dvp = 0;  // d, dv rounded up to 32
-  int pieces = 1;       // 2 for f16 inputs
+  int pieces = 1;       // 2 for f16 inputs and split f32 ones
   std::vector<size_t> q_base, k_base, row_base;
   size_t total = 0, rows = 0;
 
@@ -120,7 +120,7 @@ BwdAmxLayout MakeBwdAmxLayout(const Problem& p) {
   BwdAmxLayout l;
   l.dp = RoundUp(p.d, kPair);
   l.dvp = RoundUp(p.dv, kPair);
-  l.pieces = p.dtype == DType::f16 ? 2 : 1;
+  l.pieces = p.dtype == DType::f16 || p.split_f32() ? 2 : 1;
   for (const Sequence& seq : p.seqs) {
     l.q_base.push_back(l.total);
     l.total += static_cast<size_t>(p.Hq) * QueryTiles(seq.Lq) * l.QTileElems();
@@ -335,7 +335,7 @@ ATTN_AMX void SoftmaxGradient(const BwdAmxShared& sh, BwdAmxScratch& w, int b, i
   const Problem& p = sh.bp.fwd;
   const DF df;
   constexpr float kLog2e = 1.44269504088896341f;
-  const bool dropout = p.dropout_p > 0.0f;
+  const bool dropout = p.dropout_p > 0.0f, accurate = p.split_f32();
   if (dropout) {
     const DropoutRng rng = dropout_rng(p);
     const float inv_keep = 1.0f / (1.0f - p.dropout_p);
@@ -363,7 +363,8 @@ ATTN_AMX void SoftmaxGradient(const BwdAmxShared& sh, BwdAmxScratch& w, int b, i
       // natural: s is already scale·score with the modifiers; else the raw dot
       // product, and scale·s − lse is one rounding (removed keys: −∞ → P = 0).
       const VF x = natural ? hn::Sub(s, m) : hn::MulSub(s, scale, m);
-      const VF prob = Exp2Probability(hn::Mul(x, log2e));
+      // f32 inputs as pieces keep 16 bits of P (Exp2Accurate).
+      const VF prob = accurate ? Exp2Accurate(hn::Mul(x, log2e)) : Exp2Probability(hn::Mul(x, log2e));
       VF g = hn::Load(df, gr + c);
       VF pd = prob;
       if (dropout) {

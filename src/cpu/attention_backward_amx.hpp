@@ -14,7 +14,8 @@ namespace attn::detail {
 /// or f32 with Precision::bf16 (q, k, v and dout are then rounded to bf16 as they
 /// are packed; the gradients are written in f32), or f16 on LowpPath::amx only
 /// (every operand, P' and dS included, as exact hi + lo bf16 pieces, three tile
-/// products per product; gradients written in f16). Bitwise identical for any thread
+/// products per product; gradients written in f16), or f32 with Precision::bf16x3 on
+/// LowpPath::amx only (the same pieces, holding 16 bits; gradients in f32). Bitwise identical for any thread
 /// count. The caller checks that the CPU can run `path` (lowp_path() does).
 /// Returns false, having written nothing, for what it leaves to the widened f32
 /// path: a NaN or ±∞ in q, k, v or dout (after rounding), an lse whose magnitude
@@ -23,10 +24,11 @@ namespace attn::detail {
 bool attention_backward_amx(const BackwardProblem& bp, int threads, LowpPath path);
 
 /// True when attention_backward_amx declines bp whatever its values: a requested
-/// dbias, softcap, the user's score mods, or f16 pieces off the tile unit.
+/// dbias, softcap, the user's score mods, or pieces (f16, Precision::bf16x3) off the
+/// tile unit.
 inline bool amx_backward_declines_options(const BackwardProblem& bp, LowpPath path) {
   return bp.dbias != nullptr || bp.fwd.softcap > 0.0f || bp.fwd.mods != nullptr ||
-         (bp.fwd.dtype == DType::f16 && path != LowpPath::amx);
+         ((bp.fwd.dtype == DType::f16 || bp.fwd.split_f32()) && path != LowpPath::amx);
 }
 
 /// Bytes attention_backward_amx allocates for bp with `threads` threads: q, k, v and

@@ -81,8 +81,9 @@ static_assert(kW % kBk == 0, "score mods work on whole 64-key tiles");
 struct AmxLayout {
   int dp = 0, dvp = 0;  // d and dv rounded up to 32
   // 2 for f16 inputs: each q, k, v row is packed as [hi | lo], two bf16 pieces whose
-  // sum is the f16 value exactly (SplitF16Row), and the products take three piece
-  // products (TileJob). 1 for bf16 (and f32 rounded to bf16).
+  // sum is the f16 value exactly (SplitRow), and the products take three piece
+  // products (TileJob); also for f32 inputs with Precision::bf16x3, whose pieces hold
+  // 16 significant bits. 1 for bf16 (and f32 rounded to bf16).
   int pieces = 1;
   std::vector<size_t> q_base, kv_base;
   size_t total = 0;
@@ -111,7 +112,7 @@ AmxLayout MakeAmxLayout(const Problem& p) {
   AmxLayout l;
   l.dp = RoundUp(p.d, kPair);
   l.dvp = RoundUp(p.dv, kPair);
-  l.pieces = p.dtype == DType::f16 ? 2 : 1;
+  l.pieces = p.dtype == DType::f16 || p.split_f32() ? 2 : 1;
   l.q_base.resize(p.seqs.size());
   l.kv_base.resize(p.seqs.size());
   for (size_t b = 0; b < p.seqs.size(); ++b) {
@@ -383,8 +384,10 @@ HWY_INLINE ATTN_AMX void StoreProbabilities(VF e0, VF e1, bf16* row, int c) {
 /// The second half: p = e^(mult·s − m) per row, as bf16 into pb (kPieces per value,
 /// StoreProbabilities; or, with keep_f32, as f32 back into s, for dropout), the sums l
 /// ([kQ][kLanes], of the unrounded p) updated with alpha; between rows, the second
-/// half of `job` keeps the tile unit busy.
-template <int kPieces>
+/// half of `job` keeps the tile unit busy. kAccurate: Exp2Accurate (9e-8) for f32
+/// inputs taken as pieces, whose P keeps 16 bits; otherwise Exp2Probability (8.6e-5),
+/// ample for P rounded to bf16 or f16.
+template <int kPieces, bool kAccurate = false>
 ATTN_AMX void Exponentials(float* s, int width, float mult, const float* m, const float* row_max,
                            const float* alpha, float* l, bf16* pb, bool keep_f32, TileJob& job) {
   const DF df;
@@ -411,7 +414,8 @@ ATTN_AMX void Exponentials(float* s, int width, float mult, const float* m, cons
       VF x0 = hn::MulSub(hn::Load(df, row + c), c1, c0);
       VF x1 = hn::MulSub(hn::Load(df, row + c + kLanes), c1, c0);
       if (!fused) x0 = hn::Mul(x0, hn::Set(df, kLog2e)), x1 = hn::Mul(x1, hn::Set(df, kLog2e));
-      const VF e0 = Exp2Probability(x0), e1 = Exp2Probability(x1);
+      const VF e0 = kAccurate ? Exp2Accurate(x0) : Exp2Probability(x0);
+      const VF e1 = kAccurate ? Exp2Accurate(x1) : Exp2Probability(x1);
       sum0 = hn::Add(sum0, e0);
       sum1 = hn::Add(sum1, e1);
       if (keep_f32) {
@@ -677,7 +681,9 @@ ATTN_AMX void ForwardGroup(const Problem& p, const AmxLayout& lay, bf16* pack, i
     const bool visible = UpdateMaxima(sc, width, mult, m, w.alpha, w.tmp, job);
     if (visible) {
       float* l = w.l + g * kQ * kLanes;
-      if (lay.pieces == 2) {
+      if (p.split_f32()) {
+        Exponentials<2, true>(sc, width, mult, m, w.tmp, w.alpha, l, w.pb[t % 2], dropout, job);
+      } else if (lay.pieces == 2) {
         Exponentials<2>(sc, width, mult, m, w.tmp, w.alpha, l, w.pb[t % 2], dropout, job);
       } else {
         Exponentials<1>(sc, width, mult, m, w.tmp, w.alpha, l, w.pb[t % 2], dropout, job);

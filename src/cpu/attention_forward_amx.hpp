@@ -18,6 +18,9 @@ namespace attn::detail {
 /// pieces, hi + lo, that sum to it exactly, and each product takes three tile
 /// products (hi·hi + lo·hi + hi·lo; P is split likewise), so the result keeps f16's
 /// accuracy at a third of the bf16 speed. With LowpPath::avx512bf16 f16 is declined.
+/// f32 inputs with Precision::bf16x3 (p.split_f32()) take the same pieces on
+/// LowpPath::amx only, holding 16 significant bits of each value, with P from the f32
+/// kernel's exponential; out is written in f32.
 /// The caller checks that the CPU can run `path` (lowp_path() does).
 /// Returns false, having written nothing, when q, k or v holds a NaN or ±∞ (after
 /// rounding to bf16): tdpbf16ps and vdpbf16ps treat subnormals as zero, which would change how

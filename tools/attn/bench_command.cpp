@@ -37,6 +37,7 @@ struct BenchArgs {
   double max_cache_gb = 6.0;
   std::vector<int> sizes, dims, threads, batches, pages;
   std::vector<std::string> dtypes;
+  std::string precision = "f32";
   std::string markdown, json;
 };
 
@@ -111,6 +112,11 @@ Command add_bench_command(CLI::App& app) {
                   "dtypes of q, k, v, out: f32, bf16, f16 (default f32); bf16 runs on AMX tiles where "
                   "the CPU has them (ATTN_ISA forces a path)")
       ->check(CLI::IsMember({"f32", "bf16", "f16", "i8", "f8e4m3"}));
+  sub->add_option("--precision", args->precision,
+                  "arithmetic for the f32 rows (AttentionOptions::precision): f32 (default), bf16 (inputs "
+                  "rounded to bf16, the bf16 kernels), bf16x3 (each input as two bf16 pieces, three tile "
+                  "products per product; AMX only, else the f32 kernel)")
+      ->check(CLI::IsMember({"f32", "bf16", "bf16x3"}));
   sub->add_flag("--no-baseline", args->no_baseline, "skip the cblas baseline");
   sub->add_flag("--backward", args->backward,
                 "time attention_backward (GFLOP/s count 2.5× the forward's flops); the baseline "
@@ -158,6 +164,9 @@ Command add_bench_command(CLI::App& app) {
     if (!args->threads.empty()) o.threads = args->threads;
     o.baseline = !args->no_baseline;
     o.backward = args->backward;
+    o.precision = args->precision == "bf16"     ? Precision::bf16
+                  : args->precision == "bf16x3" ? Precision::bf16x3
+                                                : Precision::f32;
     if (!args->dtypes.empty()) {
       o.dtypes.clear();
       for (const std::string& t : args->dtypes) {
@@ -193,7 +202,7 @@ Command add_bench_command(CLI::App& app) {
                    {"amx_bf16_gflops_1thread", p1.amx_bf16_gflops}, {"amx_bf16_gflops_all", pall.amx_bf16_gflops},
                    {"threads_all", all}};
       for (const auto& r : rows) {
-        j["rows"].push_back({{"dtype", dtype_name(r.config.dtype)}, {"path", r.path}, {"N", r.config.N}, {"d", r.config.d}, {"H", r.config.H},
+        j["rows"].push_back({{"dtype", dtype_name(r.config.dtype)}, {"precision", dtype_label(r.config)}, {"path", r.path}, {"N", r.config.N}, {"d", r.config.d}, {"H", r.config.H},
                                 {"causal", r.config.causal}, {"threads", r.config.threads},
                                 {"ms", r.ms}, {"gflops", r.gflops()},
                                 {"baseline_ms", r.baseline_ms},
