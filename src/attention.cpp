@@ -25,7 +25,7 @@ LowpPath lowp_kernel(const Problem& p, const AttentionOptions& options) {
   if (!needs_widening(p, options) || p.probs != nullptr) return LowpPath::f32;
   // Two pieces (f16, and f32 with Precision::bf16x3) take three products each: only
   // the tile unit makes that pay.
-  if (p.dtype == DType::f16 || p.split_f32()) return lowp_path() == LowpPath::amx ? LowpPath::amx : LowpPath::f32;
+  if (p.pieces() == 2) return lowp_path() == LowpPath::amx ? LowpPath::amx : LowpPath::f32;
   return lowp_path();
 }
 

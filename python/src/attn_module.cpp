@@ -93,7 +93,7 @@ attn::AttentionOptions make_options(std::optional<float> scale, int causal, int 
                                     const py::object& cu_seqlens_q, const py::object& cu_seqlens_k,
                                     const py::object& key_lengths, float dropout_p, uint64_t seed, uint64_t offset, bool bf16,
                                     int block_q, int block_k, const py::object& block_table,
-                                    const py::object& block_tiles, int precision = 0) {
+                                    const py::object& block_tiles, int precision) {
   attn::AttentionOptions o;
   // 0, 1, 2: f32, bf16, bf16x3 (the Python layer checks the name; anything else is
   // left to the library's own check, which names "precision").

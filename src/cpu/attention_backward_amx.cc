@@ -75,9 +75,10 @@ HWY_INLINE int KeyBlocks(int lk) { return (KeyTiles(lk) + kItemTiles - 1) / kIte
 /// Where the packed operands of each query tile and key tile lie (bf16 elements),
 /// and the per-row f32 arrays (lse, D, the dQ accumulator).
 /// With two pieces (f16 inputs, and f32 ones with Precision::bf16x3) every operand
-/// holds hi and lo bf16 pieces whose sum is the value (exactly for f16; SplitBf16): rows are [hi | lo] (QRows: [64][2·dp]), transposed
-/// rows likewise ([dp][hi 64 | lo 64]), and pair-packed operands are followed by
-/// their lo pieces' tiles (the lo tiles of KForS start 64·dp elements in).
+/// holds hi and lo bf16 pieces whose sum is the value (exactly for f16; SplitBf16):
+/// rows are [hi | lo] (QRows: [64][2·dp]), transposed rows likewise ([dp][hi 64 |
+/// lo 64]), and pair-packed operands are followed by their lo pieces' tiles (the lo
+/// tiles of KForS start 64·dp elements in).
 struct BwdAmxLayout {
   int dp = 0, dvp = 0;  // d, dv rounded up to 32
   int pieces = 1;       // 2 for f16 inputs and split f32 ones
@@ -120,7 +121,7 @@ BwdAmxLayout MakeBwdAmxLayout(const Problem& p) {
   BwdAmxLayout l;
   l.dp = RoundUp(p.d, kPair);
   l.dvp = RoundUp(p.dv, kPair);
-  l.pieces = p.dtype == DType::f16 || p.split_f32() ? 2 : 1;
+  l.pieces = p.pieces();
   for (const Sequence& seq : p.seqs) {
     l.q_base.push_back(l.total);
     l.total += static_cast<size_t>(p.Hq) * QueryTiles(seq.Lq) * l.QTileElems();

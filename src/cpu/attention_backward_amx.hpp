@@ -15,8 +15,8 @@ namespace attn::detail {
 /// are packed; the gradients are written in f32), or f16 on LowpPath::amx only
 /// (every operand, P' and dS included, as exact hi + lo bf16 pieces, three tile
 /// products per product; gradients written in f16), or f32 with Precision::bf16x3 on
-/// LowpPath::amx only (the same pieces, holding 16 bits; gradients in f32). Bitwise identical for any thread
-/// count. The caller checks that the CPU can run `path` (lowp_path() does).
+/// LowpPath::amx only (the same pieces, holding 16 bits; gradients in f32). Bitwise
+/// identical for any thread count. The caller checks that the CPU can run `path` (lowp_path() does).
 /// Returns false, having written nothing, for what it leaves to the widened f32
 /// path: a NaN or ±∞ in q, k, v or dout (after rounding), an lse whose magnitude
 /// is 128 or more (the f32 kernel recomputes those rows' statistics), softcap, the
@@ -28,7 +28,7 @@ bool attention_backward_amx(const BackwardProblem& bp, int threads, LowpPath pat
 /// tile unit.
 inline bool amx_backward_declines_options(const BackwardProblem& bp, LowpPath path) {
   return bp.dbias != nullptr || bp.fwd.softcap > 0.0f || bp.fwd.mods != nullptr ||
-         ((bp.fwd.dtype == DType::f16 || bp.fwd.split_f32()) && path != LowpPath::amx);
+         (bp.fwd.pieces() == 2 && path != LowpPath::amx);
 }
 
 /// Bytes attention_backward_amx allocates for bp with `threads` threads: q, k, v and

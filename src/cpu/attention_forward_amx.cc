@@ -112,7 +112,7 @@ AmxLayout MakeAmxLayout(const Problem& p) {
   AmxLayout l;
   l.dp = RoundUp(p.d, kPair);
   l.dvp = RoundUp(p.dv, kPair);
-  l.pieces = p.dtype == DType::f16 || p.split_f32() ? 2 : 1;
+  l.pieces = p.pieces();
   l.q_base.resize(p.seqs.size());
   l.kv_base.resize(p.seqs.size());
   for (size_t b = 0; b < p.seqs.size(); ++b) {
