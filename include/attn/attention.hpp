@@ -62,8 +62,8 @@ enum class Causal : uint8_t { None, TopLeft, BottomRight };
 ///   bf16x3  splits every f32 operand into two bf16 pieces, x ≈ hi + lo with
 ///           hi = bf16(x) and lo = bf16(x − hi) (16 significant bits: |x − hi − lo| ≤
 ///           2⁻¹⁸·|x|), P likewise, and takes three bf16 products per product
-///           (hi·hi + lo·hi + hi·lo, f32 accumulation), on AMX tiles: ~2.5× the f32
-///           kernel's speed at ~1e-5 relative error (PyTorch's "high", which also names
+///           (hi·hi + lo·hi + hi·lo, f32 accumulation), on AMX tiles: about 2× the f32
+///           kernel's speed at ~5e-6 relative error (PyTorch's "high", which also names
 ///           this scheme bf16x3). Where the CPU has no AMX tiles, and for what the tile
 ///           kernels decline (see attention()), the f32 kernel runs instead: never less
 ///           accurate than asked. Not on CUDA devices.

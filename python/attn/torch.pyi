@@ -1,4 +1,4 @@
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -18,4 +18,5 @@ def scaled_dot_product_attention(
     alibi_slopes: Optional[torch.Tensor] = ...,
     seed: Optional[int] = ...,
     block_mask: Optional[Any] = ...,
+    precision: Optional[str] = ...,
 ) -> torch.Tensor: ...

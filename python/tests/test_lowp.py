@@ -118,3 +118,49 @@ def test_unknown_precision_is_an_error_that_names_it(rng):
     q, k, v = _qkv(rng)
     with pytest.raises(ValueError, match="precision"):
         attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, precision="tf32")
+
+
+def _rel(a, b):
+    return np.sqrt(np.mean((np.asarray(a, np.float64) - b) ** 2) / np.mean(np.asarray(b, np.float64) ** 2))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attn_torch_precision_follows_float32_matmul_precision(rng, causal):
+    """attn.torch on float32 tensors: precision= picks the arithmetic of the forward and
+    the backward; without it, torch.set_float32_matmul_precision does ("highest" f32,
+    "high" bf16x3, "medium" bf16), bit for bit the same as the explicit choice; an
+    explicit precision wins over torch's setting. Under torch 1.13 this is the
+    autograd.Function, under PyTorch 2 the custom operator."""
+    import attn.torch as at
+    q, k, v = (torch.from_numpy(x).requires_grad_(True) for x in _qkv(rng, lq=130, lk=257, d=64))
+    want = _f64_attention(*(t.detach().numpy() for t in (q, k, v)), causal)
+    g = torch.from_numpy(rng.uniform(-1, 1, want.shape).astype(np.float32))
+
+    def run(**kw):
+        for t in (q, k, v):
+            t.grad = None
+        out = at.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True, **kw)
+        out.backward(g)
+        return out.detach().numpy(), [t.grad.numpy().copy() for t in (q, k, v)]
+
+    explicit = {p: run(precision=p) for p in ("f32", "bf16", "bf16x3")}
+    saved = torch.get_float32_matmul_precision()
+    try:
+        for torch_name, p in (("highest", "f32"), ("high", "bf16x3"), ("medium", "bf16")):
+            torch.set_float32_matmul_precision(torch_name)
+            out, grads = run()
+            np.testing.assert_array_equal(out, explicit[p][0])
+            for a, b in zip(grads, explicit[p][1]):
+                np.testing.assert_array_equal(a, b)
+        out, _ = run(precision="f32")  # "medium" is still set
+        np.testing.assert_array_equal(out, explicit["f32"][0])
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    err = {p: _rel(explicit[p][0], want) for p in explicit}
+    assert err["f32"] < 1e-6
+    assert err["bf16"] < 1e-2
+    assert err["bf16x3"] < 5e-5 and err["bf16x3"] * 50 < err["bf16"], err
+    for a, b in zip(explicit["bf16x3"][1], explicit["f32"][1]):
+        assert _rel(a, b) < 5e-5
+    with pytest.raises(ValueError, match="precision"):
+        at.scaled_dot_product_attention(q, k, v, enable_gqa=True, precision="tf32")

@@ -21,7 +21,7 @@ def _qkv(rng, b=2, hq=4, hkv=2, lq=17, lk=23, d=16, dtype=torch.float32, grad=Tr
 def test_opcheck_forward_and_backward(rng):
     q, k, v = _qkv(rng)
     mask = torch.from_numpy(rng.uniform(-1, 1, (17, 23)).astype(np.float32)).requires_grad_(True)
-    args = (q, k, v, mask, None, 0.0, True, None, True, True, 3, 0, 0.0, 0, None, None, 0, 0)
+    args = (q, k, v, mask, None, 0.0, True, None, True, True, 3, 0, 0.0, 0, None, None, 0, 0, "bf16x3")
     torch.library.opcheck(torch.ops.attn.sdpa.default, args)
     out, lse = torch.ops.attn.sdpa(*args)
     g = torch.randn_like(out)
@@ -57,6 +57,22 @@ def test_torch_compile_has_no_graph_break(rng):
     torch.testing.assert_close(compiled(q, k, v), f(q, k, v))
     explanation = torch._dynamo.explain(f)(q, k, v)
     assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+@needs_torch2
+def test_torch_compile_takes_the_float32_matmul_precision(rng):
+    # torch.set_float32_matmul_precision("high") at compile time: the compiled graph runs
+    # bf16x3, bit for bit the eager call with precision="bf16x3", without a graph break.
+    q, k, v = _qkv(rng, lq=40, lk=70, d=64, grad=False)
+    want = at.scaled_dot_product_attention(q, k, v, enable_gqa=True, precision="bf16x3")
+    saved = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        compiled = torch.compile(lambda q, k, v: at.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                                 fullgraph=True, backend="aot_eager")
+        assert torch.equal(compiled(q, k, v), want)
+    finally:
+        torch.set_float32_matmul_precision(saved)
 
 
 @needs_torch2
@@ -174,7 +190,7 @@ def test_block_mask_through_the_custom_op_and_compile(rng):
     docs = np.repeat(np.arange(5), 20)
     bm = attn.block_mask(lambda b, h, i, j: (docs[i] == docs[j]) & (j <= i + 20), None, None, 70, 90, block_size=16)
     table, tiles = torch.from_numpy(bm.blocks), torch.from_numpy(bm.tiles)
-    args = (q, k, v, None, None, 0.0, False, None, True, False, -1, -1, 0.0, 0, table, tiles, 16, 16)
+    args = (q, k, v, None, None, 0.0, False, None, True, False, -1, -1, 0.0, 0, table, tiles, 16, 16, "f32")
     torch.library.opcheck(torch.ops.attn.sdpa.default, args)
     dense = torch.from_numpy(bm.to_dense()[0, 0])
 
