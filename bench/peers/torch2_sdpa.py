@@ -9,11 +9,15 @@ which path attn's bf16 took (cpu_info). With --flex, also FlexAttention
 this CPU; a configuration it cannot run prints why and shows "—". With --backward, the
 backward instead: PyTorch's autograd through its fused kernel (``torch.autograd.grad`` on
 a retained graph, so only the backward is timed) against ``attn.attention_backward``
-given the forward's out and lse; GFLOP/s count 2.5× the forward's flops.
+given the forward's out and lse; GFLOP/s count 2.5× the forward's flops. With
+--matmul-precision high|medium, float32 rows run under
+``torch.set_float32_matmul_precision`` for both: PyTorch as that setting makes it, attn
+with the precision it maps to in ``attn.torch`` ("high" → bf16x3, "medium" → bf16).
 
   bash bench/peers/setup.sh        # once: bench/peers/.venv with torch 2.x from PyPI
   PYTHONPATH=build/release/python bench/peers/.venv/bin/python bench/peers/torch2_sdpa.py \
-      [--sizes 2048] [--dims 64,128] [--threads 1,2] [--dtypes f32,bf16,f16] [--flex | --backward] [--markdown FILE]
+      [--sizes 2048] [--dims 64,128] [--threads 1,2] [--dtypes f32,bf16,f16] [--flex | --backward]
+      [--matmul-precision highest|high|medium] [--markdown FILE]
 """
 import argparse
 import time
@@ -29,19 +33,19 @@ def as_tuple(x):
     return x if isinstance(x, tuple) else (x,)
 
 
-def backward_runs(q, k, v, causal, g):
+def backward_runs(q, k, v, causal, g, precision):
     """The two backward calls for one configuration: PyTorch's (autograd through its
     fused SDPA, graph retained) and attn's (attention_backward on the forward's out, lse)."""
     dout = torch.rand(q.shape, generator=g).mul_(2).sub_(1).to(q.dtype)
     tq, tk, tv = (x.clone().requires_grad_(True) for x in (q, k, v))
     t_out = F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
-    out, lse = attn.scaled_dot_product_attention(q, k, v, is_causal=causal, return_lse=True)
+    out, lse = attn.scaled_dot_product_attention(q, k, v, is_causal=causal, return_lse=True, precision=precision)
 
     def run_torch():
         return torch.autograd.grad(t_out, (tq, tk, tv), dout, retain_graph=True)
 
     def run_attn():
-        return attn.attention_backward(dout, q, k, v, out, lse, is_causal=causal)
+        return attn.attention_backward(dout, q, k, v, out, lse, is_causal=causal, precision=precision)
 
     return run_torch, run_attn
 
@@ -58,13 +62,18 @@ def main():
     ap.add_argument("--markdown", default="")
     ap.add_argument("--flex", action="store_true", help="also time compiled FlexAttention")
     ap.add_argument("--backward", action="store_true", help="time the backward instead of the forward")
+    ap.add_argument("--matmul-precision", default="highest", choices=("highest", "high", "medium"),
+                    help="torch.set_float32_matmul_precision for the float32 rows (attn: the precision it maps to)")
     args = ap.parse_args()
+    torch.set_float32_matmul_precision(args.matmul_precision)
+    f32_precision = {"highest": "f32", "high": "bf16x3", "medium": "bf16"}[args.matmul_precision]
     if args.flex and args.backward:
         ap.error("--flex times the forward only")
     dtypes = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
     info = attn.cpu_info()
-    print("CPU: %s; torch %s; attn bf16 path: %s; f32 SIMD target: %s"
-          % (cpu_model(), torch.__version__, info["bf16_path"], info["simd_target"]))
+    print("CPU: %s; torch %s; attn bf16 path: %s; f32 SIMD target: %s; float32 matmul precision %s (attn: %s)"
+          % (cpu_model(), torch.__version__, info["bf16_path"], info["simd_target"], args.matmul_precision,
+             f32_precision))
     rows = []
     flex = create = None
     if args.flex:
@@ -86,16 +95,19 @@ def main():
                     g = torch.Generator().manual_seed(n + d)
                     q, k, v = (torch.rand(1, args.heads, n, d, generator=g).mul_(2).sub_(1).to(dtypes[name])
                                for _ in range(3))
+                    precision = f32_precision if name == "f32" else "f32"
+                    label = name if precision == "f32" else "%s (%s)" % (name, args.matmul_precision)
                     for causal in (False, True):
                         if args.backward:
-                            run_torch, run_attn = backward_runs(q, k, v, causal, g)
+                            run_torch, run_attn = backward_runs(q, k, v, causal, g, precision)
                         else:
                             def run_torch():
                                 with torch.no_grad():
                                     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
                             def run_attn():
-                                return attn.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                                return attn.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                         precision=precision)
 
                         diff = max((a.float() - b.float()).abs().max().item()
                                    for a, b in zip(as_tuple(run_torch()), as_tuple(run_attn())))
@@ -104,7 +116,7 @@ def main():
                         time.sleep(0.3)
                         t_attn = median_time(run_attn, args.repeats, args.min_seconds)
                         fl = 4.0 * n * n * d * args.heads * (0.5 if causal else 1.0) * (2.5 if args.backward else 1.0)
-                        row = (name, n, d, "causal" if causal else "none", threads, t_torch * 1e3, fl / t_torch * 1e-9,
+                        row = (label, n, d, "causal" if causal else "none", threads, t_torch * 1e3, fl / t_torch * 1e-9,
                                t_attn * 1e3, fl / t_attn * 1e-9, t_torch / t_attn, diff)
                         t_flex = None
                         if flex is not None:
