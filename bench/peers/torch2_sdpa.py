@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import attn
+import attn.torch
 from peer_timing import cpu_model, median_time
 
 
@@ -66,7 +67,7 @@ def main():
                     help="torch.set_float32_matmul_precision for the float32 rows (attn: the precision it maps to)")
     args = ap.parse_args()
     torch.set_float32_matmul_precision(args.matmul_precision)
-    f32_precision = {"highest": "f32", "high": "bf16x3", "medium": "bf16"}[args.matmul_precision]
+    f32_precision = attn.torch.TORCH_PRECISIONS[args.matmul_precision]
     if args.flex and args.backward:
         ap.error("--flex times the forward only")
     dtypes = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}

@@ -143,14 +143,15 @@ if _HAS_CUSTOM_OP:
     _sdpa_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-# torch.get_float32_matmul_precision()'s names for attn's precisions.
-_TORCH_PRECISIONS = {"highest": "f32", "high": "bf16x3", "medium": "bf16"}
+# attn's precision for each of torch.get_float32_matmul_precision()'s settings (what
+# attn.torch does with float32 tensors when no precision= is given).
+TORCH_PRECISIONS = {"highest": "f32", "high": "bf16x3", "medium": "bf16"}
 
 
 def _torch_float32_precision():
     """attn's name for the precision torch.get_float32_matmul_precision() asks for."""
     get = getattr(_torch, "get_float32_matmul_precision", None)  # PyTorch ≥ 1.12
-    return _TORCH_PRECISIONS.get(get(), "f32") if get is not None else "f32"
+    return TORCH_PRECISIONS.get(get(), "f32") if get is not None else "f32"
 
 
 # torch.compile cannot trace a function that returns a str; it takes the setting as a

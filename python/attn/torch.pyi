@@ -2,6 +2,8 @@ from typing import Any, Optional, Tuple
 
 import torch
 
+TORCH_PRECISIONS: dict[str, str]
+
 def scaled_dot_product_attention(
     query: torch.Tensor,
     key: torch.Tensor,
