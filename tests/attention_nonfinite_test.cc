@@ -159,6 +159,40 @@ TEST(NonFinite, NanKeyMakesTheRowNan) {
   });
 }
 
+// The softmax's row maximum may drop a NaN score (the max instructions do), which
+// is harmless beside a finite score (the NaN's p turns the row NaN) but not where
+// every other key of a tile is removed: the row would skip that tile. So a NaN
+// key alone among removed keys, in the first key tile or a later one, after
+// visible keys or none, must still make the row NaN. Lk = 130 spans three tiles
+// on every target; keys 5 and 120 are NaN.
+TEST(NonFinite, NanKeyAmongRemovedKeysMakesTheRowNan) {
+  on_every_target([] {
+    auto rng = make_rng(1250);
+    Case c;
+    c.Lq = 6, c.Lk = 130, c.d = 3, c.dv = 2;
+    c.randomize(rng);
+    for (int x = 0; x < c.d; ++x) c.k[5 * c.d + x] = kNaN, c.k[120 * c.d + x] = kNaN;
+    const std::vector<std::vector<int>> kept = {
+        {5, 100},  // NaN alone in tile 0, a finite key later
+        {100, 120},  // a finite key beside the NaN in the same tile
+        {100},       // no NaN
+        {120},       // NaN alone, after tiles with nothing visible
+        {7, 120},    // NaN alone in a later tile, after a finite key
+        {5}};        // NaN the only key of the row
+    c.bool_mask.assign(size_t(c.Hq) * c.Lq * c.Lk, 0);
+    for (int i = 0; i < c.Lq; ++i) {
+      for (int j : kept[i]) c.bool_mask[size_t(i) * c.Lk + j] = 1;
+    }
+    const Outputs f = run(c, false, false);
+    for (int i = 0; i < c.Lq; ++i) {
+      const bool want_nan = i != 2;
+      EXPECT_EQ(std::isnan(f.out[size_t(i) * c.dv]), want_nan) << "row " << i << ": " << f.out[size_t(i) * c.dv];
+      EXPECT_EQ(std::isnan(f.lse[i]), want_nan) << "row " << i << ": " << f.lse[i];
+    }
+    EXPECT_TRUE(agree(c, true));
+  });
+}
+
 // +∞ scores: the reference's softmax gives e^(∞ − ∞) = NaN, as PyTorch does.
 TEST(NonFinite, InfiniteScoreMakesTheRowNan) {
   on_every_target([] {

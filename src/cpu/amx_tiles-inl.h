@@ -369,22 +369,11 @@ inline ATTN_AMX void PairTileTransposed(const bf16* const* rows, int col0, bf16*
 }
 
 /// 2^x as Exp2Probability, for probabilities that keep 16 bits (f32 inputs as two
-/// bf16 pieces, Precision::bf16x3): a degree-6 polynomial, fitted to 2^f on [0, 1) for
-/// the least maximum relative error, gives 9.0e-8 (evaluated in f32; 2^0 = 1 exact),
-/// under the pieces' own 2⁻¹⁸ = 3.8e-6. 8 vector ops, where Exp2NonPositive's
-/// rounding and clamp take 11 for the same accuracy. The same −∞, NaN and
-/// subnormal behaviour as Exp2Probability.
-HWY_INLINE ATTN_AMX VF Exp2Accurate(VF x) {
-  const __m512 f = _mm512_reduce_ps(x.raw, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 e = _mm512_set1_ps(2.161291988e-4f);
-  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(1.246784514e-3f));
-  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(9.675451694e-3f));
-  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(5.548528056e-2f));
-  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(2.402293056e-1f));
-  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(6.931470444e-1f));
-  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(1.0f));
-  return VF{_mm512_scalef_ps(e, x.raw)};
-}
+/// bf16 pieces, Precision::bf16x3): Exp2NonPositive's AVX-512 form (tile_kernels-inl.h),
+/// a degree-6 polynomial fitted to 2^f on [0, 1) for the least maximum relative error,
+/// 9.0e-8 (evaluated in f32; 2^0 = 1 exact), under the pieces' own 2⁻¹⁸ = 3.8e-6.
+/// 8 vector ops; the same −∞, NaN and subnormal behaviour as Exp2Probability.
+HWY_INLINE ATTN_AMX VF Exp2Accurate(VF x) { return Exp2NonPositive(DF(), x); }
 
 #endif  // ATTN_AMX_KERNEL
 

@@ -90,11 +90,16 @@ PackLayout MakePackLayout(const Problem& p) {
 /// [Bk][dvp] rows; keys beyond Lk and columns beyond dv are zero (P is 0 there,
 /// and 0·0 keeps the products NaN-free). bf16/f16 rows are widened here, through
 /// `buf` (max(d, dv) floats): this is the only pass over K and V in their dtype.
+/// The next kv head's rows of the same keys are requested meanwhile (PrefetchRows).
 void PackTile(const Problem& p, const PackLayout& pl, float* pack, int b, int hk, int tile, float* buf) {
   const Sequence& seq = p.seqs[b];
   const int j0 = tile * kBk, nk = std::min(kBk, seq.Lk - j0);
   const int64_t k0 = seq.k_offset + hk * p.k_head + int64_t{j0} * p.k_row;
   const int64_t v0 = seq.v_offset + hk * p.v_head + int64_t{j0} * p.v_row;
+  if (hk + 1 < p.Hkv) {
+    PrefetchRows(p.dtype, p.k, k0 + p.k_head, p.k_row, p.d, 0, nk);
+    PrefetchRows(p.dtype, p.v, v0 + p.v_head, p.v_row, p.dv, 0, nk);
+  }
   PackPanelRows([&](int j) { return RowF32(p.dtype, p.k, k0 + j * p.k_row, p.d, buf); }, nk, p.d,
                 pl.K(pack, p, b, hk) + static_cast<size_t>(tile) * kBk * p.d);
   float* v = pl.V(pack, p, b, hk) + static_cast<size_t>(j0) * pl.dvp;
@@ -292,8 +297,10 @@ void ForwardF32(const Problem& p, int threads) {
   double flops = 0;
   for (int b = 0; b < p.B; ++b) {
     const Sequence& seq = p.seqs[b];
-    for (int hk = 0; hk < p.Hkv; ++hk) {
-      for (int t = 0; t < KeyTiles(seq.Lk); ++t) packs.push_back({b, hk, t});
+    // Tile by tile, and within a tile head by head, so that PackTile can request
+    // the next head's rows of the same keys while it packs this head's.
+    for (int t = 0; t < KeyTiles(seq.Lk); ++t) {
+      for (int hk = 0; hk < p.Hkv; ++hk) packs.push_back({b, hk, t});
     }
     const int qtiles = QueryTiles(seq.Lq);
     for (int h = 0; h < p.Hq; ++h) {

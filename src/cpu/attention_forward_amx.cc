@@ -67,6 +67,7 @@
 #include "cpu/dropout_tile-inl.h"
 #include "cpu/score_mods-inl.h"
 #include "cpu/tile_kernels-inl.h"
+#include "cpu/storage_rows-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace attn::detail::HWY_NAMESPACE {
@@ -124,21 +125,11 @@ AmxLayout MakeAmxLayout(const Problem& p) {
   return l;
 }
 
-/// Asks for the rows of tokens [t·count, t·count + count) of one head of q, k or v
-/// (`base`, first element `at0`, `row` elements apart) to be brought into the
-/// cache. Packing reads one head's 256-byte rows 2 KiB and more apart, a pattern the
-/// hardware prefetcher does not follow, so the next head's rows are requested while
-/// this head's are packed.
-inline void PrefetchRows(const Problem& p, const float* base, int64_t at0, int64_t row, int width, int t, int count,
-                         int limit) {
-  const size_t elem = dtype_size(p.dtype);
-  const char* bytes = reinterpret_cast<const char*>(base);
-  for (int n = 0; n < count; ++n) {
-    const int j = t * count + n;
-    if (j >= limit) break;
-    const char* r = bytes + (at0 + int64_t{j} * row) * static_cast<int64_t>(elem);
-    for (size_t c = 0; c < width * elem; c += 64) _mm_prefetch(r + c, _MM_HINT_T0);
-  }
+/// Rows [t·count, t·count + count) of one head of q, k or v, below `limit`, into
+/// the cache (PrefetchRows, storage_rows-inl.h).
+inline void PrefetchBlock(const Problem& p, const float* base, int64_t at0, int64_t row, int width, int t, int count,
+                          int limit) {
+  PrefetchRows(p.dtype, base, at0, row, width, t * count, std::min(t * count + count, limit));
 }
 
 /// Packs query block qt of (b, h); rows beyond Lq and columns beyond d are zero.
@@ -802,7 +793,7 @@ bool ForwardAmxImpl(const Problem& p, int threads, bool tiles) {
     for (int i = 0; i < nq; ++i) {
       const Sequence& seq = p.seqs[qpacks[i].b];
       for (int h = 0; h < p.Hq; ++h) {
-        if (h + 1 < p.Hq) PrefetchRows(p, p.q, seq.q_offset + (h + 1) * p.q_head, p.q_row, p.d, qpacks[i].t, kQ, seq.Lq);
+        if (h + 1 < p.Hq) PrefetchBlock(p, p.q, seq.q_offset + (h + 1) * p.q_head, p.q_row, p.d, qpacks[i].t, kQ, seq.Lq);
         bad |= PackQueries(p, lay, pack, qpacks[i].b, h, qpacks[i].t, staging);
       }
     }
@@ -811,8 +802,8 @@ bool ForwardAmxImpl(const Problem& p, int threads, bool tiles) {
       const Sequence& seq = p.seqs[kvpacks[i].b];
       for (int hk = 0; hk < p.Hkv; ++hk) {
         if (hk + 1 < p.Hkv) {
-          PrefetchRows(p, p.k, seq.k_offset + (hk + 1) * p.k_head, p.k_row, p.d, kvpacks[i].t, kPair, seq.Lk);
-          PrefetchRows(p, p.v, seq.v_offset + (hk + 1) * p.v_head, p.v_row, p.dv, kvpacks[i].t, kPair, seq.Lk);
+          PrefetchBlock(p, p.k, seq.k_offset + (hk + 1) * p.k_head, p.k_row, p.d, kvpacks[i].t, kPair, seq.Lk);
+          PrefetchBlock(p, p.v, seq.v_offset + (hk + 1) * p.v_head, p.v_row, p.dv, kvpacks[i].t, kPair, seq.Lk);
         }
         bad |= PackKeysValues(p, lay, pack, kvpacks[i].b, hk, kvpacks[i].t, staging);
       }

@@ -11,6 +11,7 @@
 #define ATTN_CPU_STORAGE_ROWS_INL_H_
 #endif
 
+#include <hwy/cache_control.h>
 #include <hwy/highway.h>
 
 #include <cstdint>
@@ -67,6 +68,21 @@ HWY_INLINE void StoreRowF32(DType dt, void* base, int64_t offset, const float* H
     hn::StoreU(hn::DemoteTo(dh, hn::LoadU(df, src + c)), dh, reinterpret_cast<hwy::float16_t*>(dst + c));
 #endif
   for (; c < width; ++c) dst[c] = f32_to_f16(src[c]);
+}
+
+/// Asks for rows [first, last) of one head of q, k or v (storage of dtype dt at
+/// `base`; row j's `width` elements start at element at0 + j·row) to be brought
+/// into the cache, one request per line. Packing reads a head's rows, 256 bytes
+/// each at d = 64, H·d elements apart: a pattern the hardware prefetcher does not
+/// follow, so the packing loops request the next head's rows while they pack this
+/// head's.
+HWY_INLINE void PrefetchRows(DType dt, const void* base, int64_t at0, int64_t row, int width, int first, int last) {
+  const int64_t elem = static_cast<int64_t>(dtype_size(dt));
+  const char* bytes = static_cast<const char*>(base);
+  for (int j = first; j < last; ++j) {
+    const char* r = bytes + (at0 + int64_t{j} * row) * elem;
+    for (int64_t c = 0; c < width * elem; c += 64) hwy::Prefetch(r + c);
+  }
 }
 
 }  // namespace attn::detail::HWY_NAMESPACE
