@@ -100,8 +100,12 @@ void PackTile(const Problem& p, const PackLayout& pl, float* pack, int b, int hk
     PrefetchRows(p.dtype, p.k, k0 + p.k_head, p.k_row, p.d, 0, nk);
     PrefetchRows(p.dtype, p.v, v0 + p.v_head, p.v_row, p.dv, 0, nk);
   }
-  PackPanelRows([&](int j) { return RowF32(p.dtype, p.k, k0 + j * p.k_row, p.d, buf); }, nk, p.d,
-                pl.K(pack, p, b, hk) + static_cast<size_t>(tile) * kBk * p.d);
+  float* kt = pl.K(pack, p, b, hk) + static_cast<size_t>(tile) * kBk * p.d;
+  if (p.dtype == DType::f32) {
+    PackPanel(p.k + k0, p.k_row, nk, p.d, kt);
+  } else {
+    PackPanelRows([&](int j) { return RowF32(p.dtype, p.k, k0 + j * p.k_row, p.d, buf); }, nk, p.d, kt);
+  }
   float* v = pl.V(pack, p, b, hk) + static_cast<size_t>(j0) * pl.dvp;
   PackRowsFrom([&](int j) { return RowF32(p.dtype, p.v, v0 + j * p.v_row, p.dv, buf); }, nk, p.dv, pl.dvp, v);
   pl.VNonFinite(p, b, hk, tile) = !AllFinite(v, static_cast<size_t>(kBk) * pl.dvp);
