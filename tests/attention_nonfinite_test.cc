@@ -173,7 +173,7 @@ TEST(NonFinite, NanKeyAmongRemovedKeysMakesTheRowNan) {
     c.randomize(rng);
     for (int x = 0; x < c.d; ++x) c.k[5 * c.d + x] = kNaN, c.k[120 * c.d + x] = kNaN;
     const std::vector<std::vector<int>> kept = {
-        {5, 100},  // NaN alone in tile 0, a finite key later
+        {5, 100},    // NaN alone in tile 0, a finite key later
         {100, 120},  // a finite key beside the NaN in the same tile
         {100},       // no NaN
         {120},       // NaN alone, after tiles with nothing visible
