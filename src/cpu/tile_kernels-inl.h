@@ -289,11 +289,12 @@ HWY_INLINE VF ClampBelow(DF df, VF x, float lo) {
 }
 
 /// 2^x for x ≤ 0 (or NaN), within 2 ulp down to the smallest normal, correctly
-/// scaled into the subnormals below it, exactly 0 far enough below (so for x = −∞),
+/// scaled into the subnormals below it, exactly 0 below −150 (so for x = −∞),
 /// and NaN for NaN: the softmax's exponential.
 /// AVX-512, 8 vector ops (each one counts: they share the two FMA ports with the
 /// products, and the softmax is 15% of the f32 kernel's time at d = 64):
-///   f = x − ⌊x⌋ by vreduceps       (exact; f ∈ [0, 1); −∞ gives 0)
+///   f = x − ⌊x⌋ by vreduceps       (f ∈ [0, 1], exact but for x just below an
+///                                  integer, where f rounds up to 1; −∞ gives 0)
 ///   2^f by a degree-6 polynomial   (minimax on [0, 1), 9.0e-8; 2^0 = 1 exactly)
 ///   2^⌊x⌋ by vscalefps             (one rounding, into the subnormals; 2^−∞ = 0)
 /// Elsewhere, 11 ops:
