@@ -364,10 +364,10 @@ HWY_INLINE float RowMaxForSoftmax(DF df, const float* HWY_RESTRICT row) {
   for (int n = 1; n < kKeyVectors; ++n) mx = hn::Max(mx, hn::Load(df, row + n * kLanes));
   const float max = hn::GetLane(hn::MaxOfLanes(df, mx));
   if (max != -HUGE_VALF) return max;
-  for (int c = 0; c < kBk; ++c) {
-    if (std::isnan(row[c])) return NAN;
-  }
-  return max;
+  // Padding rows of every tile come here too, so the search is vectorised.
+  auto nan = hn::IsNaN(hn::Load(df, row));
+  for (int n = 1; n < kKeyVectors; ++n) nan = hn::Or(nan, hn::IsNaN(hn::Load(df, row + n * kLanes)));
+  return hn::AllFalse(df, nan) ? max : NAN;
 }
 
 /// Online-softmax step for a tile of `rows` rows × Bk scores (row stride ld),
