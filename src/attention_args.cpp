@@ -40,15 +40,14 @@ std::vector<int32_t> read_i32(const Checker& c, const TensorView& t, const char*
 std::vector<int32_t> check_cu_seqlens(const Checker& c, const TensorView& t, const char* name,
                                       int64_t total) {
   c.require(t.dtype() == DType::i32,
-            std::string(name) + " must have dtype i32, got " + dtype_name(t.dtype()));
+            [&] { return std::string(name) + " must have dtype i32, got " + dtype_name(t.dtype()); });
   c.require(t.rank() == 1 && t.size(0) >= 2,
-            std::string(name) + " must be a rank-1 i32 tensor of length B+1 >= 2, got " +
-                t.describe());
-  c.require(t.data() != nullptr, std::string(name) + " has a null data pointer");
+            [&] { return std::string(name) + " must be a rank-1 i32 tensor of length B+1 >= 2, got " + t.describe(); });
+  c.require(t.data() != nullptr, [&] { return std::string(name) + " has a null data pointer"; });
   c.nonnegative_strides(t, name);
   c.metadata_on_device_or_host(t, name);
   std::vector<int32_t> cu = read_i32(c, t, name);
-  c.require(cu[0] >= 0, std::string(name) + "[0] must be >= 0, got " + std::to_string(cu[0]));
+  c.require(cu[0] >= 0, [&] { return std::string(name) + "[0] must be >= 0, got " + std::to_string(cu[0]); });
   for (size_t i = 1; i < cu.size(); ++i) {
     if (cu[i] < cu[i - 1]) {
       c.fail(std::string(name) + " must be non-decreasing, got " + name + "[" +
@@ -104,14 +103,15 @@ void bind_qkv(const Checker& c, const TensorView& q, const TensorView& k, const 
     c.dim_equals(v, "v", 0, q.size(0), "batch B, as q.shape[0]");
     c.dim_equals(out, "out", 0, q.size(0), "batch B, as q.shape[0]");
   }
-  c.require(Hq >= 1, "q.shape[" + std::to_string(o + 1) + "] (query heads) must be >= 1, got " +
-                         q.describe());
-  c.require(Hkv >= 1, "k.shape[" + std::to_string(o + 1) + "] (kv heads) must be >= 1, got " +
-                          k.describe());
-  c.require(d >= 1, "q.shape[" + std::to_string(o + 2) + "] (head dim d) must be >= 1, got " +
-                        q.describe());
-  c.require(dv >= 1, "v.shape[" + std::to_string(o + 2) + "] (value head dim dv) must be >= 1, got " +
-                         v.describe());
+  c.require(Hq >= 1,
+            [&] { return "q.shape[" + std::to_string(o + 1) + "] (query heads) must be >= 1, got " + q.describe(); });
+  c.require(Hkv >= 1,
+            [&] { return "k.shape[" + std::to_string(o + 1) + "] (kv heads) must be >= 1, got " + k.describe(); });
+  c.require(d >= 1,
+            [&] { return "q.shape[" + std::to_string(o + 2) + "] (head dim d) must be >= 1, got " + q.describe(); });
+  c.require(dv >= 1, [&] {
+    return "v.shape[" + std::to_string(o + 2) + "] (value head dim dv) must be >= 1, got " + v.describe();
+  });
   c.dim_equals(k, "k", o + 2, d, "head dim d, as q's last dimension");
   c.dim_equals(v, "v", o, Lk, "keys Lk, as k");
   c.dim_equals(v, "v", o + 1, Hkv, "kv heads, as k");
@@ -124,15 +124,17 @@ void bind_qkv(const Checker& c, const TensorView& q, const TensorView& k, const 
            ", Hkv=" + std::to_string(Hkv));
   }
   c.require(Lq < INT_MAX && Lk < INT_MAX && d < INT_MAX && dv < INT_MAX && Hq < INT_MAX,
-            "sizes must be below 2^31, got q " + q.describe() + ", k " + k.describe());
+            [&] { return "sizes must be below 2^31, got q " + q.describe() + ", k " + k.describe(); });
   // The kernels count batches, rows of work and tiles in 32-bit integers.
   const int64_t batches = varlen ? opt.cu_seqlens_q.size(0) - 1 : q.size(0);
-  c.require(batches < INT_MAX, "batch B must be below 2^31, got " + std::to_string(batches));
+  c.require(batches < INT_MAX, [&] { return "batch B must be below 2^31, got " + std::to_string(batches); });
   const double query_rows = double(varlen ? 1 : batches) * double(Lq) * double(Hq);
   const double key_rows = double(varlen ? 1 : batches) * double(Lk) * double(Hkv);
-  c.require(query_rows < 2147483648.0 && key_rows < 2147483648.0,
-            "B·Lq·Hq and B·Lk·Hkv must be below 2^31 (rows of work are counted in 32 bits), "
-            "got q " + q.describe() + ", k " + k.describe());
+  c.require(query_rows < 2147483648.0 && key_rows < 2147483648.0, [&] {
+    return "B·Lq·Hq and B·Lk·Hkv must be below 2^31 (rows of work are counted in 32 bits), "
+           "got q " +
+           q.describe() + ", k " + k.describe();
+  });
 
   e->Lq = Lq, e->Lk = Lk;
   p->B = static_cast<int>(batches);
@@ -195,16 +197,18 @@ void bind_sequences(const Checker& c, const TensorView& q, const TensorView& k, 
   if (e->varlen) {
     e->cu_q = check_cu_seqlens(c, opt.cu_seqlens_q, "cu_seqlens_q", e->Lq);
     e->cu_k = check_cu_seqlens(c, opt.cu_seqlens_k, "cu_seqlens_k", e->Lk);
-    c.require(e->cu_q.size() == e->cu_k.size(),
-              "cu_seqlens_k must have the length of cu_seqlens_q (B+1 = " + std::to_string(e->cu_q.size()) +
-                  "), got " + std::to_string(e->cu_k.size()));
+    c.require(e->cu_q.size() == e->cu_k.size(), [&] {
+      return "cu_seqlens_k must have the length of cu_seqlens_q (B+1 = " + std::to_string(e->cu_q.size()) + "), got " +
+             std::to_string(e->cu_k.size());
+    });
   }
   std::vector<int32_t> key_lengths;
   if (!opt.key_lengths.empty()) {
     const TensorView& t = opt.key_lengths;
-    c.require(t.dtype() == DType::i32, std::string("key_lengths must have dtype i32, got ") + dtype_name(t.dtype()));
+    c.require(t.dtype() == DType::i32,
+              [&] { return std::string("key_lengths must have dtype i32, got ") + dtype_name(t.dtype()); });
     c.require(t.rank() == 1 && t.size(0) == p->B,
-              "key_lengths must be i32 [B] with B=" + std::to_string(p->B) + ", got " + t.describe());
+              [&] { return "key_lengths must be i32 [B] with B=" + std::to_string(p->B) + ", got " + t.describe(); });
     c.require(t.data() != nullptr || p->B == 0, "key_lengths has a null data pointer");
     c.nonnegative_strides(t, "key_lengths");
     c.metadata_on_device_or_host(t, "key_lengths");
@@ -250,11 +254,14 @@ void bind_sequences(const Checker& c, const TensorView& q, const TensorView& k, 
 // alibi_slopes: f32 [Hq] or [B, Hq].
 void bind_alibi(const Checker& c, const TensorView& t, Problem* p) {
   if (t.empty()) return;
-  c.require(t.dtype() == DType::f32, std::string("alibi_slopes must have dtype f32, got ") + dtype_name(t.dtype()));
+  c.require(t.dtype() == DType::f32,
+            [&] { return std::string("alibi_slopes must have dtype f32, got ") + dtype_name(t.dtype()); });
   const bool per_head = t.rank() == 1 && t.size(0) == p->Hq;
   const bool per_batch = t.rank() == 2 && t.size(0) == p->B && t.size(1) == p->Hq;
-  c.require(per_head || per_batch, "alibi_slopes must be f32 [Hq] or [B, Hq] with B=" + std::to_string(p->B) +
-                                       ", Hq=" + std::to_string(p->Hq) + ", got " + t.describe());
+  c.require(per_head || per_batch, [&] {
+    return "alibi_slopes must be f32 [Hq] or [B, Hq] with B=" + std::to_string(p->B) + ", Hq=" + std::to_string(p->Hq) +
+           ", got " + t.describe();
+  });
   c.require(t.data() != nullptr, "alibi_slopes has a null data pointer");
   c.nonnegative_strides(t, "alibi_slopes");
   c.on_device(t, "alibi_slopes");
@@ -268,11 +275,12 @@ void bind_alibi(const Checker& c, const TensorView& t, Problem* p) {
 void bind_mask(const Checker& c, const TensorView& m, const Extent& e, Problem* p) {
   if (m.empty()) return;
   const DType dt = p->dtype;
-  c.require(m.dtype() == DType::boolean || m.dtype() == DType::f32 || m.dtype() == dt,
-            std::string("mask must be boolean (true = attend) or additive in f32") +
-                (dt != DType::f32 ? std::string(" or ") + dtype_name(dt) : std::string()) + ", got " +
-                dtype_name(m.dtype()));
-  c.require(m.rank() <= 4, "mask must have rank <= 4 (broadcast over [B, Hq, Lq, Lk]), got " + m.describe());
+  c.require(m.dtype() == DType::boolean || m.dtype() == DType::f32 || m.dtype() == dt, [&] {
+    return std::string("mask must be boolean (true = attend) or additive in f32") +
+           (dt != DType::f32 ? std::string(" or ") + dtype_name(dt) : std::string()) + ", got " + dtype_name(m.dtype());
+  });
+  c.require(m.rank() <= 4,
+            [&] { return "mask must have rank <= 4 (broadcast over [B, Hq, Lq, Lk]), got " + m.describe(); });
   c.require(m.data() != nullptr || m.numel() == 0, "mask has a null data pointer");
   c.nonnegative_strides(m, "mask");
   c.on_device(m, "mask");
@@ -291,8 +299,9 @@ void bind_mask(const Checker& c, const TensorView& m, const Extent& e, Problem* 
   }
   int64_t strides[4];
   broadcast_strides(m, strides);
-  c.require(strides[3] == 0 || strides[3] == 1,
-            "mask must have a contiguous last dimension (stride 1) or broadcast it, got " + m.describe());
+  c.require(strides[3] == 0 || strides[3] == 1, [&] {
+    return "mask must have a contiguous last dimension (stride 1) or broadcast it, got " + m.describe();
+  });
   p->mask_b = strides[0], p->mask_h = strides[1], p->mask_i = strides[2], p->mask_j = strides[3];
   p->mask_dtype = m.dtype();
   if (m.dtype() == DType::boolean) {

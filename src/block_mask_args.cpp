@@ -17,14 +17,18 @@ int64_t blocks_for(int64_t length, int block) { return (length + block - 1) / bl
 void bind_block_mask(const Checker& c, const BlockMask& bm, int B, int Hq, int64_t max_lq,
                      int64_t max_lk, bool varlen, Problem* p) {
   if (bm.empty()) return;
-  c.require(bm.block_q >= 1 && bm.block_k >= 1,
-            "options.block_mask.block_q and block_k must be >= 1, got " +
-                std::to_string(bm.block_q) + " and " + std::to_string(bm.block_k));
+  c.require(bm.block_q >= 1 && bm.block_k >= 1, [&] {
+    return "options.block_mask.block_q and block_k must be >= 1, got " + std::to_string(bm.block_q) + " and " +
+           std::to_string(bm.block_k);
+  });
   const TensorView& t = bm.blocks;
-  c.require(t.dtype() == DType::i32, std::string("options.block_mask.blocks must have dtype i32, got ") +
-                                         dtype_name(t.dtype()));
-  c.require(t.rank() == 4, "options.block_mask.blocks must have rank 4 [B or 1, Hq or 1, "
-                           "ceil(Lq/block_q), ceil(Lk/block_k)], got " + t.describe());
+  c.require(t.dtype() == DType::i32,
+            [&] { return std::string("options.block_mask.blocks must have dtype i32, got ") + dtype_name(t.dtype()); });
+  c.require(t.rank() == 4, [&] {
+    return "options.block_mask.blocks must have rank 4 [B or 1, Hq or 1, "
+           "ceil(Lq/block_q), ceil(Lk/block_k)], got " +
+           t.describe();
+  });
   c.nonnegative_strides(t, "options.block_mask.blocks");
   const int64_t want[4] = {B, Hq, blocks_for(max_lq, bm.block_q), blocks_for(max_lk, bm.block_k)};
   const char* names[4] = {"B", "Hq", "ceil(Lq/block_q)", "ceil(Lk/block_k)"};
@@ -46,10 +50,11 @@ void bind_block_mask(const Checker& c, const BlockMask& bm, int B, int Hq, int64
   const TensorView& tl = bm.tiles;
   if (!tl.empty()) {
     c.require(tl.dtype() == DType::boolean,
-              std::string("options.block_mask.tiles must be boolean, got ") + dtype_name(tl.dtype()));
-    c.require(tl.rank() == 3 && tl.size(1) == bm.block_q && tl.size(2) == bm.block_k,
-              "options.block_mask.tiles must be boolean [T, block_q=" + std::to_string(bm.block_q) +
-                  ", block_k=" + std::to_string(bm.block_k) + "], got " + tl.describe());
+              [&] { return std::string("options.block_mask.tiles must be boolean, got ") + dtype_name(tl.dtype()); });
+    c.require(tl.rank() == 3 && tl.size(1) == bm.block_q && tl.size(2) == bm.block_k, [&] {
+      return "options.block_mask.tiles must be boolean [T, block_q=" + std::to_string(bm.block_q) +
+             ", block_k=" + std::to_string(bm.block_k) + "], got " + tl.describe();
+    });
     c.nonnegative_strides(tl, "options.block_mask.tiles");
     c.last_contiguous(tl, "options.block_mask.tiles");
     c.require(tl.data() != nullptr || tl.numel() == 0, "options.block_mask.tiles has a null data pointer");

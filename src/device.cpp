@@ -73,9 +73,10 @@ cuda::ForwardParams forward_params(const Checker& c, const Problem& p, const Dev
   if (!cuda::supported_head_dim(p.d)) {
     c.fail("head dim d = " + std::to_string(p.d) + " is not supported on CUDA devices (64, 96, 128 or 256)");
   }
-  c.require(p.B < 65536 && p.Hq < 65536,
-            "on a CUDA device, the batch (" + std::to_string(p.B) + ") and the query heads (" +
-                std::to_string(p.Hq) + ") must each be below 65536");
+  c.require(p.B < 65536 && p.Hq < 65536, [&] {
+    return "on a CUDA device, the batch (" + std::to_string(p.B) + ") and the query heads (" + std::to_string(p.Hq) +
+           ") must each be below 65536";
+  });
   cuda::ForwardParams f;
   f.in = p.dtype == DType::bf16 ? cuda::Elem::bf16 : p.dtype == DType::f16 ? cuda::Elem::f16 : cuda::Elem::f32;
   f.B = p.B, f.Hq = p.Hq, f.Hkv = p.Hkv, f.d = p.d;

@@ -19,9 +19,9 @@ std::string str(int64_t x) { return std::to_string(x); }
 
 // A float tensor of rank 4 with a contiguous last dimension, present.
 void float4(const Checker& c, const TensorView& t, const char* name, const char* layout) {
-  c.require(!t.empty(), std::string(name) + " is required, got none");
+  c.require(!t.empty(), [&] { return std::string(name) + " is required, got none"; });
   c.require(is_float(t.dtype()),
-            std::string(name) + " must have dtype f32, bf16 or f16, got " + dtype_name(t.dtype()));
+            [&] { return std::string(name) + " must have dtype f32, bf16 or f16, got " + dtype_name(t.dtype()); });
   c.tensor(t, name, t.dtype(), 4, layout);
   c.last_contiguous(t, name);
 }
@@ -46,9 +46,11 @@ void check_cache(const Checker& c, const KVCache& cache, DecodeProblem& p, int64
   c.require(!cache.v.empty(), "cache.v is required, got none");
   const DType dt = cache.k.dtype();
   c.require(is_float(dt) || is_quantized_cache(dt),
-            std::string("cache.k must have dtype f32, bf16, f16, i8 or f8e4m3, got ") + dtype_name(dt));
-  c.require(cache.v.dtype() == dt, std::string("cache.v must have the dtype of cache.k (") + dtype_name(dt) +
-                                       "), got " + dtype_name(cache.v.dtype()));
+            [&] { return std::string("cache.k must have dtype f32, bf16, f16, i8 or f8e4m3, got ") + dtype_name(dt); });
+  c.require(cache.v.dtype() == dt, [&] {
+    return std::string("cache.v must have the dtype of cache.k (") + dtype_name(dt) + "), got " +
+           dtype_name(cache.v.dtype());
+  });
   const char* layout = cache.block_table.empty() ? "[B, capacity, Hkv, d]" : "[num_blocks, page_size, Hkv, d]";
   c.tensor(cache.k, "cache.k", dt, 4, layout);
   c.tensor(cache.v, "cache.v", dt, 4, layout);
@@ -63,12 +65,14 @@ void check_cache(const Checker& c, const KVCache& cache, DecodeProblem& p, int64
            " (shape[1]) must equal cache.k's, " + str(cache.k.size(1)) + ", got " + cache.v.describe());
   }
   c.dim_equals(cache.v, "cache.v", 2, cache.k.size(2), "Hkv, as cache.k");
-  c.require(cache.k.size(1) >= 1, std::string("cache.k's ") + (cache.block_table.empty() ? "capacity" : "page size") +
-                                       " (shape[1]) must be >= 1, got " + cache.k.describe());
-  c.require(cache.k.size(2) >= 1 && cache.k.size(3) >= 1 && cache.v.size(3) >= 1,
-            "cache.k and cache.v need Hkv >= 1 and d, dv >= 1, got " + cache.k.describe() + " and " +
-                cache.v.describe());
-  c.require(cache.k.size(1) <= INT32_MAX, "cache.k.shape[1] must fit int32, got " + cache.k.describe());
+  c.require(cache.k.size(1) >= 1, [&] {
+    return std::string("cache.k's ") + (cache.block_table.empty() ? "capacity" : "page size") +
+           " (shape[1]) must be >= 1, got " + cache.k.describe();
+  });
+  c.require(cache.k.size(2) >= 1 && cache.k.size(3) >= 1 && cache.v.size(3) >= 1, [&] {
+    return "cache.k and cache.v need Hkv >= 1 and d, dv >= 1, got " + cache.k.describe() + " and " + cache.v.describe();
+  });
+  c.require(cache.k.size(1) <= INT32_MAX, [&] { return "cache.k.shape[1] must fit int32, got " + cache.k.describe(); });
 
   p.cache_dtype = dt;
   p.Hkv = static_cast<int>(cache.k.size(2));
@@ -89,15 +93,20 @@ void check_cache(const Checker& c, const KVCache& cache, DecodeProblem& p, int64
   const std::vector<int64_t> scale_shape{cache.k.size(0), cache.k.size(1), cache.k.size(2)};
   for (auto [t, name, ct] : {std::tuple{&cache.k_scale, "cache.k_scale", &p.k}, {&cache.v_scale, "cache.v_scale", &p.v}}) {
     if (!quantized) {
-      c.require(t->empty(), std::string(name) + " is for quantized (i8, f8e4m3) caches only; this cache is " +
-                                dtype_name(dt));
+      c.require(t->empty(), [&] {
+        return std::string(name) + " is for quantized (i8, f8e4m3) caches only; this cache is " + dtype_name(dt);
+      });
       continue;
     }
-    c.require(!t->empty(), std::string(name) + " is required for an " + dtype_name(dt) + " cache (f32 [" +
-                               (p.paged ? "num_blocks, page_size" : "B, capacity") + ", Hkv]), got none");
+    c.require(!t->empty(), [&] {
+      return std::string(name) + " is required for an " + dtype_name(dt) + " cache (f32 [" +
+             (p.paged ? "num_blocks, page_size" : "B, capacity") + ", Hkv]), got none";
+    });
     c.tensor(*t, name, DType::f32, 3, "[pages, page_size, Hkv]");
-    c.require(t->shape() == scale_shape, std::string(name) + " must have shape " + shape_string(scale_shape) +
-                                              " (cache.k's first three dimensions), got " + t->describe());
+    c.require(t->shape() == scale_shape, [&] {
+      return std::string(name) + " must have shape " + shape_string(scale_shape) +
+             " (cache.k's first three dimensions), got " + t->describe();
+    });
     c.writable(*t, name);
     c.disjoint(*t, name, cache.k, "cache.k");
     c.disjoint(*t, name, cache.v, "cache.v");
@@ -191,9 +200,10 @@ void check_append(const Checker& c, const KVCacheOptions& kv, const KVCache& cac
   }
   float4(c, kv.k_new, "kv.k_new", "[B, Lnew, Hkv, d]");
   float4(c, kv.v_new, "kv.v_new", "[B, Lnew, Hkv, dv]");
-  c.require(kv.v_new.dtype() == kv.k_new.dtype(), std::string("kv.v_new must have the dtype of kv.k_new (") +
-                                                      dtype_name(kv.k_new.dtype()) + "), got " +
-                                                      dtype_name(kv.v_new.dtype()));
+  c.require(kv.v_new.dtype() == kv.k_new.dtype(), [&] {
+    return std::string("kv.v_new must have the dtype of kv.k_new (") + dtype_name(kv.k_new.dtype()) + "), got " +
+           dtype_name(kv.v_new.dtype());
+  });
   c.dim_equals(kv.k_new, "kv.k_new", 0, p.B, "B");
   c.dim_equals(kv.v_new, "kv.v_new", 0, p.B, "B");
   c.dim_equals(kv.v_new, "kv.v_new", 1, kv.k_new.size(1), "Lnew, as kv.k_new");
@@ -201,7 +211,8 @@ void check_append(const Checker& c, const KVCacheOptions& kv, const KVCache& cac
   c.dim_equals(kv.v_new, "kv.v_new", 2, p.Hkv, "Hkv, as the cache");
   c.dim_equals(kv.k_new, "kv.k_new", 3, p.d, "d, as cache.k");
   c.dim_equals(kv.v_new, "kv.v_new", 3, p.dv, "dv, as cache.v");
-  c.require(kv.k_new.size(1) <= INT32_MAX, "kv.k_new.shape[1] must fit int32, got " + kv.k_new.describe());
+  c.require(kv.k_new.size(1) <= INT32_MAX,
+            [&] { return "kv.k_new.shape[1] must fit int32, got " + kv.k_new.describe(); });
   for (const auto& [t, name] : {std::pair{&cache.k, "cache.k"}, {&cache.v, "cache.v"}, {&cache.k_scale, "cache.k_scale"},
                                 {&cache.v_scale, "cache.v_scale"}}) {
     c.disjoint(*t, name, kv.k_new, "kv.k_new");
@@ -224,17 +235,21 @@ void check_append(const Checker& c, const KVCacheOptions& kv, const KVCache& cac
   c.tensor(kv.rotary_sin, "kv.rotary_sin", DType::f32, 2, "[max_position, rotary_dim / 2]");
   c.last_contiguous(kv.rotary_cos, "kv.rotary_cos");
   c.last_contiguous(kv.rotary_sin, "kv.rotary_sin");
-  c.require(kv.rotary_sin.shape() == kv.rotary_cos.shape(), "kv.rotary_sin must have kv.rotary_cos's shape " +
-                                                                 kv.rotary_cos.describe() + ", got " +
-                                                                 kv.rotary_sin.describe());
+  c.require(kv.rotary_sin.shape() == kv.rotary_cos.shape(), [&] {
+    return "kv.rotary_sin must have kv.rotary_cos's shape " + kv.rotary_cos.describe() + ", got " +
+           kv.rotary_sin.describe();
+  });
   const int64_t rd = 2 * kv.rotary_cos.size(1);
-  c.require(rd >= 2 && rd <= p.d, "kv.rotary_cos.shape[1] (rotary_dim / 2) must be in 1 .. d/2 = " + str(p.d / 2) +
-                                      ", got " + kv.rotary_cos.describe());
+  c.require(rd >= 2 && rd <= p.d, [&] {
+    return "kv.rotary_cos.shape[1] (rotary_dim / 2) must be in 1 .. d/2 = " + str(p.d / 2) + ", got " +
+           kv.rotary_cos.describe();
+  });
   int64_t need = 0;
   for (int b = 0; b < p.B; ++b) need = std::max<int64_t>(need, int64_t{p.cached[b]} + p.Lnew);
-  c.require(kv.rotary_cos.size(0) >= need,
-            "kv.rotary_cos has " + str(kv.rotary_cos.size(0)) + " positions, but the appended tokens reach position " +
-                str(need - 1) + " (need shape[0] >= " + str(need) + ")");
+  c.require(kv.rotary_cos.size(0) >= need, [&] {
+    return "kv.rotary_cos has " + str(kv.rotary_cos.size(0)) + " positions, but the appended tokens reach position " +
+           str(need - 1) + " (need shape[0] >= " + str(need) + ")";
+  });
   p.rot_cos = kv.rotary_cos.data_as<const float>();
   p.rot_sin = kv.rotary_sin.data_as<const float>();
   p.cos_row = kv.rotary_cos.stride(0);
@@ -250,15 +265,19 @@ void check_options(const Checker& c, const AttentionOptions& o, DecodeProblem& p
   c.require(o.cu_seqlens_q.empty() && o.cu_seqlens_k.empty(),
             "options.cu_seqlens_q/k are not supported with a KV cache (cache_seqlens gives the lengths)");
   c.require(o.key_lengths.empty(), "options.key_lengths is not supported with a KV cache (cache_seqlens gives them)");
-  c.require(o.dropout_p == 0.0f, "options.dropout_p must be 0 with a KV cache (inference), got " +
-                                     std::to_string(o.dropout_p));
+  c.require(o.dropout_p == 0.0f, [&] {
+    return "options.dropout_p must be 0 with a KV cache (inference), got " + std::to_string(o.dropout_p);
+  });
   Problem& a = p.attn;
   const float scale = o.scale.value_or(static_cast<float>(1.0 / std::sqrt(static_cast<double>(p.d))));
-  c.require(std::isfinite(scale) && scale > 0.0f, "options.scale must be finite and > 0, got " + std::to_string(scale));
+  c.require(std::isfinite(scale) && scale > 0.0f,
+            [&] { return "options.scale must be finite and > 0, got " + std::to_string(scale); });
   c.require(std::isfinite(o.softcap) && o.softcap >= 0.0f,
-            "options.softcap must be 0 (off) or finite and > 0, got " + std::to_string(o.softcap));
-  c.require(o.window.left >= -1 && o.window.right >= -1, "options.window sides must be >= -1 (-1 = unbounded), got {" +
-                                                             str(o.window.left) + ", " + str(o.window.right) + "}");
+            [&] { return "options.softcap must be 0 (off) or finite and > 0, got " + std::to_string(o.softcap); });
+  c.require(o.window.left >= -1 && o.window.right >= -1, [&] {
+    return "options.window sides must be >= -1 (-1 = unbounded), got {" + str(o.window.left) + ", " +
+           str(o.window.right) + "}";
+  });
   a.scale = scale;
   a.softcap = o.softcap;
   a.causal = o.causal;
@@ -266,10 +285,12 @@ void check_options(const Checker& c, const AttentionOptions& o, DecodeProblem& p
   a.window_right = o.window.right;
   if (!o.alibi_slopes.empty()) {
     const TensorView& s = o.alibi_slopes;
-    c.require(s.dtype() == DType::f32, std::string("options.alibi_slopes must have dtype f32, got ") + dtype_name(s.dtype()));
-    c.require((s.rank() == 1 && s.size(0) == p.Hq) || (s.rank() == 2 && s.size(0) == p.B && s.size(1) == p.Hq),
-              "options.alibi_slopes must be [Hq] = [" + str(p.Hq) + "] or [B, Hq] = [" + str(p.B) + ", " + str(p.Hq) +
-                  "], got " + s.describe());
+    c.require(s.dtype() == DType::f32,
+              [&] { return std::string("options.alibi_slopes must have dtype f32, got ") + dtype_name(s.dtype()); });
+    c.require((s.rank() == 1 && s.size(0) == p.Hq) || (s.rank() == 2 && s.size(0) == p.B && s.size(1) == p.Hq), [&] {
+      return "options.alibi_slopes must be [Hq] = [" + str(p.Hq) + "] or [B, Hq] = [" + str(p.B) + ", " + str(p.Hq) +
+             "], got " + s.describe();
+    });
     c.nonnegative_strides(s, "options.alibi_slopes");
     c.on_device(s, "options.alibi_slopes");
     a.alibi = s.data_as<const float>();
@@ -287,7 +308,8 @@ DecodeProblem make_decode_problem(const char* fn, const TensorView& q, const KVC
   const Checker c(fn);
   DecodeProblem p;
   c.tensor(cache_seqlens, "cache_seqlens", DType::i32, 1, "[B]");
-  c.require(cache_seqlens.size(0) >= 1, "cache_seqlens must hold B >= 1 lengths, got " + cache_seqlens.describe());
+  c.require(cache_seqlens.size(0) >= 1,
+            [&] { return "cache_seqlens must hold B >= 1 lengths, got " + cache_seqlens.describe(); });
   c.require(cache_seqlens.size(0) <= INT32_MAX, "cache_seqlens: B must fit int32");
   p.B = static_cast<int>(cache_seqlens.size(0));
   check_cache(c, cache, p, p.B);
@@ -298,32 +320,38 @@ DecodeProblem make_decode_problem(const char* fn, const TensorView& q, const KVC
     float4(c, q, "q", "[B, Lq, Hq, d]");
     c.dim_equals(q, "q", 0, p.B, "B, the batch of cache_seqlens");
     c.dim_equals(q, "q", 3, p.d, "d, as cache.k");
-    c.require(q.size(1) >= 1 && q.size(1) <= INT32_MAX, "q needs 1 .. 2^31-1 queries (shape[1]), got " + q.describe());
-    c.require(q.size(2) >= 1 && q.size(2) % p.Hkv == 0,
-              "q.shape[2] (Hq) must be a positive multiple of the cache's Hkv = " + str(p.Hkv) + ", got " + q.describe());
+    c.require(q.size(1) >= 1 && q.size(1) <= INT32_MAX,
+              [&] { return "q needs 1 .. 2^31-1 queries (shape[1]), got " + q.describe(); });
+    c.require(q.size(2) >= 1 && q.size(2) % p.Hkv == 0, [&] {
+      return "q.shape[2] (Hq) must be a positive multiple of the cache's Hkv = " + str(p.Hkv) + ", got " + q.describe();
+    });
     p.Lq = static_cast<int>(q.size(1));
     p.Hq = static_cast<int>(q.size(2));
     p.q_dtype = q.dtype();
     p.q = q.data();
     p.q_b = q.stride(0), p.q_row = q.stride(1), p.q_head = q.stride(2);
     c.tensor(out, "out", q.dtype(), 4, "[B, Lq, Hq, dv]");
-    c.require(out.shape() == std::vector<int64_t>{p.B, p.Lq, p.Hq, p.dv},
-              "out must have shape " + shape_string({p.B, p.Lq, p.Hq, p.dv}) + " ([B, Lq, Hq, dv]), got " + out.describe());
+    c.require(out.shape() == std::vector<int64_t>{p.B, p.Lq, p.Hq, p.dv}, [&] {
+      return "out must have shape " + shape_string({p.B, p.Lq, p.Hq, p.dv}) + " ([B, Lq, Hq, dv]), got " +
+             out.describe();
+    });
     c.last_contiguous(out, "out");
     c.writable(out, "out");
     p.out = out.data();
     p.out_b = out.stride(0), p.out_row = out.stride(1), p.out_head = out.stride(2);
     if (!lse.empty()) {
       c.tensor(lse, "lse", DType::f32, 3, "[B, Hq, Lq]");
-      c.require(lse.shape() == std::vector<int64_t>{p.B, p.Hq, p.Lq},
-                "lse must have shape " + shape_string({p.B, p.Hq, p.Lq}) + " ([B, Hq, Lq]), got " + lse.describe());
+      c.require(lse.shape() == std::vector<int64_t>{p.B, p.Hq, p.Lq}, [&] {
+        return "lse must have shape " + shape_string({p.B, p.Hq, p.Lq}) + " ([B, Hq, Lq]), got " + lse.describe();
+      });
       c.writable(lse, "lse");
       p.lse = lse.data_as<float>();
       p.lse_b = lse.stride(0), p.lse_h = lse.stride(1), p.lse_i = lse.stride(2);
     }
     check_options(c, options, p);
-    c.require(kv.num_splits >= 0 && kv.num_splits <= kMaxKVSplits, "kv.num_splits must be 0 (automatic) .. " +
-                                                                        str(kMaxKVSplits) + ", got " + str(kv.num_splits));
+    c.require(kv.num_splits >= 0 && kv.num_splits <= kMaxKVSplits, [&] {
+      return "kv.num_splits must be 0 (automatic) .. " + str(kMaxKVSplits) + ", got " + str(kv.num_splits);
+    });
     p.num_splits = kv.num_splits;
   }
   // Every input may be read after an output is written, so outputs overlap nothing.
@@ -343,7 +371,7 @@ DecodeProblem make_decode_problem(const char* fn, const TensorView& q, const KVC
   p.cached.resize(p.B);
   for (int b = 0; b < p.B; ++b) {
     const int32_t n = cache_seqlens.data_as<const int32_t>()[b * cache_seqlens.stride(0)];
-    c.require(n >= 0, "cache_seqlens[" + str(b) + "] must be >= 0, got " + str(n));
+    c.require(n >= 0, [&] { return "cache_seqlens[" + str(b) + "] must be >= 0, got " + str(n); });
     p.cached[b] = n;
   }
   check_append(c, kv, cache, p);
@@ -351,16 +379,20 @@ DecodeProblem make_decode_problem(const char* fn, const TensorView& q, const KVC
       p.paged ? cache.block_table.size(1) * int64_t{p.page_size} : int64_t{p.page_size};
   for (int b = 0; b < p.B; ++b) {
     const int32_t n = p.cached[b];
-    c.require(int64_t{n} + p.Lnew <= capacity,
-              "cache_seqlens[" + str(b) + "] + Lnew = " + str(n) + " + " + str(p.Lnew) + " exceeds the cache's capacity " +
-                  str(capacity) + (p.paged ? " (max_blocks × page_size)" : " (cache.k.shape[1])"));
+    c.require(int64_t{n} + p.Lnew <= capacity, [&] {
+      return "cache_seqlens[" + str(b) + "] + Lnew = " + str(n) + " + " + str(p.Lnew) +
+             " exceeds the cache's capacity " + str(capacity) +
+             (p.paged ? " (max_blocks × page_size)" : " (cache.k.shape[1])");
+    });
   }
   read_pages(c, cache, p);
   if (attend && p.rot_cos != nullptr) {
     for (int b = 0; b < p.B; ++b) {
-      c.require(int64_t{p.cached[b]} + p.Lnew >= p.Lq,
-                "kv.rotary_cos: query i of sequence b rotates at position cache_seqlens[b] + Lnew - Lq + i, which is "
-                "negative for b = " + str(b) + " (" + str(p.cached[b]) + " + " + str(p.Lnew) + " - " + str(p.Lq) + ")");
+      c.require(int64_t{p.cached[b]} + p.Lnew >= p.Lq, [&] {
+        return "kv.rotary_cos: query i of sequence b rotates at position cache_seqlens[b] + Lnew - Lq + i, which is "
+               "negative for b = " +
+               str(b) + " (" + str(p.cached[b]) + " + " + str(p.Lnew) + " - " + str(p.Lq) + ")";
+      });
     }
   }
 
