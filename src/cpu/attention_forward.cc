@@ -87,8 +87,8 @@ PackLayout MakePackLayout(const Problem& p) {
 }
 
 /// Packs key tile `tile` of (b, hk): K transposed into a [d][Bk] panel, V into
-/// [Bk][dvp] rows; keys beyond Lk and columns beyond dv are zero (P is 0 there,
-/// and 0·0 keeps the products NaN-free). bf16/f16 rows are widened here, through
+/// [Bk][dvp] rows; keys beyond Lk up to the end of their vector, and columns
+/// beyond dv, are zero (P is 0 there, and 0·0 keeps the products NaN-free). bf16/f16 rows are widened here, through
 /// `buf` (max(d, dv) floats): this is the only pass over K and V in their dtype.
 /// The next kv head's rows of the same keys are requested meanwhile (PrefetchRows).
 void PackTile(const Problem& p, const PackLayout& pl, float* pack, int b, int hk, int tile, float* buf) {
@@ -100,15 +100,20 @@ void PackTile(const Problem& p, const PackLayout& pl, float* pack, int b, int hk
     PrefetchRows(p.dtype, p.k, k0 + p.k_head, p.k_row, p.d, 0, nk);
     PrefetchRows(p.dtype, p.v, v0 + p.v_head, p.v_row, p.dv, 0, nk);
   }
+  // Only key vectors that hold a key are read (QkRows and PvRows stop at the last
+  // key's vector), so a short last tile zeros no more than that vector's padding.
+  const int zero_to = RoundUp(nk, kLanes);
   float* kt = pl.K(pack, p, b, hk) + static_cast<size_t>(tile) * kBk * p.d;
   if (p.dtype == DType::f32) {
-    PackPanel(p.k + k0, p.k_row, nk, p.d, kt);
+    PackPanel(p.k + k0, p.k_row, nk, p.d, kt, zero_to);
   } else {
-    PackPanelRows([&](int j) { return RowF32(p.dtype, p.k, k0 + j * p.k_row, p.d, buf); }, nk, p.d, kt);
+    PackPanelRows([&](int j) { return RowF32(p.dtype, p.k, k0 + j * p.k_row, p.d, buf); }, nk, p.d, kt, 0,
+                  zero_to);
   }
   float* v = pl.V(pack, p, b, hk) + static_cast<size_t>(j0) * pl.dvp;
-  PackRowsFrom([&](int j) { return RowF32(p.dtype, p.v, v0 + j * p.v_row, p.dv, buf); }, nk, p.dv, pl.dvp, v);
-  pl.VNonFinite(p, b, hk, tile) = !AllFinite(v, static_cast<size_t>(kBk) * pl.dvp);
+  PackRowsFrom([&](int j) { return RowF32(p.dtype, p.v, v0 + j * p.v_row, p.dv, buf); }, nk, p.dv, pl.dvp, v,
+               zero_to);
+  pl.VNonFinite(p, b, hk, tile) = !AllFinite(v, static_cast<size_t>(zero_to) * pl.dvp);
   TrafficCounters::add(traffic().packed_bytes, static_cast<uint64_t>(nk) * (p.d + p.dv) * sizeof(float));
 }
 
@@ -156,10 +161,11 @@ struct TileScratch {
 };
 
 /// Loads the query tile whose row 0 is element q0 of p.q, scaled by `scale` (so S
-/// needs no extra multiply; bf16/f16 rows widened through buf); zeros the padding rows.
-void LoadQueryTile(const Problem& p, int64_t q0, int rows, float* dst, float* buf) {
+/// needs no extra multiply; bf16/f16 rows widened through buf); zeros the padding
+/// rows up to `rows_used`, the rows the row blocks read.
+void LoadQueryTile(const Problem& p, int64_t q0, int rows, int rows_used, float* dst, float* buf) {
   const float scale = p.scale;
-  for (int r = 0; r < kBq; ++r) {
+  for (int r = 0; r < rows_used; ++r) {
     float* row = dst + static_cast<size_t>(r) * p.d;
     if (r < rows) {
       const float* src = RowF32(p.dtype, p.q, q0 + int64_t{r} * p.q_row, p.d, buf);
@@ -173,10 +179,10 @@ void LoadQueryTile(const Problem& p, int64_t q0, int rows, float* dst, float* bu
 /// S for the tile plus modifiers and masks. Each block of kRowsPerBlock rows
 /// computes only the key vectors its rows' bands reach (on a causal diagonal,
 /// about 5/8 of the tile) and records that range for the P·V product; the other
-/// scores, and whole blocks of padding rows, are −∞.
+/// scores are −∞. Only the first rows_used rows (whole blocks) are written.
 void ScoreTile(const Problem& p, const Sequence& seq, const TileScratch& w, const float* kt,
-               const TilePlace& place) {
-  for (int r = 0, blk = 0; r < kBq; r += kRowsPerBlock, ++blk) {
+               const TilePlace& place, int rows_used) {
+  for (int r = 0, blk = 0; r < rows_used; r += kRowsPerBlock, ++blk) {
     BlockKeyVectors(w.lo, w.hi, r, place.rows, place.j0, &w.first[blk], &w.count[blk]);
     QkRows(w.q + static_cast<size_t>(r) * p.d, p.d, kt, p.d, w.s + r * kBk, kBk, w.first[blk],
            w.count[blk]);
@@ -189,6 +195,10 @@ void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int
   const Sequence& seq = p.seqs[b];
   const int hk = h / p.group();
   const int i0 = qt * kBq, rows = std::min(kBq, seq.Lq - i0);
+  // Whole row blocks past the last real row see no key (their scores are −∞ and
+  // P·V skips them), so a short tile does only its own blocks' work: the softmax,
+  // the zeroing and the query load of 64 rows were most of a one-token call.
+  const int rows_used = RoundUp(rows, kRowsPerBlock);
   const int dvp = pl.dvp;
   TileScratch w(p.d, dvp);
 
@@ -198,10 +208,10 @@ void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int
     BandOfRow(p, seq, i0 + r, &w.lo[r], &w.hi[r]);
     if (w.lo[r] <= w.hi[r]) jmin = std::min(jmin, w.lo[r]), jmax = std::max(jmax, w.hi[r]);
   }
-  LoadQueryTile(p, seq.q_offset + h * p.q_head + int64_t{i0} * p.q_row, rows, w.q, w.row);
-  std::fill(w.o, w.o + size_t{kBq} * dvp, 0.0f);
+  LoadQueryTile(p, seq.q_offset + h * p.q_head + int64_t{i0} * p.q_row, rows, rows_used, w.q, w.row);
+  std::fill(w.o, w.o + static_cast<size_t>(rows_used) * dvp, 0.0f);
   std::fill(w.m, w.m + kBq, -HUGE_VALF);
-  std::fill(w.l, w.l + kBq * kLanes, 0.0f);
+  std::fill(w.l, w.l + rows_used * kLanes, 0.0f);
 
   const float* kpack = pl.K(pack, p, b, hk);
   const float* vpack = pl.V(pack, p, b, hk);
@@ -211,13 +221,13 @@ void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int
     const TilePlace place{b, h, i0, rows, j0, std::min(kBk, seq.Lk - j0), w.lo, w.hi};
     // A tile the block mask removes whole adds nothing (as a tile of −∞ would not).
     if (BlockMaskCover(p, b, h, i0, rows, j0, place.cols) == Cover::kEmpty) continue;
-    ScoreTile(p, seq, w, kpack + static_cast<size_t>(t) * kBk * p.d, place);
+    ScoreTile(p, seq, w, kpack + static_cast<size_t>(t) * kBk * p.d, place, rows_used);
     const bool careful = pl.VNonFinite(p, b, hk, t) != 0;
-    if (careful) std::memcpy(w.kept, w.s, sizeof(float) * kBq * kBk);
-    if (!SoftmaxTile(w.s, kBk, kBq, w.m, w.l, w.alpha, w.tmp)) continue;
+    if (careful) std::memcpy(w.kept, w.s, sizeof(float) * rows_used * kBk);
+    if (!SoftmaxTile(w.s, kBk, rows_used, w.m, w.l, w.alpha, w.tmp)) continue;
     if (p.dropout_p > 0.0f) ApplyDropout(p, b, h, i0, rows, j0, w.s, kBk);
     const float* vt = vpack + static_cast<size_t>(j0) * dvp;
-    for (int r = 0, blk = 0; r < kBq; r += kRowsPerBlock, ++blk) {
+    for (int r = 0, blk = 0; r < rows_used; r += kRowsPerBlock, ++blk) {
       // A block that saw no key of this tile kept its max: α = 1, nothing to add.
       if (w.count[blk] <= 0) continue;
       const int jb = w.first[blk] * kLanes, nk = w.count[blk] * kLanes;
@@ -267,7 +277,7 @@ void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int
       const int j0 = t * kBk, cols = std::min(kBk, seq.Lk - j0);
       const TilePlace place{b, h, i0, rows, j0, cols, w.lo, w.hi};
       if (BlockMaskCover(p, b, h, i0, rows, j0, cols) == Cover::kEmpty) continue;
-      ScoreTile(p, seq, w, kpack + static_cast<size_t>(t) * kBk * p.d, place);
+      ScoreTile(p, seq, w, kpack + static_cast<size_t>(t) * kBk * p.d, place, rows_used);
       for (int r = 0; r < rows; ++r) {
         if (w.m[r] == -HUGE_VALF) continue;  // no visible key: the row stays 0
         float* row = w.s + r * kBk;

@@ -188,19 +188,31 @@ HWY_INLINE bool AllFinite(const float* HWY_RESTRICT x, size_t n) {
 }
 
 /// Packs rows first..nk−1 of `width` floats (row j at row_at(j), called once per
-/// row in order) transposed into a [width][Bk] panel; rows nk..Bk are zero. (QkRows
-/// reads K, and V, this way.)
+/// row in order) transposed into a [width][Bk] panel; rows nk..zero_to−1 are zero
+/// (zero_to = Bk, or for a reader that never reaches a key vector past the last
+/// key, nk rounded up to whole vectors). (QkRows reads K, and V, this way.)
 template <class RowAt>
-HWY_INLINE void PackPanelRows(const RowAt& row_at, int nk, int width, float* dst, int first = 0) {
+HWY_INLINE void PackPanelRows(const RowAt& row_at, int nk, int width, float* dst, int first = 0,
+                              int zero_to = kBk) {
+  // The padding keys first, as whole vectors of each panel row from the one that
+  // holds key max(first, nk) (the real keys among them are written below): one
+  // store per float down a column cost a one-token call half its time.
+  // (A fixed trip count with a test, not a loop from `pad`: GCC turns that loop
+  // into a `rep stos` per row, which costs more than the stores.)
+  const int pad = std::max(first, nk) / kLanes * kLanes;
+  if (pad < zero_to) {
+    const DF df;
+    for (int c = 0; c < width; ++c) {
+      for (int n = 0; n < kKeyVectors; ++n) {
+        if (n * kLanes >= pad && n * kLanes < zero_to) hn::StoreU(hn::Zero(df), df, dst + static_cast<size_t>(c) * kBk + n * kLanes);
+      }
+    }
+  }
   // Row by row: rows are often 4 KiB apart (H·d floats), so walking a column
   // would touch 64 lines of one L1 set; a row is contiguous, the panel is in L1.
-  for (int j = first; j < kBk; ++j) {
-    if (j < nk) {
-      const float* row = row_at(j);
-      for (int c = 0; c < width; ++c) dst[static_cast<size_t>(c) * kBk + j] = row[c];
-    } else {
-      for (int c = 0; c < width; ++c) dst[static_cast<size_t>(c) * kBk + j] = 0.0f;
-    }
+  for (int j = first; j < nk; ++j) {
+    const float* row = row_at(j);
+    for (int c = 0; c < width; ++c) dst[static_cast<size_t>(c) * kBk + j] = row[c];
   }
 }
 
@@ -237,7 +249,7 @@ HWY_INLINE void Transpose16x16(__m512 r[16]) {
 
 /// PackPanelRows of rows src + j·src_ld (f32 rows in place), by 16 × 16 blocks
 /// where AVX-512 has them.
-HWY_INLINE void PackPanel(const float* src, int64_t src_ld, int nk, int width, float* dst) {
+HWY_INLINE void PackPanel(const float* src, int64_t src_ld, int nk, int width, float* dst, int zero_to = kBk) {
   int first = 0;
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
   const int full_cols = width / 16 * 16;
@@ -254,15 +266,15 @@ HWY_INLINE void PackPanel(const float* src, int64_t src_ld, int nk, int width, f
     }
   }
 #endif
-  PackPanelRows([&](int j) { return src + int64_t{j} * src_ld; }, nk, width, dst, first);
+  PackPanelRows([&](int j) { return src + int64_t{j} * src_ld; }, nk, width, dst, first, zero_to);
 }
 
 /// Copies nk rows of `width` floats (row j at row_at(j)) into Bk rows of `padded`
-/// floats (a multiple of kLanes); the padding columns and rows nk..Bk are zero
-/// (0·0 keeps products of padding NaN-free).
+/// floats (a multiple of kLanes); the padding columns and rows nk..zero_to−1 are
+/// zero (0·0 keeps products of padding NaN-free; zero_to as for PackPanelRows).
 template <class RowAt>
-HWY_INLINE void PackRowsFrom(const RowAt& row_at, int nk, int width, int padded, float* dst) {
-  for (int j = 0; j < kBk; ++j) {
+HWY_INLINE void PackRowsFrom(const RowAt& row_at, int nk, int width, int padded, float* dst, int zero_to = kBk) {
+  for (int j = 0; j < zero_to; ++j) {
     float* row = dst + static_cast<size_t>(j) * padded;
     if (j < nk) {
       std::memcpy(row, row_at(j), sizeof(float) * width);
