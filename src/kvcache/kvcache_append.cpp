@@ -89,7 +89,7 @@ std::vector<float> prepare_queries(const DecodeProblem& p, int multiple) {
       for (int i = 0; i < p.Lq; ++i) {
         float* dst = qs.data() + ((static_cast<size_t>(b) * p.Hq + h) * p.Lq + i) * dp;
         const int64_t at = b * p.q_b + i * p.q_row + h * p.q_head;
-        for (int x = 0; x < p.d; ++x) dst[x] = load_f32(p.q_dtype, p.q, at + x);
+        load_f32_row(p.q_dtype, p.q, at, dst, p.d);
         rotate(p, dst, int64_t{p.cached[b]} + p.Lnew - p.Lq + i);
         for (int x = 0; x < p.d; ++x) dst[x] *= p.attn.scale;
       }

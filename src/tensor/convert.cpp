@@ -18,17 +18,21 @@ float float_of(uint32_t u) {
   std::memcpy(&f, &u, 4);
   return f;
 }
+
+inline uint16_t bf16_of(float f) {
+  const uint32_t u = bits_of(f);
+  // Round to nearest, ties to even: add 0x7fff plus the lowest kept bit. Overflow
+  // carries into the exponent and gives ±inf, as it should. NaN stays a quiet NaN.
+  // (A select, not an early return, so that rows of it vectorise.)
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t quiet = (u >> 16) | 0x0040u;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+}
 }  // namespace
 
 float bf16_to_f32(uint16_t h) { return float_of(uint32_t{h} << 16); }
 
-uint16_t f32_to_bf16(float f) {
-  const uint32_t u = bits_of(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);  // quiet NaN
-  // Round to nearest, ties to even: add 0x7fff plus the lowest kept bit. Overflow
-  // carries into the exponent and gives ±inf, as it should.
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+uint16_t f32_to_bf16(float f) { return bf16_of(f); }
 
 float f16_to_f32(uint16_t h) {
   const uint32_t sign = uint32_t{h & 0x8000u} << 16;
@@ -84,6 +88,38 @@ uint8_t f32_to_f8e4m3(float f) {
   // Normal: rebias the exponent (127 → 7) and round the mantissa 23 → 3 bits.
   const uint32_t r = a - (uint32_t{120} << 23);
   return static_cast<uint8_t>(sign | ((r + 0x7ffffu + ((r >> 20) & 1u)) >> 20));
+}
+
+void load_f32_row(DType dt, const void* base, int64_t at, float* dst, int64_t n) {
+  switch (dt) {
+    case DType::bf16: {
+      const uint16_t* p = static_cast<const uint16_t*>(base) + at;
+      for (int64_t i = 0; i < n; ++i) dst[i] = float_of(uint32_t{p[i]} << 16);
+      break;
+    }
+    case DType::f16: {
+      const uint16_t* p = static_cast<const uint16_t*>(base) + at;
+      for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(p[i]);
+      break;
+    }
+    default: std::memcpy(dst, static_cast<const float*>(base) + at, sizeof(float) * static_cast<size_t>(n));
+  }
+}
+
+void store_f32_row(DType dt, void* base, int64_t at, const float* src, int64_t n) {
+  switch (dt) {
+    case DType::bf16: {
+      uint16_t* p = static_cast<uint16_t*>(base) + at;
+      for (int64_t i = 0; i < n; ++i) p[i] = bf16_of(src[i]);
+      break;
+    }
+    case DType::f16: {
+      uint16_t* p = static_cast<uint16_t*>(base) + at;
+      for (int64_t i = 0; i < n; ++i) p[i] = f32_to_f16(src[i]);
+      break;
+    }
+    default: std::memcpy(static_cast<float*>(base) + at, src, sizeof(float) * static_cast<size_t>(n));
+  }
 }
 
 std::vector<float> to_f32_contiguous(const TensorView& src, bool round_bf16) {

@@ -42,6 +42,14 @@ inline void store_f32(DType dt, void* base, int64_t at, float x) {
   }
 }
 
+/// n consecutive elements from element `at` of an f32, bf16 or f16 array, as f32
+/// (the same values as load_f32, in loops the compiler vectorises).
+void load_f32_row(DType dt, const void* base, int64_t at, float* dst, int64_t n);
+
+/// n f32 values into consecutive elements from `at` of an f32, bf16 or f16 array,
+/// rounded as store_f32 rounds.
+void store_f32_row(DType dt, void* base, int64_t at, const float* src, int64_t n);
+
 /// f rounded to the nearest bf16 (or f16) value, as an f32.
 inline float round_to_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 inline float round_to_f16(float f) { return f16_to_f32(f32_to_f16(f)); }
