@@ -19,6 +19,7 @@ For PyTorch training, ``attn.torch.scaled_dot_product_attention`` is the same fu
 as a ``torch.autograd.Function``.
 """
 
+import math as _math
 import secrets as _secrets
 import threading as _threading
 
@@ -92,8 +93,12 @@ def _array(x, name, kinds=("f",), allow_none=False):
 def _merge_batch(x, name, batch):
     """x [..., a, b, c] as [B, a, b, c] with B the product of the leading dims (a view when possible)."""
     global _copies
-    merged = x.reshape((int(_np.prod(batch, dtype=_np.int64)),) + x.shape[len(batch):])
-    if x.size and not _np.shares_memory(merged, x):
+    if len(batch) == 1:
+        return x  # already [B, a, b, c]
+    merged = x.reshape((_math.prod(batch),) + x.shape[len(batch):])
+    # One leading dim or none always reshapes to a view; only merging several may copy.
+    # (shares_memory is exact but slow: ~1 µs, three times a call.)
+    if len(batch) > 1 and x.size and not _np.shares_memory(merged, x):
         _copies += 1
     return merged
 
