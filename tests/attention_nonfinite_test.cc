@@ -193,6 +193,35 @@ TEST(NonFinite, NanKeyAmongRemovedKeysMakesTheRowNan) {
   });
 }
 
+// A short last key tile packs (zeros) keys only up to its last key's vector, the
+// last one the kernel reads; the rest of the packed tile keeps whatever an earlier
+// call left there. So after a call whose keys and values past the first vector are
+// NaN and ∞, a call with 5 keys (and then 21) must still be finite and right.
+TEST(NonFinite, AShortCallReadsNothingAnEarlierCallLeftInThePacking) {
+  on_every_target([] {
+    auto rng = make_rng(1251);
+    Case poison;
+    poison.Lq = 3, poison.Lk = 64, poison.d = 8, poison.dv = 8;
+    poison.randomize(rng);
+    for (int j = 4; j < poison.Lk; ++j) {
+      for (int x = 0; x < poison.d; ++x) poison.k[size_t(j) * poison.d + x] = j % 2 ? kNaN : kInf;
+      for (int x = 0; x < poison.dv; ++x) poison.v[size_t(j) * poison.dv + x] = j % 3 ? -kInf : kNaN;
+    }
+    for (int lk : {5, 21}) {
+      for (Causal causal : {Causal::None, Causal::BottomRight}) {
+        run(poison, false, false);
+        Case c;
+        c.Lq = 3, c.Lk = lk, c.d = 8, c.dv = 8;
+        c.opt.causal = causal;
+        c.randomize(rng);
+        const Outputs f = run(c, false, false);
+        for (float x : f.out) ASSERT_TRUE(std::isfinite(x)) << "Lk " << lk;
+        EXPECT_TRUE(agree(c, false)) << "Lk " << lk;
+      }
+    }
+  });
+}
+
 // +∞ scores: the reference's softmax gives e^(∞ − ∞) = NaN, as PyTorch does.
 TEST(NonFinite, InfiniteScoreMakesTheRowNan) {
   on_every_target([] {

@@ -208,3 +208,42 @@ def test_block_mask_through_the_custom_op_and_compile(rng):
     got_compiled = grads(compiled)
     for a, b, c in zip(want, got, got_compiled):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@needs_torch2
+def test_eager_calls_match_the_custom_operator(rng):
+    # Eager calls on CPU tensors skip the operator's dispatch (attn.torch._traced): their
+    # outputs and gradients must be the operator's, bit for bit, with and without autograd.
+    q, k, v = _qkv(rng)
+    mask = torch.from_numpy(rng.uniform(-1, 1, (17, 23)).astype(np.float32)).requires_grad_(True)
+    assert not at._traced(q, k, v, mask, None)
+
+    def grads(fn):
+        for t in (q, k, v, mask):
+            t.grad = None
+        out = fn()
+        out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape))
+        return [out.detach().clone()] + [t.grad.clone() for t in (q, k, v, mask)]
+
+    eager = grads(lambda: at.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True, enable_gqa=True,
+                                                          precision="f32"))
+    args = (q, k, v, mask, None, 0.0, True, None, True, False, -1, -1, 0.0, 0, None, None, 0, 0, "f32")
+    op = grads(lambda: torch.ops.attn.sdpa(*args)[0])
+    for a, b in zip(eager, op):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        out = at.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True, enable_gqa=True,
+                                              precision="f32")
+    assert torch.equal(out, op[0])
+
+
+@needs_torch2
+def test_fake_tensors_take_the_custom_operator():
+    # Under a FakeTensorMode (what torch.compile and export trace with) the call must go
+    # through the operator's fake implementation, which gives shapes without data.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q, k, v = torch.empty(2, 4, 17, 16), torch.empty(2, 2, 23, 16), torch.empty(2, 2, 23, 8)
+        assert at._traced(q, k, v, None, None)
+        out = at.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        assert out.shape == (2, 4, 17, 8)
