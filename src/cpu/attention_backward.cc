@@ -176,6 +176,10 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
   const int dp = sh.pack_layout.dp, dvp = RoundUp(p.dv, kLanes);
   const int i0 = qt * kBq, rows = std::min(kBq, seq.Lq - i0);
   const int j0 = kt * kBk, nk = std::min(kBk, seq.Lk - j0);
+  // Only whole row blocks up to the last query row, and key row blocks up to the
+  // last key, carry anything (the rest are padding: no key, P = 0), so a short tile
+  // skips the others, as the forward does.
+  const int rows_used = RoundUp(rows, kRowsPerBlock), keys_used = RoundUp(nk, kRowsPerBlock);
   const float* tile = sh.pack_layout.Tile(sh.pack, p, b, hk, kt);
   const float* kpanel = tile;
   const float* vpanel = tile + size_t{kBk} * p.d;
@@ -187,7 +191,7 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
   // when the two are close, so the rounding of the base-2 conversion applies to
   // the small difference; converting S and lse to base 2 first (as the forward
   // does) would cost eps·|lse| in every P, visible in dbias.
-  for (int r = 0; r < kBq; ++r) {
+  for (int r = 0; r < rows_used; ++r) {
     float* qr = w.q + size_t(r) * dp;
     float* gr = w.dout + size_t(r) * dvp;
     if (r < rows) {
@@ -207,12 +211,12 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
       w.lse[r] = -HUGE_VALF, w.dsum[r] = 0.0f, w.inv_l[r] = 1.0f;
     }
   }
-  const bool careful = sh.pack_layout.NonFinite(p, b, hk, kt) != 0 ||
-                       !AllFinite(w.q, size_t{kBq} * dp) || !AllFinite(w.dout, size_t{kBq} * dvp);
+  const bool careful = sh.pack_layout.NonFinite(p, b, hk, kt) != 0 || !AllFinite(w.q, size_t(rows_used) * dp) ||
+                       !AllFinite(w.dout, size_t(rows_used) * dvp);
 
   // S (only the key vectors each 4-row block's band reaches), modifiers, masks.
   const TilePlace place{b, h, i0, rows, j0, nk, w.lo, w.hi};
-  for (int r = 0, blk = 0; r < kBq; r += kRowsPerBlock, ++blk) {
+  for (int r = 0, blk = 0; r < rows_used; r += kRowsPerBlock, ++blk) {
     BlockKeyVectors(w.lo, w.hi, r, rows, j0, &w.first[blk], &w.count[blk]);
     QkRows(w.q + size_t(r) * dp, dp, kpanel, p.d, w.s + r * kBk, kBk, w.first[blk], w.count[blk]);
   }
@@ -221,10 +225,10 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
   ApplyScoreMods(p, seq, place, w.s, kBk, TileNeedsBand(place), save_raw ? w.raw : nullptr,
                  save_pre ? w.pre_mod : nullptr);
 
-  std::memcpy(w.kept, w.s, sizeof(float) * kBq * kBk);
+  std::memcpy(w.kept, w.s, sizeof(float) * rows_used * kBk);
   // P = e^(S − m) / l (m = lse, l = 1 but for RowStats' rows); rows without a
   // visible key (lse = −∞) and padding: 0.
-  for (int r = 0; r < kBq; ++r) {
+  for (int r = 0; r < rows_used; ++r) {
     float* row = w.s + r * kBk;
     if (w.lse[r] == -HUGE_VALF) {  // and every key of the row counts as removed
       for (int n = 0; n < kKeyVectors; ++n) {
@@ -248,19 +252,19 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
   if (dropout) {
     const DropoutRng rng = dropout_rng(p);
     const float inv_keep = 1.0f / (1.0f - p.dropout_p);
-    std::fill(w.drop, w.drop + size_t{kBq} * kBk, 0.0f);
+    std::fill(w.drop, w.drop + size_t(rows_used) * kBk, 0.0f);
     for (int r = 0; r < rows; ++r) {
       for (int j = 0; j < kBk; j += 4) {
         const unsigned keep = keep4_at(rng, p, b, h, i0 + r, j0 + j);
         for (int n = 0; n < 4; ++n) w.drop[r * kBk + j + n] = (keep >> n) & 1u ? inv_keep : 0.0f;
       }
     }
-    for (size_t n = 0; n < size_t{kBq} * kBk; ++n) w.p[n] = w.s[n] * w.drop[n];
+    for (size_t n = 0; n < size_t(rows_used) * kBk; ++n) w.p[n] = w.s[n] * w.drop[n];
     pd = w.p;
   }
 
   // dV += P'ᵀ·dO (rows: keys, inner: queries).
-  for (int kr = 0; kr < kBk; kr += kRowsPerBlock) {
+  for (int kr = 0; kr < keys_used; kr += kRowsPerBlock) {
     if (careful) {
       PvRowsGated(pd + kr, 1, kBk, w.kept + kr, 1, kBk, -HUGE_VALF, w.dout, dvp, rows, nullptr,
                   w.dv + size_t(kr) * dvp);
@@ -270,11 +274,11 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
   }
 
   // dP = dO·Vᵀ over the same key vectors as S; dropout: dP ← dP·mask/(1 − p).
-  for (int r = 0, blk = 0; r < kBq; r += kRowsPerBlock, ++blk) {
+  for (int r = 0, blk = 0; r < rows_used; r += kRowsPerBlock, ++blk) {
     QkRows(w.dout + size_t(r) * dvp, dvp, vpanel, p.dv, w.ds + r * kBk, kBk, w.first[blk], w.count[blk]);
   }
   if (dropout) {  // −∞ (keys outside the block's vectors) times 0 is NaN: P = 0 there, masked below
-    for (size_t n = 0; n < size_t{kBq} * kBk; ++n) w.ds[n] *= w.drop[n];
+    for (size_t n = 0; n < size_t(rows_used) * kBk; ++n) w.ds[n] *= w.drop[n];
   }
 
   // dS = P ∘ (dP − D), the gradient of the final scores; 0 for removed keys
@@ -282,7 +286,7 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
   // computed for a visible key whose P underflowed, as in the reference.
   const bool keep_raw = p.softcap > 0.0f;
   const bool keep_pre = p.mods != nullptr && p.mods->grad_tile != nullptr;
-  for (int r = 0; r < kBq; ++r) {
+  for (int r = 0; r < rows_used; ++r) {
     float* dsr = w.ds + r * kBk;
     const float* pr = w.s + r * kBk;
     const float* kr = w.kept + r * kBk;
@@ -315,21 +319,21 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
     }
   }
   // s = scale·q·k: dK += dSᵀ·(scale·Q), dQ = scale·(dS·K).
-  std::fill(w.dq, w.dq + size_t{kBq} * dp, 0.0f);
+  std::fill(w.dq, w.dq + size_t(rows_used) * dp, 0.0f);
   if (careful) {
-    for (int kr = 0; kr < kBk; kr += kRowsPerBlock) {
+    for (int kr = 0; kr < keys_used; kr += kRowsPerBlock) {
       PvRowsGated(w.ds + kr, 1, kBk, w.kept + kr, 1, kBk, -HUGE_VALF, w.q, dp, rows, nullptr,
                   w.dk + size_t(kr) * dp);
     }
-    for (int r = 0; r < kBq; r += kRowsPerBlock) {
+    for (int r = 0; r < rows_used; r += kRowsPerBlock) {
       PvRowsGated(w.ds + r * kBk, kBk, 1, w.kept + r * kBk, kBk, 1, -HUGE_VALF, krows, dp, nk, nullptr,
                   w.dq + size_t(r) * dp);
     }
   } else {
-    for (int kr = 0; kr < kBk; kr += kRowsPerBlock) {
+    for (int kr = 0; kr < keys_used; kr += kRowsPerBlock) {
       PvRows(w.ds + kr, 1, kBk, w.q, dp, rows, nullptr, w.dk + size_t(kr) * dp);
     }
-    for (int r = 0; r < kBq; r += kRowsPerBlock) {
+    for (int r = 0; r < rows_used; r += kRowsPerBlock) {
       PvRows(w.ds + r * kBk, kBk, 1, krows, dp, nk, nullptr, w.dq + size_t(r) * dp);
     }
   }
@@ -404,8 +408,10 @@ void BackwardItem(const BwdShared& sh, int b, int hk, int kt) {
   const Sequence& seq = p.seqs[b];
   const int dp = sh.pack_layout.dp, dvp = RoundUp(p.dv, kLanes);
   BwdScratch w(dp, dvp);
-  std::fill(w.dk, w.dk + size_t{kBkRows} * dp, 0.0f);
-  std::fill(w.dv, w.dv + size_t{kBkRows} * dvp, 0.0f);
+  // Key rows past the last key's row block get nothing (BackwardTilePair's keys_used).
+  const int keys_used = RoundUp(std::min(kBk, seq.Lk - kt * kBk), kRowsPerBlock);
+  std::fill(w.dk, w.dk + size_t(keys_used) * dp, 0.0f);
+  std::fill(w.dv, w.dv + size_t(keys_used) * dvp, 0.0f);
   const int nqt = QueryTiles(seq.Lq);
   for (int h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
     for (int qt = 0; qt < nqt; ++qt) {
