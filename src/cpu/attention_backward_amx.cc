@@ -230,16 +230,21 @@ ATTN_AMX bool PackQueryTile(const BwdAmxShared& sh, int b, int h, int qt, bf16* 
     sh.dsum[row] = acc;
   }
   // The transposes, piece by piece, written in order (strided reads of the rows just
-  // packed, in L1; strided 2-byte writes cost several times more).
+  // packed, in L1; strided 2-byte writes cost several times more). Rows past Lq are
+  // zero (PackedRow), so their columns are filled, not copied: a one-token tile spent
+  // a third of its backward here.
   const int tw = pieces * kBq;  // a transposed row: [hi 64 | lo 64]
+  const int rows = std::clamp(seq.Lq - qt * kBq, 0, kBq);
   for (int piece = 0; piece < pieces; ++piece) {
     for (int c = 0; c < dp; ++c) {
       bf16* dst = qc + static_cast<size_t>(c) * tw + piece * kBq;
-      for (int r = 0; r < kBq; ++r) dst[r] = qr[static_cast<size_t>(r) * qw + piece * dp + c];
+      for (int r = 0; r < rows; ++r) dst[r] = qr[static_cast<size_t>(r) * qw + piece * dp + c];
+      std::fill(dst + rows, dst + kBq, bf16{0});
     }
     for (int c = 0; c < dvp; ++c) {
       bf16* dst = gc + static_cast<size_t>(c) * tw + piece * kBq;
-      for (int r = 0; r < kBq; ++r) dst[r] = gr[static_cast<size_t>(r) * gw + piece * dvp + c];
+      for (int r = 0; r < rows; ++r) dst[r] = gr[static_cast<size_t>(r) * gw + piece * dvp + c];
+      std::fill(dst + rows, dst + kBq, bf16{0});
     }
   }
   return ok;
@@ -468,8 +473,9 @@ ATTN_AMX void BackwardItem(const BwdAmxShared& sh, int b, int hk, int kb) {
   const int dp = sh.lay.dp, dvp = sh.lay.dvp;
   BwdAmxScratch w(dp, dvp, sh.lay.pieces);
   const int kt0 = kb * kItemTiles, kt1 = std::min(KeyTiles(seq.Lk), kt0 + kItemTiles);
-  std::fill(w.dkt, w.dkt + size_t{kItemTiles} * kBk * dp, 0.0f);
-  std::fill(w.dvt, w.dvt + size_t{kItemTiles} * kBk * dvp, 0.0f);
+  // The accumulators of the item's own key tiles (a short last block has fewer).
+  std::fill(w.dkt, w.dkt + size_t(kt1 - kt0) * kBk * dp, 0.0f);
+  std::fill(w.dvt, w.dvt + size_t(kt1 - kt0) * kBk * dvp, 0.0f);
   const DF df;
   for (int h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
     for (int qt = 0; qt < QueryTiles(seq.Lq); ++qt) {
