@@ -123,8 +123,8 @@ int main(int argc, char** argv) {
   }
   attn::set_num_threads(threads);
   std::mt19937 rng(20261125);
-  std::printf("threads %d; µs per call\n\n| call | dtype | size | forward (or step) | backward |\n|---|---|---|---:|---:|\n",
-              threads);
+  std::printf("threads %d; µs per call\n\n", threads);
+  std::printf("| call | dtype | size | forward (or step) | backward |\n|---|---|---|---:|---:|\n");
   attention_rows(rng);
   decode_rows(rng);
 }

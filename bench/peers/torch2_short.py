@@ -51,7 +51,8 @@ def main():
     args = ap.parse_args()
 
     g = torch.Generator().manual_seed(0)
-    lines = ["| threads | N | dtype | call | torch µs | attn µs | attn speed-up |", "|---|---:|---|---|---:|---:|---:|"]
+    lines = ["| threads | N | dtype | call | torch µs | attn µs | attn speed-up |",
+             "|---|---:|---|---|---:|---:|---:|"]
     print("CPU: %s; torch %s, attn %s" % (cpu_model(), torch.__version__, attn.__version__))
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)

@@ -88,8 +88,9 @@ PackLayout MakePackLayout(const Problem& p) {
 
 /// Packs key tile `tile` of (b, hk): K transposed into a [d][Bk] panel, V into
 /// [Bk][dvp] rows; keys beyond Lk up to the end of their vector, and columns
-/// beyond dv, are zero (P is 0 there, and 0·0 keeps the products NaN-free). bf16/f16 rows are widened here, through
-/// `buf` (max(d, dv) floats): this is the only pass over K and V in their dtype.
+/// beyond dv, are zero (P is 0 there, and 0·0 keeps the products NaN-free).
+/// bf16/f16 rows are widened here, through `buf` (max(d, dv) floats): this is the
+/// only pass over K and V in their dtype.
 /// The next kv head's rows of the same keys are requested meanwhile (PrefetchRows).
 void PackTile(const Problem& p, const PackLayout& pl, float* pack, int b, int hk, int tile, float* buf) {
   const Sequence& seq = p.seqs[b];

@@ -46,28 +46,24 @@ HWY_INLINE const float* RowF32(DType dt, const void* base, int64_t offset, int w
 }
 
 /// Writes `width` f32 values to element `offset` of `base` (storage of dtype dt),
-/// rounding to bf16/f16 (nearest even) where dt asks.
+/// rounding to bf16/f16 (nearest even) where dt asks: store_f32_row, whose loops the
+/// compiler vectorises, but for f16 on targets with F16C.
 HWY_INLINE void StoreRowF32(DType dt, void* base, int64_t offset, const float* HWY_RESTRICT src, int width) {
-  if (dt == DType::f32) {
-    float* dst = static_cast<float*>(base) + offset;
-    for (int c = 0; c < width; ++c) dst[c] = src[c];
-    return;
-  }
-  uint16_t* dst = static_cast<uint16_t*>(base) + offset;
-  int c = 0;
-  if (dt == DType::bf16) {
-    store_f32_row(dt, base, offset, src, width);  // a branch-free loop the compiler vectorises
-    return;
-  }
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2 && !defined(HWY_DISABLE_F16C)
-  // F16C's vcvtps2ph rounds to nearest even and quiets NaNs as f32_to_f16 does, bit for
-  // bit. (Highway's emulation on older targets truncates, so they stay scalar.)
-  const DF df;
-  const hn::Rebind<hwy::float16_t, DF> dh;
-  for (; c + kLanes <= width; c += kLanes)
-    hn::StoreU(hn::DemoteTo(dh, hn::LoadU(df, src + c)), dh, reinterpret_cast<hwy::float16_t*>(dst + c));
+  if (dt == DType::f16) {
+    // F16C's vcvtps2ph rounds to nearest even and quiets NaNs as f32_to_f16 does, bit
+    // for bit. (Highway's emulation on older targets truncates, so they stay scalar.)
+    uint16_t* dst = static_cast<uint16_t*>(base) + offset;
+    const DF df;
+    const hn::Rebind<hwy::float16_t, DF> dh;
+    int c = 0;
+    for (; c + kLanes <= width; c += kLanes)
+      hn::StoreU(hn::DemoteTo(dh, hn::LoadU(df, src + c)), dh, reinterpret_cast<hwy::float16_t*>(dst + c));
+    for (; c < width; ++c) dst[c] = f32_to_f16(src[c]);
+    return;
+  }
 #endif
-  for (; c < width; ++c) dst[c] = f32_to_f16(src[c]);
+  store_f32_row(dt, base, offset, src, width);
 }
 
 /// Asks for rows [first, last) of one head of q, k or v (storage of dtype dt at

@@ -204,7 +204,9 @@ HWY_INLINE void PackPanelRows(const RowAt& row_at, int nk, int width, float* dst
     const DF df;
     for (int c = 0; c < width; ++c) {
       for (int n = 0; n < kKeyVectors; ++n) {
-        if (n * kLanes >= pad && n * kLanes < zero_to) hn::StoreU(hn::Zero(df), df, dst + static_cast<size_t>(c) * kBk + n * kLanes);
+        if (n * kLanes >= pad && n * kLanes < zero_to) {
+          hn::StoreU(hn::Zero(df), df, dst + static_cast<size_t>(c) * kBk + n * kLanes);
+        }
       }
     }
   }
