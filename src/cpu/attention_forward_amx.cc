@@ -51,6 +51,7 @@
 #include "cpu/isa.hpp"
 #include "cpu/owned_ranges.hpp"
 #include "cpu/workspace.hpp"
+#include "env_override.hpp"
 #include "traffic.hpp"
 
 #if defined(__x86_64__)
@@ -710,20 +711,6 @@ ATTN_AMX void ForwardGroup(const Problem& p, const AmxLayout& lay, bf16* pack, i
   }
 }
 
-/// An integer in [lo, hi] from environment variable `name`, or `fallback` when it is
-/// unset or empty; anything else is an Error naming the variable.
-int EnvOverride(const char* name, int lo, int hi, int fallback) {
-  const char* env = std::getenv(name);
-  if (env == nullptr || *env == '\0') return fallback;
-  char* end = nullptr;
-  const long n = std::strtol(env, &end, 10);
-  if (end == env || *end != '\0' || n < lo || n > hi) {
-    throw Error(std::string(name) + " must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
-                "], got \"" + env + "\"");
-  }
-  return static_cast<int>(n);
-}
-
 /// Query blocks per work item and keys per panel for this call. A panel's packed K
 /// and V take half of this core's L2 (the rest holds the scores, O and the query
 /// blocks). When a head's K and V fit in one panel, each item is one query block, as
@@ -746,8 +733,8 @@ GroupPlan PlanGroups(const Problem& p, const AmxLayout& lay, int threads) {
   if (max_lk > plan.panel) {
     plan.group = static_cast<int>(std::clamp<int64_t>(qblocks / (8 * int64_t{threads}), 1, kMaxGroup));
   }
-  plan.group = EnvOverride("ATTN_AMX_GROUP", 1, kMaxGroup, plan.group);
-  plan.panel = EnvOverride("ATTN_AMX_PANEL", 1, 1 << 30, plan.panel);
+  plan.group = env_override("ATTN_AMX_GROUP", 1, kMaxGroup, plan.group);
+  plan.panel = env_override("ATTN_AMX_PANEL", 1, 1 << 30, plan.panel);
   return plan;
 }
 
