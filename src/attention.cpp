@@ -11,6 +11,7 @@
 #include "cpu/attention_forward_amx.hpp"
 #include "cpu/isa.hpp"
 #include "device.hpp"
+#include "kvcache/few_queries.hpp"
 #include "problem.hpp"
 #include "reference/attention_backward_reference.hpp"
 #include "reference/attention_reference.hpp"
@@ -39,6 +40,9 @@ void attention_with_mods(const TensorView& q, const TensorView& k, const TensorV
   // on_device: the call runs where q is (here the CPU), so that a device tensor among the
   // others is reported as a mix of devices.
   const Problem p = make_problem("attention", q, k, v, out, options, lse, probs, mods, /*on_device=*/true);
+  // A few queries per sequence (a decoding step given the whole past as k and v): the
+  // decode kernel reads k and v in place, where the tiled kernels would pack them all.
+  if (attention_few_queries(p, num_threads())) return;
   if (needs_widening(p, options)) {
     // The kernels read f32 masks: a bf16/f16 mask is widened (it is one copy, read
     // once per tile), then the call starts again.

@@ -178,18 +178,12 @@ std::string Config::describe() const {
   return os.str();
 }
 
-Errors run_case(Config& s, std::mt19937_64& rng, Mods mods) {
-  Tensors t = make_tensors(s, rng);
-  detail::attention_with_mods(t.qv, t.kv, t.vv, t.ov, s.opt, t.lv, t.pv, mods.mods);
+namespace {
 
-  const detail::Problem p =
-      detail::make_problem("test", t.qv, t.kv, t.vv, t.ov, s.opt, t.lv, t.pv, mods.mods);
-  std::vector<double> ref_out(t.out.size()), ref_lse(t.lse.size()), ref_probs(t.probs.size());
-  std::vector<float> f_out(t.out.size()), f_lse(t.lse.size()), f_probs(t.probs.size());
-  detail::reference_forward<double>(p, ref_out.data(), s.want_lse ? ref_lse.data() : nullptr,
-                                    s.want_probs ? ref_probs.data() : nullptr);
-  detail::reference_forward<float>(p, f_out.data(), s.want_lse ? f_lse.data() : nullptr,
-                                   s.want_probs ? f_probs.data() : nullptr);
+// The errors of t's outputs (one fused call's) against the references.
+Errors errors_of(const Config& s, const detail::Problem& p, const Tensors& t, const std::vector<double>& ref_out,
+                 const std::vector<double>& ref_lse, const std::vector<double>& ref_probs,
+                 const std::vector<float>& f_out, const std::vector<float>& f_lse, const std::vector<float>& f_probs) {
   Errors e;
   e.out = squared_sums(ref_out, t.out, f_out);
   for (float x : t.out) e.nan |= std::isnan(x);
@@ -208,7 +202,6 @@ Errors run_case(Config& s, std::mt19937_64& rng, Mods mods) {
       }
     }
     // Rows with lse = −∞ must have an all-zero output row.
-    const bool varlen = !s.seq_q.empty();
     for (int b = 0; b < p.B; ++b) {
       const detail::Sequence& seq = p.seqs[static_cast<size_t>(b)];
       for (int h = 0; h < p.Hq; ++h) {
@@ -219,7 +212,39 @@ Errors run_case(Config& s, std::mt19937_64& rng, Mods mods) {
         }
       }
     }
-    (void)varlen;
+  }
+  return e;
+}
+
+}  // namespace
+
+Errors run_case(Config& s, std::mt19937_64& rng, Mods mods) {
+  Tensors t = make_tensors(s, rng);
+  const detail::Problem p = detail::make_problem("test", t.qv, t.kv, t.vv, t.ov, s.opt, t.lv, t.pv, mods.mods);
+  std::vector<double> ref_out(t.out.size()), ref_lse(t.lse.size()), ref_probs(t.probs.size());
+  std::vector<float> f_out(t.out.size()), f_lse(t.lse.size()), f_probs(t.probs.size());
+  detail::reference_forward<double>(p, ref_out.data(), s.want_lse ? ref_lse.data() : nullptr,
+                                    s.want_probs ? ref_probs.data() : nullptr);
+  detail::reference_forward<float>(p, f_out.data(), s.want_lse ? f_lse.data() : nullptr,
+                                   s.want_probs ? f_probs.data() : nullptr);
+  detail::attention_with_mods(t.qv, t.kv, t.vv, t.ov, s.opt, t.lv, t.pv, mods.mods);
+  Errors e = errors_of(s, p, t, ref_out, ref_lse, ref_probs, f_out, f_lse, f_probs);
+  // A few queries per sequence take the decode kernel (kvcache/few_queries.hpp) when
+  // the options allow: run such a case on the tiled kernels too, and pool the two, so
+  // that every short case checks both: each error is the worse kernel's.
+  if (s.Lq <= 8 && std::getenv("ATTN_FEW_QUERIES") == nullptr) {
+    const FewQueriesOff off;
+    std::fill(t.out.begin(), t.out.end(), NAN);
+    std::fill(t.lse.begin(), t.lse.end(), NAN);
+    std::fill(t.probs.begin(), t.probs.end(), NAN);
+    detail::attention_with_mods(t.qv, t.kv, t.vv, t.ov, s.opt, t.lv, t.pv, mods.mods);
+    const Errors tiled = errors_of(s, p, t, ref_out, ref_lse, ref_probs, f_out, f_lse, f_probs);
+    auto worse = [](Errors::Sums& a, const Errors::Sums& b) {
+      if (b.fused_rel() > a.fused_rel()) a = b;
+    };
+    worse(e.out, tiled.out), worse(e.lse, tiled.lse), worse(e.probs, tiled.probs);
+    e.nan |= tiled.nan, e.lse_inf_mismatch |= tiled.lse_inf_mismatch;
+    e.masked_rows_not_zero |= tiled.masked_rows_not_zero;
   }
   return e;
 }

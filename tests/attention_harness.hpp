@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <random>
 #include <string>
@@ -40,6 +41,40 @@ inline void with_threads(int n, const std::function<void()>& call) {
   call();
   set_num_threads(before);
 }
+
+/// Sets environment variable `name` for its lifetime (value nullptr: unsets it),
+/// then restores the previous value.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
+    if (value != nullptr) {
+      setenv(name, value, 1);
+    } else {
+      unsetenv(name);
+    }
+  }
+  ~ScopedEnv() {
+    if (had_) {
+      setenv(name_.c_str(), old_.c_str(), 1);
+    } else {
+      unsetenv(name_.c_str());
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::string name_, old_;
+  bool had_ = false;
+};
+
+/// Turns off the few-query route (ATTN_FEW_QUERIES=0, kvcache/few_queries.hpp) for its
+/// lifetime, so that short calls run on the tiled kernels.
+class FewQueriesOff : public ScopedEnv {
+ public:
+  FewQueriesOff() : ScopedEnv("ATTN_FEW_QUERIES", "0") {}
+};
 
 /// One configuration. Option tensors (masks, slopes, lengths) are owned here;
 /// use the set_* helpers so the views in `opt` point at the storage.

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -63,37 +64,19 @@ inline const char* const kBf16KernelPaths[] = {"amx", "avx512bf16"};
 /// Test-name suffix for a path parameter.
 inline std::string PathName(const ::testing::TestParamInfo<const char*>& info) { return info.param; }
 
-/// Sets environment variable `name` for its lifetime (value nullptr: unsets it),
-/// then restores the previous value.
-class ScopedEnv {
+/// Sets ATTN_ISA for its lifetime (nullptr: unset), then restores the previous value.
+/// A forced path also turns off the few-query route (ATTN_FEW_QUERIES=0,
+/// kvcache/few_queries.hpp), so that short calls run on the forced kernel rather than
+/// on the decode kernel.
+class ScopedIsa {
  public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
-    if (value != nullptr) {
-      setenv(name, value, 1);
-    } else {
-      unsetenv(name);
-    }
+  explicit ScopedIsa(const char* isa) : isa_("ATTN_ISA", isa) {
+    if (isa != nullptr) few_queries_.emplace();
   }
-  ~ScopedEnv() {
-    if (had_) {
-      setenv(name_.c_str(), old_.c_str(), 1);
-    } else {
-      unsetenv(name_.c_str());
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
 
  private:
-  std::string name_, old_;
-  bool had_ = false;
-};
-
-/// Sets ATTN_ISA for its lifetime (nullptr: unset), then restores the previous value.
-class ScopedIsa : public ScopedEnv {
- public:
-  explicit ScopedIsa(const char* isa) : ScopedEnv("ATTN_ISA", isa) {}
+  ScopedEnv isa_;
+  std::optional<FewQueriesOff> few_queries_;
 };
 
 // One call's tensors in a storage dtype, with their exact f32 twins.

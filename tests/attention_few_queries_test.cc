@@ -1,0 +1,217 @@
+// attention() with a few queries per sequence runs on the decode kernel, which reads k
+// and v where they lie (kvcache/few_queries.hpp). Checked here: which calls take it
+// (the traffic counters tell the decode kernel's reads from the tiled kernels'
+// packing), every option it takes against the float64 reference in f32, bf16 and f16,
+// results that do not depend on the thread count, and the ATTN_FEW_QUERIES override.
+// The harness's run_case also runs every short case of the other forward suites on
+// both kernels.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attention_harness.hpp"
+#include "attn/attention.hpp"
+#include "kvcache/few_queries.hpp"
+#include "lowp_harness.hpp"
+#include "traffic.hpp"
+
+namespace attn::testing {
+namespace {
+
+using FewQueries = PooledErrorTest;
+
+/// Runs s through run_case (both kernels, see the harness) and reports whether the
+/// default call read k and v in place (the decode kernel's counter moved; so every
+/// call here must leave some key visible).
+bool took_the_decode_kernel(Config& s, std::mt19937_64& rng, ErrorLedger& ledger) {
+  detail::traffic().reset();
+  const Errors e = run_case(s, rng);
+  EXPECT_TRUE(ledger.check(e));
+  return detail::traffic().cache_read_bytes.load() > 0;
+}
+
+TEST_F(FewQueries, EveryOptionItTakesAgainstTheReference) {
+  auto rng = make_rng(3001);
+  for (int lq : {1, 2, 3, 4}) {
+    for (int lk : {1, 3, 17, 300, 1000}) {
+      for (Causal c : {Causal::None, Causal::TopLeft, Causal::BottomRight}) {
+        Config s;
+        s.B = 2, s.Lq = lq, s.Lk = lk, s.Hq = 6, s.Hkv = 2, s.d = 40, s.dv = 24;
+        s.opt.causal = c;
+        const int variant = (lq + lk + static_cast<int>(c)) % 5;
+        // (A bottom-right window beside top-left causality would hide every key here:
+        // the counters could not tell a route that read nothing from one not taken.)
+        if (variant == 1 && c != Causal::TopLeft) s.opt.window = {7, 2};
+        if (variant == 2) s.set_alibi(lk % 2 == 0, rng);
+        if (variant == 3) s.opt.softcap = 3.0f, s.opt.scale = 0.4f;
+        if (variant == 4) s.set_key_lengths(rng, 1);
+        s.bhsd = lk % 2 == 1;
+        SCOPED_TRACE(s.describe());
+        EXPECT_TRUE(took_the_decode_kernel(s, rng, ledger));
+      }
+    }
+  }
+}
+
+TEST_F(FewQueries, HeadDimsAndGroups) {
+  auto rng = make_rng(3002);
+  for (int d : {1, 7, 64, 128, 256}) {
+    for (int group : {1, 4, 8}) {
+      Config s;
+      s.Lq = 1 + d % 4, s.Lk = 333, s.Hq = 8, s.Hkv = 8 / group, s.d = d, s.dv = d == 7 ? 9 : d;
+      SCOPED_TRACE(s.describe());
+      EXPECT_TRUE(took_the_decode_kernel(s, rng, ledger));
+    }
+  }
+}
+
+TEST_F(FewQueries, PackedBatchesOfEqualQueryLengths) {
+  auto rng = make_rng(3003);
+  for (Causal c : {Causal::None, Causal::BottomRight}) {
+    Config s;
+    s.Hq = 4, s.Hkv = 2;
+    s.set_varlen({2, 2, 2, 2}, {3, 0, 300, 17});
+    s.opt.causal = c;
+    SCOPED_TRACE(s.describe());
+    EXPECT_TRUE(took_the_decode_kernel(s, rng, ledger));
+  }
+}
+
+TEST_F(FewQueries, CallsItDoesNotTakeRunOnTheTiledKernels) {
+  auto rng = make_rng(3004);
+  auto expect_tiled = [&](Config& s) {
+    SCOPED_TRACE(s.describe());
+    EXPECT_FALSE(took_the_decode_kernel(s, rng, ledger));
+  };
+  {
+    Config s;  // more queries than the limit: 8 from 256 keys, else 4
+    s.Lq = 9, s.Lk = 300;
+    expect_tiled(s);
+    s.Lq = 5, s.Lk = 255;
+    expect_tiled(s);
+  }
+  {
+    Config s;  // unequal query lengths
+    s.set_varlen({1, 2}, {30, 40});
+    expect_tiled(s);
+  }
+  {
+    Config s;
+    s.Lq = 2, s.Lk = 50;
+    s.set_bool_mask({2, 50}, rng);
+    expect_tiled(s);
+  }
+  {
+    Config s;
+    s.Lq = 2, s.Lk = 50;
+    s.set_add_mask({1, 1, 2, 50}, rng);
+    expect_tiled(s);
+  }
+  {
+    Config s;
+    s.Lq = 2, s.Lk = 50, s.want_probs = true;
+    expect_tiled(s);
+  }
+  {
+    Config s;
+    s.Lq = 1, s.Lk = 50;
+    auto score_mod = [](float x, int, int, int i, int j) { return x + 0.1f * static_cast<float>(i - j); };
+    const detail::ModPair<decltype(score_mod), NoMaskMod> mod{score_mod, {}};
+    const detail::UserMods um = detail::make_user_mods(mod);
+    SCOPED_TRACE(s.describe());
+    detail::traffic().reset();
+    EXPECT_TRUE(ledger.check(run_case(s, rng, {&um})));
+    EXPECT_EQ(detail::traffic().cache_read_bytes.load(), 0u);
+  }
+}
+
+// What the route saves, and that the counters tell the kernels apart: one query over
+// 300 keys reads each key and value row once and packs nothing; with the route off,
+// the same call packs them all.
+TEST(FewQueriesTraffic, OneQueryReadsTheKeysOnceAndPacksNothing) {
+  std::mt19937_64 rng = make_rng(3005);
+  for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    const int B = 2, Lk = 300, Hq = 8, Hkv = 2, d = 64;
+    LowpCall c(dt == DType::f32 ? DType::bf16 : dt, B, 1, Lk, Hq, Hkv, d, d, rng);
+    const TensorView q = dt == DType::f32 ? c.view32(c.q32, 1, Hq, d) : c.view(c.q, 1, Hq, d);
+    const TensorView k = dt == DType::f32 ? c.view32(c.k32, Lk, Hkv, d) : c.view(c.k, Lk, Hkv, d);
+    const TensorView v = dt == DType::f32 ? c.view32(c.v32, Lk, Hkv, d) : c.view(c.v, Lk, Hkv, d);
+    std::vector<float> out32(size_t(B) * Hq * d);
+    const TensorView out = dt == DType::f32 ? c.view32(out32, 1, Hq, d) : c.view(c.out, 1, Hq, d);
+    const uint64_t rows = uint64_t(B) * Lk * Hkv * 2 * d * dtype_size(dt);
+    detail::traffic().reset();
+    attention(q, k, v, out);
+    EXPECT_EQ(detail::traffic().cache_read_bytes.load(), rows);
+    EXPECT_EQ(detail::traffic().packed_bytes.load(), 0u);
+    const FewQueriesOff off;
+    detail::traffic().reset();
+    attention(q, k, v, out);
+    EXPECT_EQ(detail::traffic().cache_read_bytes.load(), 0u);
+    EXPECT_GT(detail::traffic().packed_bytes.load(), 0u);
+  }
+}
+
+// bf16 and f16 inputs on the default path (the decode kernel for these shapes) under
+// FlashAttention's rule against the plain low-precision implementation.
+TEST(FewQueriesLowPrecision, WithinTwiceThePlainError) {
+  const Shape shapes[] = {{1, 1, 1, 1, 1, 16, 16},
+                          {2, 3, 17, 4, 2, 64, 64},
+                          {1, 4, 300, 2, 1, 80, 48},
+                          {2, 8, 1000, 8, 2, 128, 128},
+                          {1, 2, 65, 3, 1, 32, 40}};
+  for (DType dt : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    std::mt19937_64 rng = make_rng(3006);
+    for (const OptionCase& oc : option_cases()) {
+      ExpectWithinPlainBf16Error(shapes, oc, [&](const Shape& s) {
+        LowpCall c(dt, s.B, s.Lq, s.Lk, s.Hq, s.Hkv, s.d, s.dv, rng);
+        OptionStore store;
+        const AttentionOptions o = oc.make(store, c, rng);
+        attention(c.view(c.q, s.Lq, s.Hq, s.d), c.view(c.k, s.Lk, s.Hkv, s.d), c.view(c.v, s.Lk, s.Hkv, s.dv),
+                  c.view(c.out, s.Lq, s.Hq, s.dv), o, c.lse_view());
+        return compare_forward_with_reference(c, o, store);
+      });
+    }
+  }
+}
+
+// The split count follows the key count only, so a call's result does not depend on
+// the thread count: 1000 keys make 4 splits, merged in split order.
+TEST(FewQueriesThreads, BitwiseIdenticalForAnyThreadCount) {
+  for (Causal c : {Causal::None, Causal::BottomRight}) {
+    Config s;
+    s.B = 2, s.Lq = 3, s.Lk = 1000, s.Hq = 4, s.Hkv = 2, s.d = 64, s.dv = 64;
+    s.opt.causal = c;
+    std::vector<float> one, two, three;
+    with_threads(1, [&] { one = run_fused_raw(s, 77); });
+    with_threads(2, [&] { two = run_fused_raw(s, 77); });
+    with_threads(3, [&] { three = run_fused_raw(s, 77); });
+    ASSERT_EQ(one.size(), two.size());
+    EXPECT_EQ(std::memcmp(one.data(), two.data(), one.size() * sizeof(float)), 0);
+    EXPECT_EQ(std::memcmp(one.data(), three.data(), one.size() * sizeof(float)), 0);
+  }
+}
+
+TEST(FewQueriesOverride, SetsTheLimitAndBadValuesNameTheVariable) {
+  EXPECT_EQ(detail::few_queries_limit(255), 4);
+  EXPECT_EQ(detail::few_queries_limit(256), 8);
+  {
+    const ScopedEnv limit("ATTN_FEW_QUERIES", "16");
+    EXPECT_EQ(detail::few_queries_limit(10), 16);
+  }
+  for (const char* bad : {"many", "-1", "65", "3x"}) {
+    const ScopedEnv limit("ATTN_FEW_QUERIES", bad);
+    std::vector<float> q(8), k(8), v(8), out(8);
+    const TensorView qv(q.data(), DType::f32, {1, 1, 1, 8}), kv(k.data(), DType::f32, {1, 1, 1, 8}),
+        vv(v.data(), DType::f32, {1, 1, 1, 8}), ov(out.data(), DType::f32, {1, 1, 1, 8});
+    expect_attn_error([&] { attention(qv, kv, vv, ov); },
+                      std::string("ATTN_FEW_QUERIES must be an integer in [0, 64], got \"") + bad + "\"");
+  }
+}
+
+}  // namespace
+}  // namespace attn::testing
