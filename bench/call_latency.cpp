@@ -3,7 +3,11 @@
 // Per call, in µs, medians of 7 batches after a warm-up batch, on random inputs:
 //   forward and backward, f32 and bf16, B = 1, H = 8, d = 64, N in {1, 16, 64, 256};
 //   attention_with_kvcache, Lq = 1, Hq = 32, Hkv = 8, d = 128, a contiguous cache of
-//   L in {64, 256, 1024} tokens (bf16, i8, f32), one split, no append.
+//   L in {64, 256, 1024} tokens (bf16, i8, f32), one split, no append;
+//   with --few-queries instead: attention() with Lq in {1, 4, 8} queries against
+//   Lk in {64, 256, 1024, 4096} keys (B = 1, H = 8, d = 64 and 128, f32 and bf16), on
+//   the decode kernel (the default for these calls, kvcache/few_queries.hpp) and on
+//   the tiled kernels (ATTN_FEW_QUERIES=0), the two alternating row by row.
 // docs/PERFORMANCE.md ("Short sequences: the work around the kernels") quotes it; the
 // kernels' own rates are `attn bench` and bench_decode.
 #include <algorithm>
@@ -104,16 +108,46 @@ void decode_rows(std::mt19937& rng) {
   }
 }
 
+/// attention() with a few queries, on the decode kernel and on the tiled kernels.
+void few_query_rows(std::mt19937& rng) {
+  std::printf("| dtype | d | Lk | Lq | decode kernel µs | tiled kernels µs | tiled / decode |\n"
+              "|---|---:|---:|---:|---:|---:|---:|\n");
+  for (DType dt : {DType::f32, DType::bf16}) {
+    for (int d : {64, 128}) {
+      for (int lk : {64, 256, 1024, 4096}) {
+        for (int lq : {1, 4, 8}) {
+          Tensor q(dt, {1, lq, 8, d}), k(dt, {1, lk, 8, d}), v(dt, {1, lk, 8, d}), out(dt, {1, lq, 8, d});
+          Tensor lse(DType::f32, {1, 8, lq});
+          for (Tensor* t : {&q, &k, &v}) fill(*t, rng);
+          const int calls = std::max(5, 400000 / (lk * (lq + 16)));
+          auto run = [&] { attn::attention(q, k, v, out, {}, lse); };
+          // 8 queries take the decode kernel from 256 keys on; below that both columns
+          // are the tiled kernels.
+          const double decode = per_call_us(run, calls);
+          setenv("ATTN_FEW_QUERIES", "0", 1);
+          const double tiled = per_call_us(run, calls);
+          unsetenv("ATTN_FEW_QUERIES");
+          std::printf("| %s | %d | %d | %d | %.1f | %.1f | %.2f |\n", attn::dtype_name(dt), d, lk, lq, decode, tiled,
+                      tiled / decode);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int threads = 1;
+  bool few_queries = false;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--threads" && i + 1 < argc) {
       threads = std::atoi(argv[++i]);
+    } else if (arg == "--few-queries") {
+      few_queries = true;
     } else {
-      std::fprintf(stderr, "usage: call_latency [--threads T]  (default 1)\n");
+      std::fprintf(stderr, "usage: call_latency [--threads T] [--few-queries]  (default 1 thread)\n");
       return arg == "--help" || arg == "-h" ? 0 : 2;
     }
   }
@@ -124,6 +158,10 @@ int main(int argc, char** argv) {
   attn::set_num_threads(threads);
   std::mt19937 rng(20261125);
   std::printf("threads %d; µs per call\n\n", threads);
+  if (few_queries) {
+    few_query_rows(rng);
+    return 0;
+  }
   std::printf("| call | dtype | size | forward (or step) | backward |\n|---|---|---|---:|---:|\n");
   attention_rows(rng);
   decode_rows(rng);

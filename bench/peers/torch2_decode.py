@@ -4,9 +4,12 @@ One decoding step per call, no append on either side: q [B, 1, Hq, d] against a 
 L tokens, Hq=32, Hkv=8 (GQA), d=128 — the shapes of `attn bench --decode`. Each library reads
 its own natural layout: PyTorch [B, Hkv, L, d] with enable_gqa=True (its SDPA wants heads
 before positions), attn [B, L, Hkv, d] (FlashAttention's cache layout) through
-attn.attention_with_kvcache. Same dtype (f32 or bf16), same threads; medians of repeated
-calls after a warm-up, each library in its own phase. Prints ms per step, GB/s of cache
-read (K and V bytes / time) and attn's speed-up.
+attn.attention_with_kvcache. A third column is what a PyTorch model gets from attn
+without a cache API: attn.torch.scaled_dot_product_attention on PyTorch's own tensors
+(the call attn.torch.patch_sdpa makes; attention() with one query runs on the decode
+kernel, reading k and v through their strides). Same dtype (f32 or bf16), same threads;
+medians of repeated calls after a warm-up, each in its own phase. Prints ms per step,
+GB/s of cache read (K and V bytes / time) and attn's speed-ups.
 
   bash bench/peers/setup.sh        # once: bench/peers/.venv with torch 2.x from PyPI
   PYTHONPATH=build/release/python bench/peers/.venv/bin/python bench/peers/torch2_decode.py \
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import attn
+import attn.torch
 from peer_timing import cpu_model, median_time
 
 HQ, HKV, D = 32, 8, 128
@@ -58,20 +62,27 @@ def main():
                         def run_attn():
                             return attn.attention_with_kvcache(q, k_attn, v_attn, cache_seqlens=seqlens)
 
+                        def run_attn_sdpa():
+                            return attn.torch.scaled_dot_product_attention(q_t, k_t, v_t, enable_gqa=True)
+
                         ref = run_torch().transpose(1, 2).float()
                         got = run_attn().float()
-                        err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
+                        got_sdpa = run_attn_sdpa().transpose(1, 2).float()
+                        scale = max(ref.abs().max().item(), 1e-30)
+                        err = max((got - ref).abs().max().item(), (got_sdpa - ref).abs().max().item()) / scale
                         t_torch = median_time(run_torch, 7, 1.0, max_calls=200)
                         t_attn = median_time(run_attn, 7, 1.0, max_calls=200)
+                        t_sdpa = median_time(run_attn_sdpa, 7, 1.0, max_calls=200)
                     row = (name, B, L, threads, t_torch * 1e3, cache_bytes / t_torch * 1e-9, t_attn * 1e3,
-                           cache_bytes / t_attn * 1e-9, t_torch / t_attn, err)
+                           cache_bytes / t_attn * 1e-9, t_torch / t_attn, t_sdpa * 1e3, t_torch / t_sdpa, err)
                     rows.append(row)
                     print("  %-4s B=%d L=%-6d threads=%d  torch %8.3f ms %6.1f GB/s  attn %8.3f ms %6.1f GB/s  "
-                          "attn %.2fx  (max rel diff %.1e)" % row)
-    table = ["| cache | B | L | threads | torch ms | torch GB/s | attn ms | attn GB/s | attn speed-up |",
-             "|---|---|---|---|---|---|---|---|---|"]
+                          "attn %.2fx  attn.torch sdpa %8.3f ms %.2fx  (max rel diff %.1e)" % row)
+    table = ["| cache | B | L | threads | torch ms | torch GB/s | attn ms | attn GB/s | attn speed-up "
+             "| attn.torch SDPA ms | its speed-up |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        table.append("| %s | %d | %d | %d | %.3f | %.1f | %.3f | %.1f | %.2f× |" % r[:9])
+        table.append("| %s | %d | %d | %d | %.3f | %.1f | %.3f | %.1f | %.2f× | %.3f | %.2f× |" % r[:11])
     print("\n" + "\n".join(table))
     if args.markdown:
         with open(args.markdown, "w") as f:
