@@ -109,7 +109,7 @@ struct Stored {
 
 // Prints one case's line and returns ok.
 bool report(const CheckCase& c, const Variant& var, double err, const char* bar, bool ok) {
-  std::printf("  %-12s %-10s %-32s Lq=%-4d Lk=%-4d d=%-3d  rel. error %.2e  (%s)  %s\n", label(var).c_str(),
+  std::printf("  %-12s %-10s %-36s Lq=%-4d Lk=%-4d d=%-3d  rel. error %.2e  (%s)  %s\n", label(var).c_str(),
               var.isa[0] != '\0' ? var.isa : "f32", c.name, c.Lq, c.Lk, c.d, err, bar, ok ? "ok" : "FAIL");
   return ok;
 }
@@ -269,6 +269,9 @@ Command add_check_command(CLI::App& app) {
         {"sliding window", 200, 200, 2, 2, 96, Causal::None, {16, 16}, 0},
         {"softcap", 64, 64, 2, 1, 256, Causal::None, {-1, -1}, 20},
         {"odd sizes", 17, 3, 3, 1, 7, Causal::BottomRight, {-1, -1}, 0},
+        // A decoding step without a cache: the forward runs on the decode kernel on
+        // every path (kvcache/few_queries.hpp), the backward on the path's kernel.
+        {"one query, 300 keys (decode kernel)", 1, 300, 8, 2, 128, Causal::BottomRight, {-1, -1}, 0},
     };
     std::mt19937 rng(*seed);
     int failures = 0;
