@@ -7,6 +7,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "kvcache/few_queries.hpp"
 #include "problem.hpp"
 #include "reference/attention_backward_reference.hpp"
 #include "reference/attention_reference.hpp"
@@ -230,9 +231,9 @@ Errors run_case(Config& s, std::mt19937_64& rng, Mods mods) {
   detail::attention_with_mods(t.qv, t.kv, t.vv, t.ov, s.opt, t.lv, t.pv, mods.mods);
   Errors e = errors_of(s, p, t, ref_out, ref_lse, ref_probs, f_out, f_lse, f_probs);
   // A few queries per sequence take the decode kernel (kvcache/few_queries.hpp) when
-  // the options allow: run such a case on the tiled kernels too, and pool the two, so
-  // that every short case checks both: each error is the worse kernel's.
-  if (s.Lq <= 8 && std::getenv("ATTN_FEW_QUERIES") == nullptr) {
+  // the options allow: run such a case on the tiled kernels too, so that every short
+  // case checks both, and keep the worse kernel's error of each output.
+  if (s.Lq <= detail::few_queries_limit(s.Lk)) {
     const FewQueriesOff off;
     std::fill(t.out.begin(), t.out.end(), NAN);
     std::fill(t.lse.begin(), t.lse.end(), NAN);
