@@ -34,7 +34,7 @@ struct ForwardRow {
   double extra_mb = 0;     // attn's workspace
   double baseline_extra_mb = 0;
   double baseline_difference = 0;  // |out_attn - out_baseline| / |out_attn|: must be tiny
-  std::string path = "f32";        // the kernel that ran: "f32" or "amx" (cpu_info().bf16_path)
+  std::string path = "f32";        // the kernel that ran: "f32", "amx" or "avx512bf16" (cpu_info())
   double gflops() const { return flops / (ms * 1e6); }
   double baseline_gflops() const { return baseline_ms > 0 ? flops / (baseline_ms * 1e6) : 0; }
 };

@@ -22,12 +22,13 @@ namespace detail {
 // bf16 (or f32 rounded to bf16) runs on AMX tiles or vdpbf16ps when the CPU has
 // them, f16 on AMX tiles only; explicit probabilities take the portable path (see
 // cpu/isa.hpp).
-LowpPath lowp_kernel(const Problem& p, const AttentionOptions& options) {
+LowpPath lowp_kernel(const Problem& p, const AttentionOptions& options, Pass pass) {
   if (!needs_widening(p, options) || p.probs != nullptr) return LowpPath::f32;
+  const LowpPath path = lowp_path(pass);
   // Two pieces (f16, and f32 with Precision::bf16x3) take three products each: only
   // the tile unit makes that pay.
-  if (p.pieces() == 2) return lowp_path() == LowpPath::amx ? LowpPath::amx : LowpPath::f32;
-  return lowp_path();
+  if (p.pieces() == 2) return path == LowpPath::amx ? LowpPath::amx : LowpPath::f32;
+  return path;
 }
 
 void attention_with_mods(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -52,21 +53,13 @@ void attention_with_mods(const TensorView& q, const TensorView& k, const TensorV
       attention_with_mods(q, k, v, out, o, lse, probs, mods);
       return;
     }
-    if (const LowpPath path = lowp_kernel(p, options); path != LowpPath::f32) {
+    if (const LowpPath path = lowp_kernel(p, options, Pass::forward); path != LowpPath::f32) {
       if (attention_forward_amx(p, num_threads(), path)) return;
       // Declined (a NaN or ±∞ in q, k or v): the portable path's exact semantics.
     }
-    // The portable path: the f32 kernel widens bf16/f16 rows in its packing step, and
-    // takes f32 inputs with Precision::bf16x3 as they are (more accurate than asked).
-    if (p.dtype != DType::f32 || p.split_f32()) {
-      attention_forward_cpu(p, num_threads());
-      return;
-    }
-    // f32 inputs with Precision::bf16: rounded copies.
-    forward_widened(q, k, v, out, options, [&](auto& q32, auto& k32, auto& v32, auto& out32, auto& o) {
-      attention_with_mods(q32, k32, v32, out32, o, lse, probs, mods);
-    });
-    return;
+    // The portable path: the f32 kernel widens bf16/f16 rows in its packing step,
+    // rounds f32 inputs to bf16 there under Precision::bf16, and takes f32 inputs
+    // with Precision::bf16x3 as they are (more accurate than asked).
   }
   attention_forward_cpu(p, num_threads());
 }
@@ -149,7 +142,7 @@ void attention_backward_with_mods(const TensorView& q, const TensorView& k, cons
   const BackwardProblem bp = make_backward_problem("attention_backward", q, k, v, out, lse, dout,
                                                    dq, dk, dv, options, dbias, mods, /*on_device=*/true);
   if (needs_widening(bp.fwd, options)) {
-    if (const LowpPath path = lowp_kernel(bp.fwd, options); path != LowpPath::f32) {
+    if (const LowpPath path = lowp_kernel(bp.fwd, options, Pass::backward); path != LowpPath::f32) {
       if (bp.fwd.mask_dtype == DType::bf16 || bp.fwd.mask_dtype == DType::f16) {
         std::vector<float> mask32;
         const AttentionOptions o = with_f32_mask(options, mask32);
@@ -229,11 +222,12 @@ size_t attention_workspace_bytes(const TensorView& q, const TensorView& k, const
       detail::make_problem("attention_workspace_bytes", q, k, v, out, options, {}, {}, nullptr);
   // The bf16 kernels' packed operands replace the f32 copies (they decline only
   // inputs holding NaN or ±∞, which then take the portable path's copies).
-  if (detail::lowp_kernel(p, options) != detail::LowpPath::f32) {
+  if (detail::lowp_kernel(p, options, detail::Pass::forward) != detail::LowpPath::f32) {
     return detail::attention_forward_amx_workspace_bytes(p, threads);
   }
-  return detail::attention_forward_workspace_bytes(p, threads) +
-         detail::widening_bytes(p, q, k, v, out, options);
+  // The f32 kernel widens bf16/f16 inputs and rounds f32 ones under Precision::bf16
+  // as it packs them; only a bf16/f16 mask is copied.
+  return detail::attention_forward_workspace_bytes(p, threads) + detail::mask_widening_bytes(options);
 }
 
 size_t attention_backward_workspace_bytes(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -245,7 +239,7 @@ size_t attention_backward_workspace_bytes(const TensorView& q, const TensorView&
   // The f32 kernel's bytes depend on the shapes only, which its widened copies share.
   const size_t f32_kernel = detail::attention_backward_workspace_bytes_cpu(bp.fwd, threads);
   if (!detail::needs_widening(bp.fwd, options)) return f32_kernel;
-  if (const detail::LowpPath path = detail::lowp_kernel(bp.fwd, options);
+  if (const detail::LowpPath path = detail::lowp_kernel(bp.fwd, options, detail::Pass::backward);
       path != detail::LowpPath::f32 && !detail::amx_backward_declines_options(bp, path)) {
     return detail::attention_backward_amx_workspace_bytes(bp, threads) + detail::mask_widening_bytes(options);
   }

@@ -45,18 +45,6 @@ bool needs_widening(const Problem& p, const AttentionOptions& options) {
   return is_lowp(p.dtype) || is_lowp(p.mask_dtype) || (p.dtype == DType::f32 && options.precision != Precision::f32);
 }
 
-size_t widening_bytes(const Problem& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                      const TensorView& out, const AttentionOptions& options) {
-  if (!needs_widening(p, options)) return 0;
-  // bf16/f16 inputs are widened inside the kernel; only f32 inputs rounded to bf16
-  // (Precision::bf16) are copied (Precision::bf16x3 without tiles runs the f32 kernel
-  // on the inputs as given).
-  const int64_t n = p.dtype == DType::f32 && options.precision == Precision::bf16
-                        ? q.numel() + k.numel() + v.numel() + out.numel()
-                        : 0;
-  return static_cast<size_t>(n) * sizeof(float) + mask_widening_bytes(options);
-}
-
 size_t mask_widening_bytes(const AttentionOptions& options) {
   return !options.mask.empty() && is_lowp(options.mask.dtype()) ? sizeof(float) * options.mask.numel() : 0;
 }

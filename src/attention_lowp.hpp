@@ -20,19 +20,14 @@ namespace attn::detail {
 /// with Precision::bf16.
 bool needs_widening(const Problem& p, const AttentionOptions& options);
 
-/// The kernel a call (forward or backward) that needs widening runs on instead of the
-/// portable widening path: LowpPath::amx or LowpPath::avx512bf16 for bf16 (or f32
-/// with Precision::bf16) on a CPU that has them (lowp_path()); for f16, LowpPath::amx
+/// The kernel a call's `pass` (forward or backward) runs on when it needs widening,
+/// instead of the portable path: LowpPath::amx or LowpPath::avx512bf16 for bf16 (or f32
+/// with Precision::bf16) where lowp_path(pass) picks them; for f16, LowpPath::amx
 /// where the CPU has AMX tiles (f16 values enter them as exact hi + lo bf16 pieces,
 /// three tile products per product; on vdpbf16ps that would be slower than the f32
 /// kernel). LowpPath::f32 (the portable path) otherwise, and for calls that return
 /// explicit probabilities.
-LowpPath lowp_kernel(const Problem& p, const AttentionOptions& options);
-
-/// Bytes of the f32 copies that attention() makes for this call (0 if none): q, k,
-/// v, out for f32 inputs with Precision::bf16, and a bf16/f16 mask.
-size_t widening_bytes(const Problem& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                      const TensorView& out, const AttentionOptions& options);
+LowpPath lowp_kernel(const Problem& p, const AttentionOptions& options, Pass pass);
 
 /// Bytes of the f32 copies that attention_backward()'s widening path makes
 /// (backward_widened): q, k, v, out, dout, dq, dk, dv, and a bf16/f16 mask.

@@ -106,6 +106,9 @@ struct Problem {
   Precision precision = Precision::f32;
   /// f32 inputs that the bf16 tile kernels take as hi + lo pieces (Precision::bf16x3).
   bool split_f32() const { return dtype == DType::f32 && precision == Precision::bf16x3; }
+  /// f32 inputs rounded to bf16 (Precision::bf16): the f32 kernel rounds them as it
+  /// packs and loads them.
+  bool round_bf16() const { return dtype == DType::f32 && precision == Precision::bf16; }
   /// bf16 pieces per value in the tile kernels: 2 (hi + lo, three tile products per
   /// product) for f16 inputs and split f32 ones, else 1.
   int pieces() const { return dtype == DType::f16 || split_f32() ? 2 : 1; }

@@ -205,8 +205,9 @@ TEST(LowPrecisionAttention, StridedInputsEqualTheF32KernelRoundedOnce) {
   }
 }
 
-// The f32 kernel reads bf16/f16 in place: its workspace is the packed K/V and the
-// tiles, with no f32 copy of q, k, v or out on top (only Precision::bf16 copies).
+// The f32 kernel reads bf16/f16 in place, and rounds f32 inputs under Precision::bf16
+// as it packs them: its workspace is the packed K/V and the tiles, with no f32 copy of
+// q, k, v or out on top.
 TEST(LowPrecisionAttention, PortablePathNeedsNoCopiesOfTheInputs) {
   const ScopedIsa portable("f32");
   std::mt19937_64 rng = make_rng(19);
@@ -221,7 +222,7 @@ TEST(LowPrecisionAttention, PortablePathNeedsNoCopiesOfTheInputs) {
   AttentionOptions rounded;
   rounded.precision = Precision::bf16;
   EXPECT_EQ(attention_workspace_bytes(q32, k32, v32, out32, rounded, 1),
-            attention_workspace_bytes(q32, k32, v32, out32, {}, 1) + 4 * sizeof(float) * c.q32.size());
+            attention_workspace_bytes(q32, k32, v32, out32, {}, 1));
 }
 
 // FlashAttention's yardstick: bf16 inputs, f32 scores and softmax, P rounded to bf16
@@ -320,27 +321,52 @@ TEST(LowPrecisionAttention, BackwardEqualsTheF32KernelRoundedOnce) {
       }
 }
 
+// The f32 kernel rounds f32 inputs to bf16 where it packs K/V and loads q tiles: the
+// result is bitwise the f32 kernel's on rounded copies, for odd head dims, ties, values
+// that round up to infinity, NaN, and any thread count.
 TEST(LowPrecisionAttention, Bf16PrecisionRoundsF32InputsInside) {
   const ScopedIsa portable("f32");  // the portable path (AMX: attention_amx_test.cc)
   std::mt19937_64 rng = make_rng(6);
-  const int B = 2, L = 37, H = 2, d = 64;
-  std::vector<float> q(size_t(B) * L * H * d), k(q.size()), v(q.size()), out(q.size()), want(q.size());
-  std::uniform_real_distribution<float> u(-2, 2);
-  for (auto* x : {&q, &k, &v})
-    for (float& f : *x) f = u(rng);
-  AttentionOptions o;
-  o.precision = Precision::bf16;
-  auto view = [&](const std::vector<float>& x) { return TensorView(x.data(), DType::f32, {B, L, H, d}); };
-  attention(view(q), view(k), view(v), view(out), o);
-  std::vector<float> qr = q, kr = k, vr = v;
-  for (auto* x : {&qr, &kr, &vr})
-    for (float& f : *x) f = detail::round_to_bf16(f);
-  attention(view(qr), view(kr), view(vr), view(want));
-  for (size_t i = 0; i < out.size(); ++i) ASSERT_EQ(bits(out[i]), bits(want[i])) << i;
-  // Not a no-op: the inputs were not bf16 values.
-  std::vector<float> exact(q.size());
-  attention(view(q), view(k), view(v), view(exact));
-  EXPECT_NE(exact, out);
+  struct Shape {
+    int B, Lq, Lk, H, d;
+  };
+  for (const Shape s : {Shape{2, 37, 37, 2, 64}, Shape{1, 130, 67, 3, 17}, Shape{1, 9, 300, 1, 128}}) {
+    SCOPED_TRACE(::testing::Message() << "B " << s.B << " Lq " << s.Lq << " Lk " << s.Lk << " d " << s.d);
+    std::vector<float> q(size_t(s.B) * s.Lq * s.H * s.d), k(size_t(s.B) * s.Lk * s.H * s.d), v(k.size());
+    std::uniform_real_distribution<float> u(-2, 2);
+    for (auto* x : {&q, &k, &v})
+      for (float& f : *x) f = u(rng);
+    k[3] = 1.0f + 0x1p-8f;  // a tie: rounds to even (1.0)
+    v[5] = 3.3999e38f;      // rounds up to +inf: its column is inf or NaN
+    q[q.size() - 1] = NAN;  // the last query row is NaN
+    AttentionOptions o;
+    o.precision = Precision::bf16;
+    o.causal = s.Lq <= s.Lk ? Causal::BottomRight : Causal::TopLeft;
+    auto view = [&](const std::vector<float>& x, int L) {
+      return TensorView(x.data(), DType::f32, {s.B, L, s.H, s.d});
+    };
+    std::vector<float> out(q.size()), out2(q.size()), want(q.size());
+    with_threads(1, [&] { attention(view(q, s.Lq), view(k, s.Lk), view(v, s.Lk), view(out, s.Lq), o); });
+    with_threads(2, [&] { attention(view(q, s.Lq), view(k, s.Lk), view(v, s.Lk), view(out2, s.Lq), o); });
+    std::vector<float> qr = q, kr = k, vr = v;
+    for (auto* x : {&qr, &kr, &vr})
+      for (float& f : *x) f = detail::round_to_bf16(f);
+    ASSERT_TRUE(std::isinf(vr[5]));
+    AttentionOptions exact_options = o;
+    exact_options.precision = Precision::f32;
+    attention(view(qr, s.Lq), view(kr, s.Lk), view(vr, s.Lk), view(want, s.Lq), exact_options);
+    for (size_t i = 0; i < out.size(); ++i) {
+      ASSERT_EQ(bits(out[i]), bits(want[i])) << i;
+      ASSERT_EQ(bits(out2[i]), bits(want[i])) << i;
+    }
+    EXPECT_TRUE(std::isnan(out.back()));
+    // Not a no-op: the inputs were not bf16 values.
+    std::vector<float> exact(q.size());
+    attention(view(q, s.Lq), view(k, s.Lk), view(v, s.Lk), view(exact, s.Lq), exact_options);
+    int differ = 0;
+    for (size_t i = 0; i < out.size(); ++i) differ += std::isfinite(out[i]) && out[i] != exact[i];
+    EXPECT_GT(differ, int(out.size() / 2));
+  }
 }
 
 TEST(LowPrecisionAttention, NanInAKeyMakesTheRowNanAndThreadsDoNotMatter) {

@@ -89,8 +89,8 @@ PackLayout MakePackLayout(const Problem& p) {
 /// Packs key tile `tile` of (b, hk): K transposed into a [d][Bk] panel, V into
 /// [Bk][dvp] rows; keys beyond Lk up to the end of their vector, and columns
 /// beyond dv, are zero (P is 0 there, and 0·0 keeps the products NaN-free).
-/// bf16/f16 rows are widened here, through `buf` (max(d, dv) floats): this is the
-/// only pass over K and V in their dtype.
+/// bf16/f16 rows are widened here (f32 rows under Precision::bf16 rounded to bf16),
+/// through `buf` (max(d, dv) floats): this is the only pass over K and V in their dtype.
 /// The next kv head's rows of the same keys are requested meanwhile (PrefetchRows).
 void PackTile(const Problem& p, const PackLayout& pl, float* pack, int b, int hk, int tile, float* buf) {
   const Sequence& seq = p.seqs[b];
@@ -105,14 +105,15 @@ void PackTile(const Problem& p, const PackLayout& pl, float* pack, int b, int hk
   // key's vector), so a short last tile zeros no more than that vector's padding.
   const int zero_to = RoundUp(nk, kLanes);
   float* kt = pl.K(pack, p, b, hk) + static_cast<size_t>(tile) * kBk * p.d;
-  if (p.dtype == DType::f32) {
+  const bool round = p.round_bf16();
+  if (p.dtype == DType::f32 && !round) {
     PackPanel(p.k + k0, p.k_row, nk, p.d, kt, zero_to);
   } else {
-    PackPanelRows([&](int j) { return RowF32(p.dtype, p.k, k0 + j * p.k_row, p.d, buf); }, nk, p.d, kt, 0,
+    PackPanelRows([&](int j) { return RowF32(p.dtype, p.k, k0 + j * p.k_row, p.d, buf, round); }, nk, p.d, kt, 0,
                   zero_to);
   }
   float* v = pl.V(pack, p, b, hk) + static_cast<size_t>(j0) * pl.dvp;
-  PackRowsFrom([&](int j) { return RowF32(p.dtype, p.v, v0 + j * p.v_row, p.dv, buf); }, nk, p.dv, pl.dvp, v,
+  PackRowsFrom([&](int j) { return RowF32(p.dtype, p.v, v0 + j * p.v_row, p.dv, buf, round); }, nk, p.dv, pl.dvp, v,
                zero_to);
   pl.VNonFinite(p, b, hk, tile) = !AllFinite(v, static_cast<size_t>(zero_to) * pl.dvp);
   TrafficCounters::add(traffic().packed_bytes, static_cast<uint64_t>(nk) * (p.d + p.dv) * sizeof(float));
@@ -169,7 +170,7 @@ void LoadQueryTile(const Problem& p, int64_t q0, int rows, int rows_used, float*
   for (int r = 0; r < rows_used; ++r) {
     float* row = dst + static_cast<size_t>(r) * p.d;
     if (r < rows) {
-      const float* src = RowF32(p.dtype, p.q, q0 + int64_t{r} * p.q_row, p.d, buf);
+      const float* src = RowF32(p.dtype, p.q, q0 + int64_t{r} * p.q_row, p.d, buf, p.round_bf16());
       for (int c = 0; c < p.d; ++c) row[c] = src[c] * scale;
     } else {
       std::fill(row, row + p.d, 0.0f);

@@ -14,6 +14,8 @@ namespace attn::detail {
 /// computed the same way whichever thread runs it. q, k, v, out f32, bf16 or f16
 /// (p.dtype): bf16/f16 are widened exactly where K/V are packed and q tiles loaded,
 /// and out rounded once, so the result equals the f32 kernel's on the same values.
+/// f32 inputs under Precision::bf16 (p.round_bf16()) are rounded to bf16 at the same
+/// places: the result equals the f32 kernel's on rounded copies, without the copies.
 void attention_forward_cpu(const Problem& p, int threads);
 
 /// Bytes of workspace attention_forward_cpu(p, threads) uses (packed K/V + tiles).

@@ -18,6 +18,10 @@ namespace attn::detail {
 /// the f32 path there (and everywhere without AMX).
 enum class LowpPath { amx, avx512bf16, f32 };
 
+/// Which pass a path is chosen for: without usable AMX tiles, the best bf16 path of
+/// an Intel core differs between the forward and the backward (see lowp_path).
+enum class Pass { forward, backward };
+
 /// What this CPU and OS can run, detected once: AMX needs CPUID's AMX-TILE and
 /// AMX-BF16, AVX-512 (Highway's AVX3 target) and Linux's permission for tile data
 /// (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)), which is requested here;
@@ -26,16 +30,27 @@ struct CpuFeatures {
   bool amx_bf16 = false;     // CPUID and OS permission, usable
   bool amx_int8 = false;     // the same for AMX-INT8 (tdpbssd, tdpbusd)
   bool avx512_bf16 = false;  // CPUID
+  /// vdpbf16ps computes at least the f32 FMA's flop rate: AMD's cores (Zen 5: twice
+  /// it). Intel's do half of it (measured on Sapphire/Emerald Rapids cores with and
+  /// without AMX in CPUID: docs/PERFORMANCE.md), so false where CPUID says GenuineIntel.
+  bool bf16_dot_full_rate = false;
   std::string amx_refused;   // why amx is unusable when CPUID has it ("" otherwise)
 };
 const CpuFeatures& cpu_features();
 
-/// The path a bf16 call takes now: ATTN_ISA (read on every call, so tests can switch
-/// it) if set — "amx", "avx512bf16" or "f32"; throws attn::Error when it names an
-/// unknown path or one this machine cannot run — else the fastest available: amx;
-/// else avx512bf16 on CPUs without AMX in CPUID; else f32. (A CPU whose OS refuses
-/// AMX takes f32: on Intel's AMX cores vdpbf16ps runs at half the f32 FMA rate.)
-LowpPath lowp_path();
+/// The path a bf16 call's `pass` takes now: ATTN_ISA (read on every call, so tests can
+/// switch it) if set — "amx", "avx512bf16" or "f32", for both passes; throws
+/// attn::Error when it names an unknown path or one this machine cannot run — else
+/// the fastest available:
+///   amx where the tiles are usable;
+///   else avx512bf16 where vdpbf16ps runs at full rate (AMD Zen 4/5);
+///   else, on Intel cores with AVX512-BF16 but no usable AMX (AMX hidden by a
+///   hypervisor, refused by the OS, or absent as on Cooper Lake): f32 for the
+///   forward, whose f32 kernel widens bf16 rows as it packs them and so runs at the
+///   f32 FMA rate, twice vdpbf16ps's there; avx512bf16 for the backward, whose
+///   portable path copies every tensor to f32 and loses to it;
+///   else f32.
+LowpPath lowp_path(Pass pass = Pass::forward);
 
 /// Whether the decode kernel reads i8 caches with AMX-INT8 tiles: the CPU and OS
 /// allow it and lowp_path() is amx (so ATTN_ISA=f32 forces the vector kernel).

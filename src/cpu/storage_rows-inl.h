@@ -25,9 +25,17 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 /// `width` elements at element `offset` of `base` (a problem's q/k/v pointer, which
 /// points at storage of dtype dt: f32, bf16 or f16) as f32: f32 rows in place, bf16/f16
-/// rows widened into buf (at least `width` floats).
-HWY_INLINE const float* RowF32(DType dt, const void* base, int64_t offset, int width, float* HWY_RESTRICT buf) {
-  if (dt == DType::f32) return static_cast<const float*>(base) + offset;
+/// rows widened into buf (at least `width` floats). With `round_bf16` (f32 inputs under
+/// Precision::bf16) f32 rows are rounded to bf16 into buf instead: the values a
+/// rounded copy of the tensor would hold, without the copy.
+HWY_INLINE const float* RowF32(DType dt, const void* base, int64_t offset, int width, float* HWY_RESTRICT buf,
+                               bool round_bf16 = false) {
+  if (dt == DType::f32) {
+    const float* row = static_cast<const float*>(base) + offset;
+    if (!round_bf16) return row;
+    round_f32_row_to_bf16(row, buf, width);
+    return buf;
+  }
   const DF df;
   const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
   int c = 0;

@@ -106,6 +106,10 @@ void load_f32_row(DType dt, const void* base, int64_t at, float* dst, int64_t n)
   }
 }
 
+void round_f32_row_to_bf16(const float* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = float_of(uint32_t{bf16_of(src[i])} << 16);
+}
+
 void store_f32_row(DType dt, void* base, int64_t at, const float* src, int64_t n) {
   switch (dt) {
     case DType::bf16: {

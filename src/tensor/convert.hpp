@@ -50,6 +50,11 @@ void load_f32_row(DType dt, const void* base, int64_t at, float* dst, int64_t n)
 /// rounded as store_f32 rounds.
 void store_f32_row(DType dt, void* base, int64_t at, const float* src, int64_t n);
 
+/// n f32 values rounded to their nearest bf16 values (as f32_to_bf16 rounds), written
+/// as f32 to dst (which may be src): Precision::bf16's rounding of f32 inputs, in a loop
+/// the compiler vectorises, for the f32 kernel's packing step.
+void round_f32_row_to_bf16(const float* src, float* dst, int64_t n);
+
 /// f rounded to the nearest bf16 (or f16) value, as an f32.
 inline float round_to_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 inline float round_to_f16(float f) { return f16_to_f32(f32_to_f16(f)); }

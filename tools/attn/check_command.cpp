@@ -276,10 +276,12 @@ Command add_check_command(CLI::App& app) {
     std::mt19937 rng(*seed);
     int failures = 0;
     const CpuInfo cpu = cpu_info();
-    std::printf("attn check (seed %u): fused forward and backward vs float64 reference; f32 kernel on %s, bf16 default "
-                "path %s%s\n",
-                *seed, cpu.simd_target.c_str(), cpu.bf16_path.c_str(),
-                cpu.amx_bf16 ? "" : (cpu.amx_refused.empty() ? " (no AMX)" : (" (AMX refused: " + cpu.amx_refused + ")").c_str()));
+    std::printf(
+        "attn check (seed %u): fused forward and backward vs float64 reference; f32 kernel on %s, bf16 default "
+        "path %s (backward %s)%s\n",
+        *seed, cpu.simd_target.c_str(), cpu.bf16_path.c_str(), cpu.bf16_backward_path.c_str(),
+        cpu.amx_bf16 ? ""
+                     : (cpu.amx_refused.empty() ? " (no AMX)" : (" (AMX refused: " + cpu.amx_refused + ")").c_str()));
     // Every dtype on the portable path, bf16 on every bf16 path this machine can run,
     // and f16 on AMX tiles (as hi + lo bf16 pieces) where it has them. f32 inputs with
     // Precision::bf16 on every bf16 path, and with Precision::bf16x3 on the tiles and
