@@ -49,6 +49,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (flags & 1) {
     nlohmann::json j = nlohmann::json::parse(config_text, nullptr, false);
     if (j.is_object()) {
+      // The fuzzed config may hold "files" as any JSON value; the rewrite needs an object.
+      if (!j["files"].is_object()) j["files"] = nlohmann::json::object();
       j["files"]["model.safetensors"] = attn::train::manifest_entry(std::vector<uint8_t>(model, model + model_len));
       j["files"]["optimizer.safetensors"] =
           attn::train::manifest_entry(std::vector<uint8_t>(optimizer, optimizer + optimizer_len));
