@@ -65,7 +65,7 @@ ForwardRow time_forward(const ForwardConfig& c, const TableOptions& o) {
   // bf16 (and f32 with Precision::bf16) runs where cpu_info() says; f16 and f32 with
   // Precision::bf16x3 on AMX tiles (as hi + lo bf16 pieces) where there are tiles,
   // else on the f32 kernel.
-  const std::string bf16_path = c.backward ? cpu_info().bf16_backward_path : cpu_info().bf16_path;
+  const std::string bf16_path = cpu_info().bf16_path;
   const bool f32_in = c.dtype == DType::f32;
   const bool pieces = c.dtype == DType::f16 || (f32_in && c.precision == Precision::bf16x3);
   const bool rounded = c.dtype == DType::bf16 || (f32_in && c.precision == Precision::bf16);

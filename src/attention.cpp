@@ -22,9 +22,9 @@ namespace detail {
 // bf16 (or f32 rounded to bf16) runs on AMX tiles or vdpbf16ps when the CPU has
 // them, f16 on AMX tiles only; explicit probabilities take the portable path (see
 // cpu/isa.hpp).
-LowpPath lowp_kernel(const Problem& p, const AttentionOptions& options, Pass pass) {
+LowpPath lowp_kernel(const Problem& p, const AttentionOptions& options) {
   if (!needs_widening(p, options) || p.probs != nullptr) return LowpPath::f32;
-  const LowpPath path = lowp_path(pass);
+  const LowpPath path = lowp_path();
   // Two pieces (f16, and f32 with Precision::bf16x3) take three products each: only
   // the tile unit makes that pay.
   if (p.pieces() == 2) return path == LowpPath::amx ? LowpPath::amx : LowpPath::f32;
@@ -53,7 +53,7 @@ void attention_with_mods(const TensorView& q, const TensorView& k, const TensorV
       attention_with_mods(q, k, v, out, o, lse, probs, mods);
       return;
     }
-    if (const LowpPath path = lowp_kernel(p, options, Pass::forward); path != LowpPath::f32) {
+    if (const LowpPath path = lowp_kernel(p, options); path != LowpPath::f32) {
       if (attention_forward_amx(p, num_threads(), path)) return;
       // Declined (a NaN or ±∞ in q, k or v): the portable path's exact semantics.
     }
@@ -142,7 +142,7 @@ void attention_backward_with_mods(const TensorView& q, const TensorView& k, cons
   const BackwardProblem bp = make_backward_problem("attention_backward", q, k, v, out, lse, dout,
                                                    dq, dk, dv, options, dbias, mods, /*on_device=*/true);
   if (needs_widening(bp.fwd, options)) {
-    if (const LowpPath path = lowp_kernel(bp.fwd, options, Pass::backward); path != LowpPath::f32) {
+    if (const LowpPath path = lowp_kernel(bp.fwd, options); path != LowpPath::f32) {
       if (bp.fwd.mask_dtype == DType::bf16 || bp.fwd.mask_dtype == DType::f16) {
         std::vector<float> mask32;
         const AttentionOptions o = with_f32_mask(options, mask32);
@@ -222,7 +222,7 @@ size_t attention_workspace_bytes(const TensorView& q, const TensorView& k, const
       detail::make_problem("attention_workspace_bytes", q, k, v, out, options, {}, {}, nullptr);
   // The bf16 kernels' packed operands replace the f32 copies (they decline only
   // inputs holding NaN or ±∞, which then take the portable path's copies).
-  if (detail::lowp_kernel(p, options, detail::Pass::forward) != detail::LowpPath::f32) {
+  if (detail::lowp_kernel(p, options) != detail::LowpPath::f32) {
     return detail::attention_forward_amx_workspace_bytes(p, threads);
   }
   // The f32 kernel widens bf16/f16 inputs and rounds f32 ones under Precision::bf16
@@ -239,7 +239,7 @@ size_t attention_backward_workspace_bytes(const TensorView& q, const TensorView&
   // The f32 kernel's bytes depend on the shapes only, which its widened copies share.
   const size_t f32_kernel = detail::attention_backward_workspace_bytes_cpu(bp.fwd, threads);
   if (!detail::needs_widening(bp.fwd, options)) return f32_kernel;
-  if (const detail::LowpPath path = detail::lowp_kernel(bp.fwd, options, detail::Pass::backward);
+  if (const detail::LowpPath path = detail::lowp_kernel(bp.fwd, options);
       path != detail::LowpPath::f32 && !detail::amx_backward_declines_options(bp, path)) {
     return detail::attention_backward_amx_workspace_bytes(bp, threads) + detail::mask_widening_bytes(options);
   }

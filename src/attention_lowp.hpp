@@ -2,9 +2,10 @@
 // and the reference, by whole-tensor f32 copies: the tensors are widened (exactly:
 // every bf16/f16 value is an f32 value), the f32 code runs on the copies, and the
 // results are rounded once into the caller's outputs in their dtype. Costs the copies'
-// memory (4 bytes per element of q, k, v, out) and two passes over them. The fused
-// forward needs no copies for bf16/f16 inputs (it widens rows where it packs them);
-// the backward, the reference, placed calls and Precision::bf16 still use these.
+// memory (4 bytes per element of q, k, v, out; kept by the calling thread for its next
+// call, as the kernels keep their scratch) and two passes over them. The fused forward
+// needs no copies (it widens bf16/f16 rows, and rounds f32 ones under Precision::bf16,
+// where it packs them); the portable backward, the reference and placed calls use these.
 #pragma once
 
 #include <functional>
@@ -20,14 +21,14 @@ namespace attn::detail {
 /// with Precision::bf16.
 bool needs_widening(const Problem& p, const AttentionOptions& options);
 
-/// The kernel a call's `pass` (forward or backward) runs on when it needs widening,
-/// instead of the portable path: LowpPath::amx or LowpPath::avx512bf16 for bf16 (or f32
-/// with Precision::bf16) where lowp_path(pass) picks them; for f16, LowpPath::amx
+/// The kernel a call (forward or backward) that needs widening runs on instead of the
+/// portable path: LowpPath::amx or LowpPath::avx512bf16 for bf16 (or f32 with
+/// Precision::bf16) where lowp_path() picks them; for f16, LowpPath::amx
 /// where the CPU has AMX tiles (f16 values enter them as exact hi + lo bf16 pieces,
 /// three tile products per product; on vdpbf16ps that would be slower than the f32
 /// kernel). LowpPath::f32 (the portable path) otherwise, and for calls that return
 /// explicit probabilities.
-LowpPath lowp_kernel(const Problem& p, const AttentionOptions& options, Pass pass);
+LowpPath lowp_kernel(const Problem& p, const AttentionOptions& options);
 
 /// Bytes of the f32 copies that attention_backward()'s widening path makes
 /// (backward_widened): q, k, v, out, dout, dq, dk, dv, and a bf16/f16 mask.

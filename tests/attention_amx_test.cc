@@ -303,17 +303,14 @@ TEST(Bf16Kernel, IsaVariableIsCheckedAndNamesThePaths) {
     const ScopedIsa f32("f32");
     EXPECT_EQ(message(), "no error");
     EXPECT_EQ(cpu_info().bf16_path, "f32");
-    EXPECT_EQ(cpu_info().bf16_backward_path, "f32");
   }
   const detail::CpuFeatures& f = detail::cpu_features();
   {
-    // The default: AMX; else vdpbf16ps where it runs at full rate (AMD); else, on an
-    // Intel core with AVX512-BF16, the f32 kernel forward and vdpbf16ps backward; else f32.
+    // The default: AMX; else vdpbf16ps where it runs at full rate (AMD, not Intel);
+    // else f32.
     const ScopedIsa unset(nullptr);
-    const char* forward = f.amx_bf16 ? "amx" : f.bf16_dot_full_rate ? "avx512bf16" : "f32";
-    const char* backward = f.amx_bf16 ? "amx" : f.avx512_bf16 ? "avx512bf16" : "f32";
-    EXPECT_EQ(cpu_info().bf16_path, forward);
-    EXPECT_EQ(cpu_info().bf16_backward_path, backward);
+    const char* want = f.amx_bf16 ? "amx" : f.bf16_dot_full_rate ? "avx512bf16" : "f32";
+    EXPECT_EQ(cpu_info().bf16_path, want);
     EXPECT_EQ(cpu_info().amx_bf16, f.amx_bf16);
   }
   {
@@ -321,7 +318,6 @@ TEST(Bf16Kernel, IsaVariableIsCheckedAndNamesThePaths) {
     if (f.avx512_bf16) {
       EXPECT_EQ(message(), "no error");
       EXPECT_EQ(cpu_info().bf16_path, "avx512bf16");
-      EXPECT_EQ(cpu_info().bf16_backward_path, "avx512bf16");
     } else {
       EXPECT_NE(message().find("ATTN_ISA=avx512bf16, but this CPU has no AVX512-BF16"), std::string::npos)
           << message();

@@ -264,17 +264,14 @@ struct CpuInfo {
   bool amx_bf16 = false;    // AMX tiles usable: CPUID has AMX-BF16 and the OS granted tile data
   bool avx512_bf16 = false; // CPUID has AVX512-BF16 (vdpbf16ps)
   std::string amx_refused;  // why AMX is unusable although CPUID has it ("" otherwise)
-  /// The path the forward of bf16 inputs (and of f32 inputs under Precision::bf16)
-  /// takes now: "amx" (tiles), "avx512bf16" (vdpbf16ps; the default on AMD Zen 4/5) or
-  /// "f32" (widened, or rounded, to f32 as the f32 kernel packs them; the default on
-  /// Intel cores without usable AMX, where vdpbf16ps has half the FMA's rate).
+  /// The path bf16 inputs (and f32 inputs under Precision::bf16) take now, forward
+  /// and backward: "amx" (tiles), "avx512bf16" (vdpbf16ps; the default on AMD Zen 4/5)
+  /// or "f32" (the f32 kernels on the values widened, or rounded, to f32; the default
+  /// on Intel cores without usable AMX, where vdpbf16ps has half the FMA's rate).
   /// ATTN_ISA=amx|avx512bf16|f32 forces one; f16 inputs take "amx" where bf16 does
   /// (each value as two exact bf16 pieces), else "f32" (one bf16 cannot hold an f16
   /// value).
   std::string bf16_path;
-  /// The same for attention_backward: as bf16_path, except on Intel cores without
-  /// usable AMX, where it is "avx512bf16" (the portable backward copies every tensor).
-  std::string bf16_backward_path;
 };
 
 /// The CUDA backend of this build, for device `device`: `built` when attn was compiled

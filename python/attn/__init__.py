@@ -580,9 +580,8 @@ def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, block_table=None, rota
 def cpu_info():
     """What the CPU kernels use here: a dict with ``simd_target`` (the f32 kernels' SIMD
     target), ``amx_bf16`` and ``avx512_bf16`` (what the CPU and OS allow), ``amx_refused``
-    (why AMX is unusable although the CPU has it), ``bf16_path`` ("amx", "avx512bf16" or
-    "f32": where the forward of bfloat16 inputs runs now) and ``bf16_backward_path`` (the
-    same for the backward; it differs on Intel CPUs without usable AMX, where the forward
-    is fastest on the f32 kernel and the backward on vdpbf16ps). The environment variable
-    ATTN_ISA=amx|avx512bf16|f32 forces one path for both."""
+    (why AMX is unusable although the CPU has it) and ``bf16_path`` ("amx", "avx512bf16"
+    or "f32": where bfloat16 inputs run now; "f32" on Intel CPUs without usable AMX, whose
+    vdpbf16ps has half the f32 rate). The environment variable ATTN_ISA=amx|avx512bf16|f32
+    forces one."""
     return _attn.cpu_info()

@@ -273,7 +273,6 @@ PYBIND11_MODULE(_attn, m) {
         d["avx512_bf16"] = c.avx512_bf16;
         d["amx_refused"] = c.amx_refused;
         d["bf16_path"] = c.bf16_path;
-        d["bf16_backward_path"] = c.bf16_backward_path;
         return d;
       },
       "What the CPU kernels use on this machine (see attn.cpu_info).");

@@ -75,16 +75,13 @@ const CpuFeatures& cpu_features() {
   return features;
 }
 
-LowpPath lowp_path(Pass pass) {
+LowpPath lowp_path() {
   const CpuFeatures& f = cpu_features();
   const char* env = std::getenv("ATTN_ISA");
   if (env == nullptr || *env == '\0') {
     if (f.amx_bf16) return LowpPath::amx;
+    // An Intel core without usable AMX has vdpbf16ps at half the FMA rate: f32.
     if (f.bf16_dot_full_rate) return LowpPath::avx512bf16;
-    // An Intel core without usable AMX: vdpbf16ps at half the FMA rate. Measured on
-    // one (docs/PERFORMANCE.md): the forward 1.4-1.8x faster on the f32 kernel, the
-    // backward 1.1-1.3x faster on vdpbf16ps than on the portable path's copies.
-    if (f.avx512_bf16 && pass == Pass::backward) return LowpPath::avx512bf16;
     return LowpPath::f32;
   }
   const std::string want = env;
@@ -138,8 +135,7 @@ CpuInfo cpu_info() {
   info.amx_bf16 = f.amx_bf16;
   info.avx512_bf16 = f.avx512_bf16;
   info.amx_refused = f.amx_refused;
-  info.bf16_path = detail::lowp_path_name(detail::lowp_path(detail::Pass::forward));
-  info.bf16_backward_path = detail::lowp_path_name(detail::lowp_path(detail::Pass::backward));
+  info.bf16_path = detail::lowp_path_name(detail::lowp_path());
   return info;
 }
 

@@ -18,10 +18,6 @@ namespace attn::detail {
 /// the f32 path there (and everywhere without AMX).
 enum class LowpPath { amx, avx512bf16, f32 };
 
-/// Which pass a path is chosen for: without usable AMX tiles, the best bf16 path of
-/// an Intel core differs between the forward and the backward (see lowp_path).
-enum class Pass { forward, backward };
-
 /// What this CPU and OS can run, detected once: AMX needs CPUID's AMX-TILE and
 /// AMX-BF16, AVX-512 (Highway's AVX3 target) and Linux's permission for tile data
 /// (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)), which is requested here;
@@ -38,19 +34,16 @@ struct CpuFeatures {
 };
 const CpuFeatures& cpu_features();
 
-/// The path a bf16 call's `pass` takes now: ATTN_ISA (read on every call, so tests can
-/// switch it) if set — "amx", "avx512bf16" or "f32", for both passes; throws
-/// attn::Error when it names an unknown path or one this machine cannot run — else
-/// the fastest available:
-///   amx where the tiles are usable;
-///   else avx512bf16 where vdpbf16ps runs at full rate (AMD Zen 4/5);
-///   else, on Intel cores with AVX512-BF16 but no usable AMX (AMX hidden by a
-///   hypervisor, refused by the OS, or absent as on Cooper Lake): f32 for the
-///   forward, whose f32 kernel widens bf16 rows as it packs them and so runs at the
-///   f32 FMA rate, twice vdpbf16ps's there; avx512bf16 for the backward, whose
-///   portable path copies every tensor to f32 and loses to it;
-///   else f32.
-LowpPath lowp_path(Pass pass = Pass::forward);
+/// The path a bf16 call takes now: ATTN_ISA (read on every call, so tests can switch
+/// it) if set — "amx", "avx512bf16" or "f32"; throws attn::Error when it names an
+/// unknown path or one this machine cannot run — else the fastest available: amx
+/// where the tiles are usable; else avx512bf16 where vdpbf16ps runs at full rate
+/// (AMD Zen 4/5); else f32. So Intel cores with AVX512-BF16 but no usable AMX (AMX
+/// hidden by a hypervisor, refused by the OS, or absent as on Cooper Lake) take f32:
+/// there vdpbf16ps has half the FMA's flop rate, and the f32 kernels, which widen
+/// bf16 rows as they pack them (the forward) or copy them once (the backward), were
+/// measured 1.2-1.7x faster (docs/PERFORMANCE.md).
+LowpPath lowp_path();
 
 /// Whether the decode kernel reads i8 caches with AMX-INT8 tiles: the CPU and OS
 /// allow it and lowp_path() is amx (so ATTN_ISA=f32 forces the vector kernel).

@@ -20,7 +20,8 @@ size_t thread_scratch_needed_bytes();
 enum ScratchSlot : int {
   kSlotPackedKv = 0,  // packed K/V panels of one call (owned by the calling thread)
   kSlotTile = 1,      // per-worker tile buffers (Q tile, scores, output accumulator)
-  kNumSlots = 2,
+  kSlotWidened = 2,   // the f32 copies of the portable backward (attention_lowp.cpp)
+  kNumSlots = 3,
 };
 
 }  // namespace attn::detail

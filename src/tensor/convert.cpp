@@ -126,47 +126,45 @@ void store_f32_row(DType dt, void* base, int64_t at, const float* src, int64_t n
   }
 }
 
+namespace {
+
+// Calls f(at, i, n) for each run of n elements that lie consecutively both in `t`
+// (from element `at`) and in a contiguous row-major array of t's shape (from element
+// `i`): whole rows when t's last dimension is contiguous, as attention's tensors are,
+// so that the row loops vectorise; single elements otherwise.
+template <class F>
+void for_each_run(const TensorView& t, F&& f) {
+  const int r = t.rank();
+  if (t.empty() || t.numel() == 0) return;
+  if (r == 0 || t.stride(r - 1) != 1) {
+    for_each_element(t, [&](int64_t at, int64_t i) { f(at, i, 1); });
+    return;
+  }
+  std::vector<int64_t> rows_shape = t.shape();
+  const int64_t n = rows_shape.back();
+  rows_shape.back() = 1;
+  const TensorView rows(t.data(), t.dtype(), rows_shape, t.strides());
+  for_each_element(rows, [&](int64_t at, int64_t row) { f(at, row * n, n); });
+}
+
+}  // namespace
+
+void to_f32_contiguous(const TensorView& src, float* dst, bool round_bf16) {
+  const bool round = round_bf16 && src.dtype() == DType::f32;
+  for_each_run(src, [&](int64_t at, int64_t i, int64_t n) {
+    load_f32_row(src.dtype(), src.data(), at, dst + i, n);
+    if (round) round_f32_row_to_bf16(dst + i, dst + i, n);
+  });
+}
+
 std::vector<float> to_f32_contiguous(const TensorView& src, bool round_bf16) {
   std::vector<float> out(static_cast<size_t>(src.empty() ? 0 : src.numel()));
-  switch (src.dtype()) {
-    case DType::bf16: {
-      const uint16_t* p = src.data_as<const uint16_t>();
-      for_each_element(src, [&](int64_t at, int64_t i) { out[static_cast<size_t>(i)] = bf16_to_f32(p[at]); });
-      break;
-    }
-    case DType::f16: {
-      const uint16_t* p = src.data_as<const uint16_t>();
-      for_each_element(src, [&](int64_t at, int64_t i) { out[static_cast<size_t>(i)] = f16_to_f32(p[at]); });
-      break;
-    }
-    default: {
-      const float* p = src.data_as<const float>();
-      if (round_bf16)
-        for_each_element(src, [&](int64_t at, int64_t i) { out[static_cast<size_t>(i)] = round_to_bf16(p[at]); });
-      else
-        for_each_element(src, [&](int64_t at, int64_t i) { out[static_cast<size_t>(i)] = p[at]; });
-    }
-  }
+  to_f32_contiguous(src, out.data(), round_bf16);
   return out;
 }
 
 void from_f32_contiguous(const float* src, const TensorView& dst) {
-  switch (dst.dtype()) {
-    case DType::bf16: {
-      uint16_t* p = dst.data_as<uint16_t>();
-      for_each_element(dst, [&](int64_t at, int64_t i) { p[at] = f32_to_bf16(src[i]); });
-      break;
-    }
-    case DType::f16: {
-      uint16_t* p = dst.data_as<uint16_t>();
-      for_each_element(dst, [&](int64_t at, int64_t i) { p[at] = f32_to_f16(src[i]); });
-      break;
-    }
-    default: {
-      float* p = dst.data_as<float>();
-      for_each_element(dst, [&](int64_t at, int64_t i) { p[at] = src[i]; });
-    }
-  }
+  for_each_run(dst, [&](int64_t at, int64_t i, int64_t n) { store_f32_row(dst.dtype(), dst.data(), at, src + i, n); });
 }
 
 TensorView contiguous_f32_view(const float* data, const TensorView& like) {

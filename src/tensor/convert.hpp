@@ -63,6 +63,8 @@ inline float round_to_f16(float f) { return f16_to_f32(f32_to_f16(f)); }
 /// contiguous row-major f32 array of the same shape. With `round_bf16`, each value is
 /// also rounded to bf16 (the reduced-precision option for f32 inputs).
 std::vector<float> to_f32_contiguous(const TensorView& src, bool round_bf16 = false);
+/// The same into `dst` (src.numel() floats).
+void to_f32_contiguous(const TensorView& src, float* dst, bool round_bf16 = false);
 
 /// Writes a contiguous row-major f32 array of `dst`'s shape into `dst` (dtype f32, bf16
 /// or f16; any non-negative strides), rounding to its dtype.

@@ -183,8 +183,7 @@ Command add_bench_command(CLI::App& app) {
                 "AMX bf16: %.1f, %.1f\n",
                 p1.f32_gflops, pall.f32_gflops, all, p1.isa, p1.bf16_gflops, pall.bf16_gflops,
                 p1.amx_bf16_gflops, pall.amx_bf16_gflops);
-    std::printf("  kernels: f32 on %s; bf16 on %s (backward: %s)\n", cpu.simd_target.c_str(), cpu.bf16_path.c_str(),
-                cpu.bf16_backward_path.c_str());
+    std::printf("  kernels: f32 on %s; bf16 on %s\n", cpu.simd_target.c_str(), cpu.bf16_path.c_str());
     std::printf("  baseline BLAS: OpenBLAS, core %s\n", bench::baseline_configure(1));
     std::printf("timing %s (flops = 4·N²·d·H, halved for causal%s) ...\n",
                 o.backward ? "the backward" : "the forward", o.backward ? ", times 2.5" : "");

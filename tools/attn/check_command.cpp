@@ -278,8 +278,8 @@ Command add_check_command(CLI::App& app) {
     const CpuInfo cpu = cpu_info();
     std::printf(
         "attn check (seed %u): fused forward and backward vs float64 reference; f32 kernel on %s, bf16 default "
-        "path %s (backward %s)%s\n",
-        *seed, cpu.simd_target.c_str(), cpu.bf16_path.c_str(), cpu.bf16_backward_path.c_str(),
+        "path %s%s\n",
+        *seed, cpu.simd_target.c_str(), cpu.bf16_path.c_str(),
         cpu.amx_bf16 ? ""
                      : (cpu.amx_refused.empty() ? " (no AMX)" : (" (AMX refused: " + cpu.amx_refused + ")").c_str()));
     // Every dtype on the portable path, bf16 on every bf16 path this machine can run,
