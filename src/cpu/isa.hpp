@@ -9,8 +9,8 @@ namespace attn::detail {
 
 /// The paths for bf16 inputs (and f32 inputs with Precision::bf16):
 ///   amx         the products on AMX tiles (tdpbf16ps), softmax in AVX-512;
-///   avx512bf16  the same kernels with the products on vdpbf16ps (AMD Zen 4/5,
-///               Intel Cooper Lake): same packing, same softmax;
+///   avx512bf16  the same kernels with the products on vdpbf16ps (AMD Zen 4/5):
+///               same packing, same softmax;
 ///   f32         the portable path: inputs widened to f32, the f32 kernel.
 /// f16 inputs: one bf16 cannot hold an f16 value, two can (hi + lo, exactly), so on
 /// amx f16 values enter the tiles as two bf16 pieces and each product takes three tile
