@@ -23,7 +23,7 @@ class CopyArena {
  public:
   explicit CopyArena(size_t floats) : next_(thread_scratch(kSlotWidened, floats)), left_(floats) {}
   float* take(const TensorView& t) {
-    const size_t n = static_cast<size_t>(t.empty() ? 0 : t.numel());
+    const size_t n = floats_of(t);
     if (n > left_) throw std::logic_error("CopyArena: more copies than counted");
     float* at = next_;
     next_ += n, left_ -= n;
@@ -75,7 +75,7 @@ bool needs_widening(const Problem& p, const AttentionOptions& options) {
 }
 
 size_t mask_widening_bytes(const AttentionOptions& options) {
-  return !options.mask.empty() && is_lowp(options.mask.dtype()) ? sizeof(float) * options.mask.numel() : 0;
+  return lowp_mask(options) ? sizeof(float) * options.mask.numel() : 0;
 }
 
 size_t backward_widening_bytes(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
@@ -88,7 +88,7 @@ size_t backward_widening_bytes(const TensorView& q, const TensorView& k, const T
 
 AttentionOptions with_f32_mask(const AttentionOptions& options, std::vector<float>& storage) {
   AttentionOptions o = options;
-  if (!options.mask.empty() && is_lowp(options.mask.dtype())) {
+  if (lowp_mask(options)) {
     storage = to_f32_contiguous(options.mask);
     o.mask = contiguous_f32_view(storage.data(), options.mask);
   }
