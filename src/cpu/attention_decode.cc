@@ -165,21 +165,37 @@ HWY_INLINE void PrefetchRow(const T* p, int n) {
 /// log₂(kLanes) rounds of pairwise sums, each halving the vector count while the
 /// partial sums of x[i] stay in lanes [i·w, (i+1)·w) of w = kLanes/count. About
 /// 3 operations per sum where SumOfLanes costs 2·log₂(kLanes) for each.
+/// The rounds are unrolled at compile time (N a template argument): with the trip
+/// counts left to the optimiser GCC kept x, the caller's accumulators, on the stack.
+template <int N = kLanes>
 HWY_INLINE VF TransposedSums(DF df, VF* x) {
-  for (int n = kLanes; n > 1; n /= 2)
-    for (int i = 0; i < n / 2; ++i)
+  if constexpr (N == 1) {
+    return x[0];
+  } else {
+#pragma GCC unroll 16
+    for (int i = 0; i < N / 2; ++i)
       x[i] = hn::Add(hn::ConcatEven(df, x[2 * i + 1], x[2 * i]), hn::ConcatOdd(df, x[2 * i + 1], x[2 * i]));
-  return x[0];
+    return TransposedSums<N / 2>(df, x);
+  }
 }
 #endif
 
 /// s[r·ld + c] = Σ_x q[r][x]·k_c[x] for NR rows (q: rows of dp floats, zero past d)
 /// and NK keys. When NR·NK is a vector's lane count the NR·NK dot products leave
 /// their accumulators through one TransposedSums, else one SumOfLanes each.
-template <typename T, int NR, int NK>
-HWY_INLINE void DotRows(const float* HWY_RESTRICT q, size_t dp, const T* const* keys, int d,
-                        float* HWY_RESTRICT s, size_t ld) {
+/// kTail: d is not a whole number of vectors. It is a template argument because a
+/// conditional last step, or a memcpy call (LoadTailF32) while the accumulators are
+/// live, makes GCC keep them on the stack: each pass then stored and reloaded all
+/// 16 (perf: a fifth of an i8 score pass at d = 128, which has no tail at all).
+template <typename T, int NR, int NK, bool kTail>
+HWY_INLINE void DotRows(const float* HWY_RESTRICT q, size_t dp, const T* const* keys, int d, float* HWY_RESTRICT s,
+                        size_t ld) {
   const DF df;
+  const int full = d / kLanes * kLanes;
+  VF tail[NK];
+  if constexpr (kTail) {  // before the accumulators are live
+    for (int c = 0; c < NK; ++c) tail[c] = LoadTailF32(df, keys[c] + full, d - full);
+  }
   VF acc[NR * NK];  // [r][c]
   for (int i = 0; i < NR * NK; ++i) acc[i] = hn::Zero(df);
   auto accumulate = [&](const VF* kv, int x) {
@@ -188,17 +204,12 @@ HWY_INLINE void DotRows(const float* HWY_RESTRICT q, size_t dp, const T* const* 
       for (int c = 0; c < NK; ++c) acc[r * NK + c] = hn::MulAdd(qv, kv[c], acc[r * NK + c]);
     }
   };
-  int x = 0;
-  for (; x + kLanes <= d; x += kLanes) {
+  for (int x = 0; x < full; x += kLanes) {
     VF kv[NK];
     for (int c = 0; c < NK; ++c) kv[c] = LoadF32(df, keys[c] + x);
     accumulate(kv, x);
   }
-  if (x < d) {
-    VF kv[NK];
-    for (int c = 0; c < NK; ++c) kv[c] = LoadTailF32(df, keys[c] + x, d - x);
-    accumulate(kv, x);
-  }
+  if constexpr (kTail) accumulate(tail, full);
 #if HWY_TARGET != HWY_SCALAR
   if constexpr (NR * NK == kLanes) {
     HWY_ALIGN float sums[kLanes];
@@ -211,16 +222,44 @@ HWY_INLINE void DotRows(const float* HWY_RESTRICT q, size_t dp, const T* const* 
     for (int c = 0; c < NK; ++c) s[r * ld + c] = hn::GetLane(hn::SumOfLanes(df, acc[r * NK + c]));
 }
 
-template <typename T, int NK>
-HWY_INLINE void DotRowGroups(const float* q, size_t dp, int rows, const T* const* keys, int d, float* s, size_t ld) {
+template <typename T, int NK, bool kTail>
+HWY_INLINE void DotRowGroupsOf(const float* q, size_t dp, int rows, const T* const* keys, int d, float* s, size_t ld) {
   int r = 0;
-  for (; r + 4 <= rows; r += 4) DotRows<T, 4, NK>(q + r * dp, dp, keys, d, s + r * ld, ld);
+  for (; r + 4 <= rows; r += 4) DotRows<T, 4, NK, kTail>(q + r * dp, dp, keys, d, s + r * ld, ld);
   switch (rows - r) {
-    case 3: DotRows<T, 3, NK>(q + r * dp, dp, keys, d, s + r * ld, ld); break;
-    case 2: DotRows<T, 2, NK>(q + r * dp, dp, keys, d, s + r * ld, ld); break;
-    case 1: DotRows<T, 1, NK>(q + r * dp, dp, keys, d, s + r * ld, ld); break;
+    case 3:
+      DotRows<T, 3, NK, kTail>(q + r * dp, dp, keys, d, s + r * ld, ld);
+      break;
+    case 2:
+      DotRows<T, 2, NK, kTail>(q + r * dp, dp, keys, d, s + r * ld, ld);
+      break;
+    case 1:
+      DotRows<T, 1, NK, kTail>(q + r * dp, dp, keys, d, s + r * ld, ld);
+      break;
     default: break;
   }
+}
+
+template <typename T, int NK>
+HWY_INLINE void DotRowGroups(const float* q, size_t dp, int rows, const T* const* keys, int d, float* s, size_t ld) {
+  if (d % kLanes == 0) {
+    DotRowGroupsOf<T, NK, false>(q, dp, rows, keys, d, s, ld);
+  } else {
+    DotRowGroupsOf<T, NK, true>(q, dp, rows, keys, d, s, ld);
+  }
+}
+
+/// True when none of the NK floats at p is 0 (a NaN is not 0). Masked loads: p may
+/// be the last NK floats of its buffer.
+template <int NK>
+HWY_INLINE bool NoZeroAmong(const float* HWY_RESTRICT p) {
+  const DF df;
+  bool none = true;
+  for (int k = 0; k < NK; k += kLanes) {
+    const auto lanes = hn::FirstN(df, std::min(kLanes, NK - k));
+    none &= hn::AllFalse(df, hn::And(lanes, hn::Eq(hn::MaskedLoad(lanes, df, p + k), hn::Zero(df))));
+  }
+  return none;
 }
 
 /// o[r] += Σ_k p[r][k]·v_k for NK consecutive keys (p: row stride ld) and every
@@ -232,10 +271,32 @@ HWY_INLINE void PvKeys(const float* HWY_RESTRICT p, size_t ld, int rows, const T
                        float* HWY_RESTRICT o, size_t o_ld) {
   const DF df;
   bool dense = true;  // no p = 0 among these keys and rows: the plain loop
-  for (int r = 0; r < rows; ++r)
-    for (int k = 0; k < NK; ++k) dense &= p[r * ld + k] != 0.0f;
+  for (int r = 0; r < rows && dense; ++r) dense = NoZeroAmong<NK>(p + r * ld);
   if (dense) {  // each value chunk converted once, used by every row
-    for (int x = 0; x < dv; x += kLanes) {
+    int x = 0;
+    // Two vectors of dv per pass: each row's two sums are independent chains of NK
+    // fused multiply-adds, where one chain per row left the FMA units waiting on
+    // the latency of the one before (perf: the chain's last FMAs held the samples).
+    // Each sum still adds the keys in order, so the result is the one-vector loop's.
+    for (; x + 2 * kLanes <= dv; x += 2 * kLanes) {
+      VF v0[NK], v1[NK];
+      for (int k = 0; k < NK; ++k) {
+        v0[k] = LoadF32(df, vals[k] + x);
+        v1[k] = LoadF32(df, vals[k] + x + kLanes);
+      }
+      for (int r = 0; r < rows; ++r) {
+        float* orow = o + r * o_ld + x;
+        VF acc0 = hn::Load(df, orow), acc1 = hn::Load(df, orow + kLanes);
+        for (int k = 0; k < NK; ++k) {
+          const VF pk = hn::Set(df, p[r * ld + k]);
+          acc0 = hn::MulAdd(pk, v0[k], acc0);
+          acc1 = hn::MulAdd(pk, v1[k], acc1);
+        }
+        hn::Store(acc0, df, orow);
+        hn::Store(acc1, df, orow + kLanes);
+      }
+    }
+    for (; x < dv; x += kLanes) {
       const int width = std::min(kLanes, dv - x);
       VF vv[NK];
       for (int k = 0; k < NK; ++k) vv[k] = width == kLanes ? LoadF32(df, vals[k] + x) : LoadTailF32(df, vals[k] + x, width);
