@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "cpu/isa.hpp"
+#include "cpu/workspace.hpp"
 #include "kvcache/decode_problem.hpp"
 #include "tensor/convert.hpp"
 #include "traffic.hpp"
@@ -352,26 +353,35 @@ std::vector<RowChunk> RowChunks(int group, int lq) {
   return chunks;
 }
 
-/// Query rows of all heads of one work item: kv heads × their chunk's rows, and
-/// the most padding rows (rows rounded up to whole vectors, per head) they add.
+/// The most query rows of one work item, over all its kv heads (kv heads × their
+/// chunk's rows).
 constexpr int kMaxItemRows = 256;
-constexpr int kMaxPadRows = kMaxItemRows * (kLanes - 1);
 
-/// One work item's running state and scratch (per thread), vector-aligned: per kv
-/// head its rows' queries, O, m, l and a score tile.
+/// One thread's scratch, carved from its reusable buffer (workspace.hpp, kSlotDecode):
+/// a work item's running state, per kv head its rows' queries, O, m, l and a score
+/// tile, sized for the call's largest item (item_rows rows, item_pad_rows once each
+/// head's rows are rounded up to whole vectors); FinishRow's row buffers. Allocated
+/// per call, sized for any item (1.3 MiB), these were ~20% of a one-token call.
 struct Scratch {
-  hwy::AlignedFreeUniquePtr<float[]> q, s, o, m, l, alpha, row_max;
-  std::vector<int> lo, hi;
-  Scratch(int dp, int dvp)
-      : q(hwy::AllocateAligned<float>(static_cast<size_t>(kMaxItemRows) * dp)),
-        s(hwy::AllocateAligned<float>(static_cast<size_t>(kMaxItemRows + kMaxPadRows) * kBk)),
-        o(hwy::AllocateAligned<float>(static_cast<size_t>(kMaxItemRows) * dvp)),
-        m(hwy::AllocateAligned<float>(static_cast<size_t>(kMaxItemRows) + kMaxPadRows)),
-        l(hwy::AllocateAligned<float>((static_cast<size_t>(kMaxItemRows) + kMaxPadRows) * kLanes)),
-        alpha(hwy::AllocateAligned<float>(static_cast<size_t>(kMaxItemRows) + kMaxPadRows)),
-        row_max(hwy::AllocateAligned<float>(kMaxRows + kLanes)),
-        lo(kMaxRows),
-        hi(kMaxRows) {}
+  float *q, *s, *o, *m, *l, *alpha, *row_max, *row;
+  double* acc;
+  int lo[kMaxRows], hi[kMaxRows];
+  Scratch(int dp, int dvp, int item_rows, int item_pad_rows) {
+    auto whole = [](size_t floats) { return (floats + 15) / 16 * 16; };  // 64-byte pieces
+    const size_t fq = whole(static_cast<size_t>(item_rows) * dp), fs = whole(static_cast<size_t>(item_pad_rows) * kBk),
+                 fo = whole(static_cast<size_t>(item_rows) * dvp), fm = whole(item_pad_rows),
+                 fl = whole(static_cast<size_t>(item_pad_rows) * kLanes), fmax = whole(kMaxRows + kLanes),
+                 frow = whole(dvp), facc = whole(2 * static_cast<size_t>(dvp));
+    q = thread_scratch(kSlotDecode, fq + fs + fo + 2 * fm + fl + fmax + frow + facc);
+    s = q + fq;
+    o = s + fs;
+    m = o + fo;
+    alpha = m + fm;
+    l = alpha + fm;
+    row_max = l + fl;
+    row = row_max + fmax;
+    acc = reinterpret_cast<double*>(row + frow);
+  }
 };
 
 /// The split's partial result: unnormalised O (rows × dvp), m and l per row, for
@@ -403,8 +413,8 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
     BandOfRow(p.attn, seq, rc.i0 + i, &w.lo[i], &w.hi[i]);
     if (w.lo[i] <= w.hi[i]) lo_all = std::min(lo_all, w.lo[i]), hi_all = std::max(hi_all, w.hi[i]);
   }
-  std::fill(w.m.get(), w.m.get() + static_cast<size_t>(it.heads) * rows_pad, -HUGE_VALF);
-  std::fill(w.l.get(), w.l.get() + static_cast<size_t>(kLanes) * it.heads * rows_pad, 0.0f);
+  std::fill(w.m, w.m + static_cast<size_t>(it.heads) * rows_pad, -HUGE_VALF);
+  std::fill(w.l, w.l + static_cast<size_t>(kLanes) * it.heads * rows_pad, 0.0f);
   // Rows of kv head hh, contiguous: q of head g0 + r / count, query i0 + r % count.
   for (int hh = 0; hh < it.heads; ++hh) {
     for (int r = 0; r < rows; ++r) {
@@ -425,7 +435,7 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
     }
   }
 #endif
-  float* const obase = on_tiles ? tiles->o.get() : w.o.get();
+  float* const obase = on_tiles ? tiles->o.get() : w.o;
   const int ldo = on_tiles ? tiles->ldo : dvp;
   std::fill(obase, obase + static_cast<size_t>(it.heads) * rows * ldo, 0.0f);
   const T* kbase = static_cast<const T*>(p.k.base);
@@ -508,7 +518,7 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
     if (on_tiles) {
 #if ATTN_DECODE_AMX_I8
       if constexpr (std::is_same_v<T, int8_t>) {
-        ScoresBlockI8(keys0, p.k.head_stride, it.heads, cols, p.d, rows, *tiles, w.s.get(),
+        ScoresBlockI8(keys0, p.k.head_stride, it.heads, cols, p.d, rows, *tiles, w.s,
                       static_cast<size_t>(rows_pad) * kBk, kBk, [&](int hh, int g) {
                         if (!prefetch) return;
                         for (int c = 16 * g; c < std::min(16 * g + 16, cols); ++c) {
@@ -591,11 +601,11 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       }
       for (int r = 0; r < rows; ++r) std::fill(s + r * kBk + cols, s + (r + 1) * kBk, -HUGE_VALF);
       for (int g = 0; g < rc.heads; ++g) {
-        const TilePlace t{b, hk * group + rc.g0 + g, rc.i0, rc.count, j0, cols, w.lo.data(), w.hi.data()};
+        const TilePlace t{b, hk * group + rc.g0 + g, rc.i0, rc.count, j0, cols, w.lo, w.hi};
         ApplyScoreMods(p.attn, seq, t, s + static_cast<size_t>(g) * rc.count * kBk, kBk,
                        cols < kBk || TileNeedsBand(t));
       }
-      active[hh] = SoftmaxTile(s, kBk, rows, m, l, alpha, w.row_max.get());
+      active[hh] = SoftmaxTile(s, kBk, rows, m, l, alpha, w.row_max);
       if (!active[hh]) continue;
       for (int r = 0; r < rows; ++r) {  // O = α·O before this block's P·V
         if (alpha[r] == 1.0f) continue;
@@ -629,7 +639,7 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
             }
           }
         };
-        PvBlockI8(w.s.get(), static_cast<size_t>(rows_pad) * kBk, kBk, active, vals0, p.v.head_stride, it.heads, cols,
+        PvBlockI8(w.s, static_cast<size_t>(rows_pad) * kBk, kBk, active, vals0, p.v.head_stride, it.heads, cols,
                   rows, p.dv, obase, static_cast<size_t>(rows) * ldo, ldo, *tiles, pump_next);
       }
 #endif
@@ -793,11 +803,15 @@ void Decode(const DecodeProblem& p, int threads) {
                std::any_of(chunks.begin(), chunks.end(), [](const RowChunk& rc) { return rc.rows() <= kTileRowsMax; });
   }
 #endif
+  int item_rows = 0, item_pad_rows = 0;  // the largest item's (see Scratch)
+  for (const RowChunk& rc : chunks) {
+    const int heads = std::max(1, std::min(p.Hkv, kMaxItemRows / rc.rows()));
+    item_rows = std::max(item_rows, heads * rc.rows());
+    item_pad_rows = std::max(item_pad_rows, heads * RoundUp(rc.rows(), kLanes));
+  }
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
-    Scratch w(dp, dvp);
-    std::vector<double> acc(p.dv);
-    std::vector<float> row(p.dv);
+    Scratch w(dp, dvp, item_rows, item_pad_rows);
     std::vector<Partial> ps;
     std::unique_ptr<DecodeTilesScratch> tiles;
     if (on_tiles) {
@@ -824,7 +838,7 @@ void Decode(const DecodeProblem& p, int threads) {
       for (int hh = 0; hh < it.heads; ++hh) {
         for (int r = 0; r < rc.rows(); ++r) {
           const int h = (it.hk0 + hh) * p.group() + rc.g0 + r / rc.count, i = rc.i0 + r % rc.count;
-          FinishRow(p, it.b, i, h, ps.data(), g.count, hh * rc.rows() + r, dvp, acc.data(), row.data());
+          FinishRow(p, it.b, i, h, ps.data(), g.count, hh * rc.rows() + r, dvp, w.acc, w.row);
         }
       }
     }

@@ -21,7 +21,8 @@ enum ScratchSlot : int {
   kSlotPackedKv = 0,  // packed K/V panels of one call (owned by the calling thread)
   kSlotTile = 1,      // per-worker tile buffers (Q tile, scores, output accumulator)
   kSlotWidened = 2,   // the f32 copies of the portable backward (attention_lowp.cpp)
-  kNumSlots = 3,
+  kSlotDecode = 3,    // per-worker state of the decode kernel (cpu/attention_decode.cc)
+  kNumSlots = 4,
 };
 
 }  // namespace attn::detail
