@@ -302,6 +302,23 @@ HWY_INLINE VF ClampBelow(DF df, VF x, float lo) {
 #endif
 }
 
+/// n (a whole number in int32's range, or NaN) as int32: NaN gives INT_MIN on x86,
+/// 0 elsewhere (either shifts to 0 in Exp2NonPositive). On x86 the bare truncation:
+/// Highway's ConvertTo adds 3-4 ops that map positive overflow (and positive NaN) to
+/// INT_MAX, which the softmax neither needs nor survives.
+template <class DI>
+HWY_INLINE hn::Vec<DI> WholeToInt(DI di, VF n) {
+#if HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2
+  (void)di;
+  return hn::Vec<DI>{_mm256_cvttps_epi32(n.raw)};
+#elif HWY_ARCH_X86 && (HWY_TARGET == HWY_SSE4 || HWY_TARGET == HWY_SSSE3)
+  (void)di;
+  return hn::Vec<DI>{_mm_cvttps_epi32(n.raw)};
+#else
+  return hn::ConvertTo(di, hn::IfThenZeroElse(hn::IsNaN(n), n));
+#endif
+}
+
 /// 2^x for x ≤ 0 (or NaN), within 2 ulp down to the smallest normal, correctly
 /// scaled into the subnormals below it, exactly 0 below −150 (so for x = −∞),
 /// and NaN for NaN: the softmax's exponential.
@@ -311,12 +328,16 @@ HWY_INLINE VF ClampBelow(DF df, VF x, float lo) {
 ///                                  integer, where f rounds up to 1; −∞ gives 0)
 ///   2^f by a degree-6 polynomial   (minimax on [0, 1), 9.0e-8; 2^0 = 1 exactly)
 ///   2^⌊x⌋ by vscalefps             (one rounding, into the subnormals; 2^−∞ = 0)
-/// Elsewhere, 11 ops:
-///   x = max(x, −160)              (NaN stays NaN)
+/// Elsewhere, 13 ops (AVX2: the f32 softmax was ~18% of the forward's time at d = 64
+/// on a Zen 1 core with the 20 this once took, two scalings by 2^n included):
+///   x = max(x, −151)              (NaN stays NaN; 2^−151 rounds to 0, as all below)
 ///   n = round(x), f = x − n       (exact; |f| ≤ 1/2)
-///   2^f by a degree-6 polynomial  (Taylor in f·ln 2; error ≤ 1.2e-7)
-///   2^n as 2^max(n, −125) · 2^(n − max(n, −125)), two normal powers of two, so
-///   the one product that can leave the normal range rounds once.
+///   2^(f+25) by a degree-6 polynomial whose coefficients carry the 2^25 (Taylor in
+///                                 f·ln 2; error ≤ 1.2e-7; scaling by 2^25 is exact)
+///   2^(n+f+25) by adding n to its exponent field (an integer add: the value is a
+///                                 normal number, n + 25 ≥ −126), then × 2^−25: the
+///                                 one product that can leave the normal range, so
+///                                 it rounds once, into the subnormals or to 0.
 /// Exact zeros matter: a removed key's p multiplies its value, and a value near
 /// FLT_MAX times a "tiny" 2^−125 would add ~8 to the output. And 2^0 must be 1
 /// exactly: α = 1 tells the callers that a row's max did not move.
@@ -334,27 +355,27 @@ HWY_INLINE VF Exp2NonPositive(DF df, VF x) {
   e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(1.0f));
   return VF{_mm512_scalef_ps(e, x.raw)};
 #else
-  x = ClampBelow(df, x, -160.0f);
+  x = ClampBelow(df, x, -151.0f);
   const VF n = hn::Round(x);
   const VF f = hn::Sub(x, n);
-  // (ln 2)^k / k!, k = 6 … 0 (Horner).
-  VF e = hn::Set(df, 1.5403530393381609954e-4f);
-  e = hn::MulAdd(e, f, hn::Set(df, 1.3333558146428443423e-3f));
-  e = hn::MulAdd(e, f, hn::Set(df, 9.6181291076284771620e-3f));
-  e = hn::MulAdd(e, f, hn::Set(df, 5.5504108664821579953e-2f));
-  e = hn::MulAdd(e, f, hn::Set(df, 0.24022650695910071233f));
-  e = hn::MulAdd(e, f, hn::Set(df, 0.69314718055994530942f));
-  e = hn::MulAdd(e, f, hn::Set(df, 1.0f));
-  // NaN: e is NaN, and a product with NaN is NaN; both Max calls return their
-  // second operand for a NaN first one (x86 and Highway's scalar target alike),
-  // so no NaN reaches the integer conversions. n1 ∈ [−125, 0], n − n1 ∈ [−35, 0].
+  // 2^25 · (ln 2)^k / k!, k = 6 … 0 (Horner): each step's value is the unscaled
+  // one times 2^25 exactly, so e = 2^25 · 2^f bit for bit as without the factor.
+  constexpr float kUp = 33554432.0f;  // 2^25
+  VF e = hn::Set(df, kUp * 1.5403530393381609954e-4f);
+  e = hn::MulAdd(e, f, hn::Set(df, kUp * 1.3333558146428443423e-3f));
+  e = hn::MulAdd(e, f, hn::Set(df, kUp * 9.6181291076284771620e-3f));
+  e = hn::MulAdd(e, f, hn::Set(df, kUp * 5.5504108664821579953e-2f));
+  e = hn::MulAdd(e, f, hn::Set(df, kUp * 0.24022650695910071233f));
+  e = hn::MulAdd(e, f, hn::Set(df, kUp * 0.69314718055994530942f));
+  e = hn::MulAdd(e, f, hn::Set(df, kUp));
+  // e ∈ [2^24.5, 2^25.5], n ∈ [−151, 0], and n = −151 only with f ≥ 0 (e ≥ 2^25),
+  // so e · 2^n ≥ 2^−126 is normal and adding n to the exponent field multiplies by
+  // 2^n exactly. NaN: e is NaN (Max returns its second operand for a NaN first one,
+  // on x86 and Highway's scalar target alike); WholeToInt gives INT_MIN or 0 for
+  // n = NaN, whose shift is 0, so the sum keeps e's NaN bits.
   const hn::RebindToSigned<DF> di;
-  const VF n1 = hn::Max(n, hn::Set(df, -125.0f));
-  const VF n2 = hn::Max(hn::Sub(n, n1), hn::Set(df, -35.0f));
-  const auto bias = hn::Set(di, 127);
-  const VF p1 = hn::BitCast(df, hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n1), bias)));
-  const VF p2 = hn::BitCast(df, hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n2), bias)));
-  return hn::Mul(hn::Mul(e, p1), p2);
+  const auto scaled = hn::Add(hn::BitCast(di, e), hn::ShiftLeft<23>(WholeToInt(di, n)));
+  return hn::Mul(hn::BitCast(df, scaled), hn::Set(df, 1.0f / kUp));
 #endif
 }
 
