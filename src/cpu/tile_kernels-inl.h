@@ -48,6 +48,19 @@ constexpr int kBq = 16 * kRowsPerBlock;          // queries per tile
 static_assert(kBq % kLanes == 0 || kLanes > kBq, "row vectors must tile Bq");
 
 HWY_INLINE int RoundUp(int x, int m) { return (x + m - 1) / m * m; }
+
+/// v, kept in a register by the compiler: an operand GCC would otherwise fold into
+/// every FMA that uses it as a memory operand, loading it once per use. AVX2 cores
+/// that split 256-bit loads in two (AMD Zen 1) are then bound by loads rather than
+/// FMAs. AVX-512 targets (32 registers, full-width loads) are left to the compiler:
+/// nothing was measured there.
+HWY_INLINE VF InRegister(VF v) {
+#if HWY_ARCH_X86 && HWY_TARGET != HWY_AVX3 && HWY_TARGET != HWY_AVX3_DL && HWY_TARGET != HWY_SCALAR && \
+    HWY_TARGET != HWY_EMU128
+  asm("" : "+x"(v.raw));
+#endif
+  return v;
+}
 /// Key tiles covering lk keys, and query tiles covering lq queries.
 HWY_INLINE int KeyTiles(int lk) { return (lk + kBk - 1) / kBk; }
 HWY_INLINE int QueryTiles(int lq) { return (lq + kBq - 1) / kBq; }
