@@ -61,6 +61,7 @@ HWY_INLINE VF InRegister(VF v) {
 #endif
   return v;
 }
+
 /// Key tiles covering lk keys, and query tiles covering lq queries.
 HWY_INLINE int KeyTiles(int lk) { return (lk + kBk - 1) / kBk; }
 HWY_INLINE int QueryTiles(int lq) { return (lq + kBq - 1) / kBq; }
