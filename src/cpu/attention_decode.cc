@@ -203,7 +203,7 @@ HWY_INLINE void DotRows(const float* HWY_RESTRICT q, size_t dp, const T* const* 
     for (int r = 0; r < NR; ++r) {
       // An f32 cache's key loads are plain loads, and GCC folded each query vector
       // into its NK FMAs as a memory operand: on AVX2 a Zen 1 core then waited on
-      // loads (InRegister: f32 decoding 6-7% faster there). Widened bf16/i8 keys
+      // loads (InRegister: f32 decoding 6-9% faster there). Widened bf16/i8 keys
       // need the registers: there it measured 1-3% slower, so they keep the fold.
       VF qv = hn::Load(df, q + r * dp + x);
       if constexpr (std::is_same_v<T, float>) qv = InRegister(qv);
