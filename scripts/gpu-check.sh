@@ -1,65 +1,112 @@
 #!/usr/bin/env bash
-# On a machine with an NVIDIA GPU: builds attn with the CUDA backend, runs the GPU test
-# suite (tests/cuda/), the argument-error suite and the Python GPU tests, then the GPU
-# forward and backward benchmark and PyTorch's SDPA on the same shapes, and writes every
-# result to $OUT (or build/gpu-check):
+# On a machine with an NVIDIA GPU: runs the GPU test suite (tests/cuda/), the argument-error
+# suite and the Python GPU tests, then the GPU forward and backward benchmark and PyTorch's
+# SDPA on the same shapes, and writes every result to $OUT (or build/gpu-check):
 #   gpu.txt                      the device, driver and clocks (before and after)
-#   cuda_attention_test.txt      the GPU tests (each compares with the float64 reference)
+#   cuda_attention_test.txt      the GPU tests (each compares with the float64 reference),
+#                                one process per test, so that a crash names its test;
+#                                a test that crashes is rerun under compute-sanitizer
 #   python_test_cuda.txt         CUDA torch tensors through the Python package
 #   attn_attention.txt, torch_sdpa.txt   the two benchmark tables, from one run
 #
 #   bash scripts/gpu-check.sh [repeats=20]
 #
-# Libraries the machine lacks (Highway, OpenBLAS, GoogleTest, ...) come from .gpu-deps/
-# (made by scripts/gpu-deps.sh where Debian's mirrors are reachable): each package is
-# unpacked and its files added without overwriting any file the machine already has.
-set -euo pipefail
+# The C++ binaries come prebuilt from .gpu-bundle/ when it exists (scripts/gpu-bundle.sh
+# makes it on a machine with nvcc, to spare device minutes); otherwise they are built here.
+# Libraries the machine lacks for a build (Highway, OpenBLAS, GoogleTest, ...) come from
+# .gpu-deps/ (scripts/gpu-deps.sh, where Debian's mirrors are reachable): each package is
+# unpacked and its files added without overwriting any file the machine already has. The
+# Python extension is always built here (for this machine's python3), in the background
+# while the C++ tests run.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 repeats=${1:-20}
 out=${OUT:-build/gpu-check}
 mkdir -p "$out"
+jobs=$(nproc)
 
-if [ ! -f /usr/include/hwy/highway.h ]; then
-  if ! ls .gpu-deps/*.deb > /dev/null 2>&1; then
-    echo "gpu-check: Highway is missing and .gpu-deps/ holds no packages (run scripts/gpu-deps.sh first)" >&2
-    exit 1
-  fi
+clocks() { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv; }
+{ echo "before:"; clocks; nvcc --version | tail -2; grep PRETTY /etc/os-release; } 2>&1 | tee "$out/gpu.txt"
+
+if [ ! -f /usr/include/hwy/highway.h ] && ls .gpu-deps/*.deb > /dev/null 2>&1; then
   rm -rf /tmp/gpu-deps-root
   for f in .gpu-deps/*.deb; do dpkg -x "$f" /tmp/gpu-deps-root; done
-  cp -rn /tmp/gpu-deps-root/. /
+  cp -rn /tmp/gpu-deps-root/. / 2> /dev/null
   ldconfig 2> /dev/null || true
 fi
 
-clocks() { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv; }
-{ echo "before:"; clocks; nvcc --version | tail -2; } | tee "$out/gpu.txt"
+# The Python extension, in the background (one GPU architecture: it is only tested here).
+py=$(command -v python3 || true)
+python_ok=0
+if [ -n "$py" ] && "$py" -c "import torch, numpy, pytest, pybind11; assert torch.cuda.is_available()" 2> /dev/null; then
+  python_ok=1
+  ( cmake -S . -B build/gpu-py -G Ninja -DCMAKE_BUILD_TYPE=Release -DATTN_BUILD_TOOLS=OFF -DATTN_BUILD_TESTS=OFF \
+      -DATTN_BUILD_BENCH=OFF -DATTN_BUILD_DIST=OFF -DATTN_CUDA_ARCHITECTURES=90a \
+      -DPython_EXECUTABLE="$py" -Dpybind11_DIR="$("$py" -m pybind11 --cmakedir)" &&
+    nice cmake --build build/gpu-py -j"$((jobs - 2))" --target _attn ) > "$out/python_build.txt" 2>&1 &
+  python_build=$!
+fi
 
-cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DATTN_BUILD_TOOLS=OFF -DATTN_BUILD_PYTHON=OFF \
-  -DATTN_BUILD_DIST=OFF -DATTN_CUDA_ARCHITECTURES="80;90a" > "$out/configure.txt" 2>&1 || { tail -30 "$out/configure.txt"; exit 1; }
-cmake --build build/gpu -j"$(nproc)" --target cuda_attention_test device_errors_test cuda_attention_bench \
-  > "$out/build.txt" 2>&1 || { grep -E "error|FAILED" "$out/build.txt" | head -30; exit 1; }
+bin=build/gpu/bin
+if [ -f .gpu-bundle/bundle.tar.xz ]; then
+  rm -rf "$bin" && mkdir -p "$bin"
+  tar -C "$bin" -xJf .gpu-bundle/bundle.tar.xz
+  export LD_LIBRARY_PATH="$PWD/$bin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  bin=$bin/bin
+  echo "prebuilt binaries of $(cat .gpu-bundle/commit | tr '\n' ' ')" | tee -a "$out/gpu.txt"
+else
+  cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DATTN_BUILD_TOOLS=OFF -DATTN_BUILD_PYTHON=OFF \
+    -DATTN_BUILD_DIST=OFF -DATTN_CUDA_ARCHITECTURES="80;90a" > "$out/configure.txt" 2>&1 || { tail -30 "$out/configure.txt"; exit 1; }
+  cmake --build build/gpu -j"$jobs" --target cuda_attention_test device_errors_test cuda_attention_bench \
+    > "$out/build.txt" 2>&1 || { grep -E "error|FAILED" "$out/build.txt" | head -30; exit 1; }
+  mkdir -p "$bin"
+  cp build/gpu/tests/cuda_attention_test build/gpu/tests/device_errors_test build/gpu/bench/cuda_attention_bench "$bin"/
+fi
 
 status=0
-build/gpu/tests/device_errors_test > "$out/device_errors_test.txt" 2>&1 || status=1
-build/gpu/tests/cuda_attention_test > "$out/cuda_attention_test.txt" 2>&1 || status=1
-tail -3 "$out/device_errors_test.txt"
-grep -E "^\[  (FAILED|PASSED|SKIPPED) |Failure|Expected|Which is|message" "$out/cuda_attention_test.txt" | head -60 || true
+timeout 60 "$bin/device_errors_test" > "$out/device_errors_test.txt" 2>&1 || status=1
+tail -1 "$out/device_errors_test.txt"
 
-# The Python GPU tests (python/tests/test_cuda.py: CUDA torch tensors, autograd), where this
-# machine's python3 has torch with CUDA, numpy, pytest and pybind11; skipped, saying why, otherwise.
-py=$(command -v python3 || true)
-if [ -n "$py" ] && "$py" -c "import torch, numpy, pytest, pybind11; assert torch.cuda.is_available()" 2> /dev/null; then
-  { cmake -S . -B build/gpu-py -G Ninja -DCMAKE_BUILD_TYPE=Release -DATTN_BUILD_TOOLS=OFF -DATTN_BUILD_TESTS=OFF \
-      -DATTN_BUILD_BENCH=OFF -DATTN_BUILD_DIST=OFF -DATTN_CUDA_ARCHITECTURES="80;90a" -DPython_EXECUTABLE="$py" \
-      -Dpybind11_DIR="$("$py" -m pybind11 --cmakedir)" && cmake --build build/gpu-py -j"$(nproc)" --target _attn; } \
-    > "$out/python_build.txt" 2>&1 || { grep -E "error|FAILED" "$out/python_build.txt" | head -20; status=1; }
-  PYTHONPATH=build/gpu-py/python "$py" -m pytest -q -rs -p no:cacheprovider python/tests/test_cuda.py \
-    > "$out/python_test_cuda.txt" 2>&1 || status=1
-  tail -5 "$out/python_test_cuda.txt"
+# One process per GPU test: a kernel fault poisons its CUDA context, and would otherwise
+# take every later test with it.
+log=$out/cuda_attention_test.txt
+: > "$log"
+sanitized=0
+for t in $("$bin/cuda_attention_test" --gtest_list_tests | awk '/^[^ ]/ {s = $1} /^  / {print s $1}'); do
+  start=$(date +%s%N)
+  timeout 120 "$bin/cuda_attention_test" --gtest_filter="$t" > /tmp/one.txt 2>&1
+  rc=$?
+  ms=$((($(date +%s%N) - start) / 1000000))
+  cat /tmp/one.txt >> "$log"
+  case $rc in
+    0) verdict=ok; grep -q "\[  SKIPPED \] $t" /tmp/one.txt && verdict=SKIPPED ;;
+    1) verdict=FAILED; status=1 ;;
+    *) verdict="CRASHED(rc=$rc)"; status=1
+       if [ $sanitized -lt 2 ] && command -v compute-sanitizer > /dev/null; then
+         sanitized=$((sanitized + 1))
+         timeout 150 compute-sanitizer --tool memcheck --print-limit 20 "$bin/cuda_attention_test" --gtest_filter="$t" \
+           > "$out/sanitizer_$sanitized.txt" 2>&1
+       fi ;;
+  esac
+  printf '%-75s %-14s %7d ms\n' "$t" "$verdict" "$ms" | tee -a "$out/summary.txt"
+done
+grep -E "Failure|Expected|Which is|Value of|actual|error" "$log" | head -40
+
+timeout 240 "$bin/cuda_attention_bench" "$repeats" > "$out/attn_attention.txt" 2>&1 || status=1
+timeout 240 python3 bench/peers/cuda_sdpa.py "$repeats" > "$out/torch_sdpa.txt" 2>&1 || true
+
+if [ $python_ok = 1 ]; then
+  if wait "$python_build"; then
+    PYTHONPATH=build/gpu-py/python timeout 180 "$py" -m pytest -q -rs -p no:cacheprovider python/tests/test_cuda.py \
+      > "$out/python_test_cuda.txt" 2>&1 || status=1
+    tail -8 "$out/python_test_cuda.txt"
+  else
+    status=1
+    grep -E "error|Error|FAILED" "$out/python_build.txt" | head -20
+  fi
 else
   echo "python GPU tests skipped: python3 lacks torch with CUDA, numpy, pytest or pybind11" | tee "$out/python_test_cuda.txt"
 fi
-
-build/gpu/bench/cuda_attention_bench "$repeats" 2>&1 | tee "$out/attn_attention.txt" || status=1
-python3 bench/peers/cuda_sdpa.py "$repeats" 2>&1 | tee "$out/torch_sdpa.txt" || true
 { echo "after:"; clocks; } | tee -a "$out/gpu.txt"
+cat "$out/attn_attention.txt" "$out/torch_sdpa.txt"
 exit $status
