@@ -177,6 +177,8 @@ __global__ void __launch_bounds__(kThreads)
   const bool dropout = p.dropout_p > 0.0f;
   const detail::DropoutRng rng = dropout_rng(p);
   const float keep_scale = 1.0f / (1.0f - p.dropout_p);
+  const Band band_first = band_of_row(p, s, q0), band_last = band_of_row(p, s, last_row);
+  const bool plain = scores_plain(p) && !dropout && st.ds_all == nullptr;
 
   float dq[kDt][4];
 #pragma unroll
@@ -184,7 +186,7 @@ __global__ void __launch_bounds__(kThreads)
   const T* q_w = q_s + warp * 16 * LD;
   const T* do_w = do_s + warp * 16 * LD;
 
-  for (int64_t j0 = key_lo <= key_hi ? (key_lo / Bc) * Bc : 1; j0 <= key_hi; j0 += Bc) {
+  for (int64_t j0 = key_lo <= key_hi ? (key_lo / Bc) * Bc : key_hi + 1; j0 <= key_hi; j0 += Bc) {
     if (tile_blocked<kThreads>(p, b, h, q0, last_row, j0, min(j0 + Bc, int64_t{s.Lk}) - 1)) continue;
     const bool k_bad = load_rows<T, In, D, LD, kThreads>(k_s, k, p.k_row, static_cast<int>(j0), Bc, s.Lk, true);
     load_rows<T, In, D, LD, kThreads>(v_s, v, p.v_row, static_cast<int>(j0), Bc, s.Lk, false);
@@ -195,7 +197,18 @@ __global__ void __launch_bounds__(kThreads)
     product_rows<T, LD, kNt, kKt>(dp, do_w, v_s);
     product_rows<T, LD, kNt, kKt>(sc, q_w, k_s);
 
-    // dS, in place of S.
+    // dS, in place of S: only scaled scores where the tile lies inside every row's band
+    // and nothing else touches an element (the same numbers as the general path).
+    if (plain && tile_inside_bands(band_first, band_last, j0, j0 + Bc - 1)) {
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float pr = e < 2 ? probability(sc[nt][e] * p.scale, m_a, il_a) : probability(sc[nt][e] * p.scale, m_b, il_b);
+          sc[nt][e] = score_gradient(pr, dp[nt][e], 1.0f, e < 2 ? ds_a : ds_b, 1.0f);
+        }
+      }
+    } else {
 #pragma unroll
     for (int nt = 0; nt < kNt; ++nt) {
 #pragma unroll
@@ -218,6 +231,7 @@ __global__ void __launch_bounds__(kThreads)
           sc[nt][e] = g_mask * cap_grad;
         }
       }
+    }
     }
 
     // dQ += dS·K (scaled once at the end).
@@ -322,6 +336,7 @@ __global__ void __launch_bounds__(kThreads)
   const bool dropout = p.dropout_p > 0.0f;
   const detail::DropoutRng rng = dropout_rng(p);
   const float keep_scale = 1.0f / (1.0f - p.dropout_p);
+  const bool plain = scores_plain(p) && !dropout;
   const T* k_w = k_s + warp * 16 * LD;
   const T* v_w = v_s + warp * 16 * LD;
 
@@ -336,7 +351,7 @@ __global__ void __launch_bounds__(kThreads)
     const float slope = alibi_slope(p, b, h);
     const In* q = static_cast<const In*>(p.q) + s.q_offset + int64_t{h} * p.q_head;
     const In* dout = static_cast<const In*>(bp.dout) + bseqs[b].dout_offset + int64_t{h} * bp.dout_head;
-    for (int i0 = row_first <= row_last ? (row_first / Br) * Br : 1; i0 <= row_last; i0 += Br) {
+    for (int i0 = row_first <= row_last ? (row_first / Br) * Br : row_last + 1; i0 <= row_last; i0 += Br) {
       if (tile_blocked<kThreads>(p, b, h, i0, min(i0 + Br, s.Lq) - 1, j0, min(j0 + kBlockRows, s.Lk) - 1)) continue;
       const bool q_bad = load_rows<T, In, D, LD, kThreads>(q_s, q, p.q_row, i0, Br, s.Lq, true);
       const bool do_bad = load_rows<T, In, D, LD, kThreads>(do_s, dout, bp.dout_row, i0, Br, s.Lq, true);
@@ -358,7 +373,21 @@ __global__ void __launch_bounds__(kThreads)
       product_rows<T, LD, kNt, kKt>(sc, k_w, q_s);
 
       // P' (in sc) and dS (in dp), element (key, row) at (e < 2 ? key_a : key_b,
-      // i0 + 8·nt + 2t + (e & 1)).
+      // i0 + 8·nt + 2t + (e & 1)); only scaled scores where the key block lies inside
+      // every row's band and nothing else touches an element.
+      if (plain && tile_inside_bands(band_of_row(p, s, i0), band_of_row(p, s, min(i0 + Br, s.Lq) - 1), j0,
+                                     j0 + kBlockRows - 1)) {
+#pragma unroll
+        for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = nt * 8 + 2 * t + (e & 1);
+            const float pr = probability(sc[nt][e] * p.scale, m_s[r], il_s[r]);
+            dp[nt][e] = score_gradient(pr, dp[nt][e], 1.0f, dsum_s[r], 1.0f);
+            sc[nt][e] = pr;
+          }
+        }
+      } else {
 #pragma unroll
       for (int nt = 0; nt < kNt; ++nt) {
 #pragma unroll
@@ -373,6 +402,7 @@ __global__ void __launch_bounds__(kThreads)
           dp[nt][e] = score_gradient(pr, dp[nt][e], keep, dsum_s[r], cap_grad);
           sc[nt][e] = pr * keep;
         }
+      }
       }
 
       // dV += P'ᵀ·dO and dK += dSᵀ·Q (scaled once at the end).

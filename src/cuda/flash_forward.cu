@@ -91,11 +91,26 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(ForwardParams p
   const detail::DropoutRng rng = dropout_rng(p);
   const float keep_scale = 1.0f / (1.0f - p.dropout_p);
 
-  for (int64_t j0 = key_lo <= key_hi ? (key_lo / Bc) * Bc : 1; j0 <= key_hi; j0 += Bc) {
-    if (tile_blocked<kThreads>(p, b, h, q0, last_row, j0, min(j0 + Bc, int64_t{s.Lk}) - 1)) continue;
-    load_rows<T, In, D, LD, kThreads>(k_s, k, p.k_row, static_cast<int>(j0), Bc, s.Lk, false);
-    const bool v_bad = load_rows<T, In, D, LD, kThreads>(v_s, v, p.v_row, static_cast<int>(j0), Bc, s.Lk, true);
-    const bool slow = __syncthreads_or(v_bad);
+  const Band band_first = band_of_row(p, s, q0), band_last = band_of_row(p, s, last_row);
+  const bool plain = scores_plain(p);
+  // The next key tile from j on that the block mask leaves some key of (−1: none).
+  auto live_tile = [&](int64_t j) -> int64_t {
+    for (; j <= key_hi; j += Bc) {
+      if (!tile_blocked<kThreads>(p, b, h, q0, last_row, j, min(j + Bc, int64_t{s.Lk}) - 1)) return j;
+    }
+    return -1;
+  };
+  // FlashAttention-2's pipeline: V of this tile is in flight during S = Q·Kᵀ, and K of
+  // the next during the softmax and P·V (cp.async where the rows allow 16-byte copies).
+  const bool k_vec = rows_vectorizable<T>(k, p.k_row), v_vec = rows_vectorizable<T>(v, p.v_row);
+  int64_t j0 = live_tile(key_lo <= key_hi ? (key_lo / Bc) * Bc : key_hi + 1);
+  if (j0 >= 0) start_rows<T, In, D, LD, kThreads>(k_s, k, p.k_row, static_cast<int>(j0), Bc, s.Lk, k_vec);
+  cp_async_commit();
+  while (j0 >= 0) {
+    start_rows<T, In, D, LD, kThreads>(v_s, v, p.v_row, static_cast<int>(j0), Bc, s.Lk, v_vec);
+    cp_async_commit();
+    cp_async_wait<1>();  // K of this tile
+    __syncthreads();
 
     // S = Q·Kᵀ for the warp's 16 rows × Bc keys.
     float sc[kNt][4];
@@ -103,30 +118,50 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(ForwardParams p
     for (int nt = 0; nt < kNt; ++nt) {
       sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
 #pragma unroll
-      for (int kt = 0; kt < kKt; ++kt) {
-        uint32_t b0, b1;
-        b_fragment_rows<T, LD>(k_s, nt, kt, b0, b1);
+      for (int kt = 0; kt < kKt; kt += 2) {
+        uint32_t bf[4];
+        b_fragments_rows<T, LD>(k_s, nt, kt, bf);
         if constexpr (kQInSmem) {
           uint32_t a[4];
           q_fragment(kt, a);
-          mma16816<T>(sc[nt], a, b0, b1);
+          mma16816<T>(sc[nt], a, bf[0], bf[1]);
+          q_fragment(kt + 1, a);
+          mma16816<T>(sc[nt], a, bf[2], bf[3]);
         } else {
-          mma16816<T>(sc[nt], qa[kt], b0, b1);
+          mma16816<T>(sc[nt], qa[kt], bf[0], bf[1]);
+          mma16816<T>(sc[nt], qa[kt + 1], bf[2], bf[3]);
         }
       }
     }
+    __syncthreads();  // every warp has read K: the next tile's K may come
+    const int64_t next = live_tile(j0 + Bc);
+    if (next >= 0) start_rows<T, In, D, LD, kThreads>(k_s, k, p.k_row, static_cast<int>(next), Bc, s.Lk, k_vec);
+    cp_async_commit();
 
-    // Modifiers and masks, attention()'s order: scale, softcap, ALiBi, masks, band.
+    // Modifiers and masks, attention()'s order: scale, softcap, ALiBi, masks, band; a
+    // tile inside every row's band without element-wise modifiers is only scaled.
     float mx_a = -INFINITY, mx_b = -INFINITY;
+    if (plain && tile_inside_bands(band_first, band_last, j0, j0 + Bc - 1)) {
 #pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
+      for (int nt = 0; nt < kNt; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = e < 2 ? row_a : row_b;
-        const int64_t j = j0 + nt * 8 + 2 * t + (e & 1);
-        const float x = modified_score(p, s, b, h, slope, i, j, e < 2 ? band_a : band_b, sc[nt][e]);
-        sc[nt][e] = x;
-        if (e < 2) mx_a = fmaxf(mx_a, x); else mx_b = fmaxf(mx_b, x);
+        for (int e = 0; e < 4; ++e) {
+          const float x = sc[nt][e] * p.scale;
+          sc[nt][e] = x;
+          if (e < 2) mx_a = fmaxf(mx_a, x); else mx_b = fmaxf(mx_b, x);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = e < 2 ? row_a : row_b;
+          const int64_t j = j0 + nt * 8 + 2 * t + (e & 1);
+          const float x = modified_score(p, s, b, h, slope, i, j, e < 2 ? band_a : band_b, sc[nt][e]);
+          sc[nt][e] = x;
+          if (e < 2) mx_a = fmaxf(mx_a, x); else mx_b = fmaxf(mx_b, x);
+        }
       }
     }
     // Row maxima over the quad that shares a row (fmaxf skips NaN; a NaN score still
@@ -179,9 +214,13 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(ForwardParams p
     // O += P·V; P's score fragments are its A fragments. A value in this tile that is
     // NaN or ±∞ takes the element-by-element path, skipping the keys whose probability
     // is 0 (removed or dropped), with P rounded as on the tensor cores.
+    cp_async_wait<1>();  // V of this tile
+    const bool slow = __syncthreads_or(chunks_not_finite<T, D, LD, kThreads>(v_s, Bc));
     accumulate_product<T, LD, kDt, Bc>(o, sc, v_s, slow, p_s + warp * 16 * Bc);
-    __syncthreads();  // before the next tile overwrites K and V
+    __syncthreads();  // before the next tile overwrites V
+    j0 = next;
   }
+  cp_async_wait<0>();
 
   // Finalise: the quad's partial sums, then out = O / l and lse = m + ln l.
 #pragma unroll

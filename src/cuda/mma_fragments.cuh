@@ -78,36 +78,53 @@ __device__ __forceinline__ void mma16816(float d[4], const uint32_t a[4], uint32
   }
 }
 
+/// The shared-memory address of a generic pointer into shared memory (ldmatrix, cp.async).
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+/// ldmatrix.x4: lanes 8m … 8m + 7 give the 16-byte rows of 8×8 matrix m; each lane gets
+/// r[m] = row lane / 4, elements 2·(lane % 4) and + 1 of matrix m (with `trans`, of its
+/// transpose). One instruction replaces four or eight 32-bit shared loads, and the padded
+/// rows (LD = D + 8) put the 8 rows of each matrix in 8 different 16-byte bank groups.
+template <bool kTrans>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* row) {
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+  }
+}
+
 /// The A fragment of k-step kt (columns 16·kt …) of the 16 rows at `rows` (shared
-/// memory, row stride LD, row-major: a tile whose rows are the product's rows).
+/// memory, row stride LD, row-major: a tile whose rows are the product's rows): the four
+/// 8×8 quarters (rows 0-7 | 8-15) × (columns 0-7 | 8-15) are a0 … a3.
 template <class T, int LD>
 __device__ __forceinline__ void a_fragment(const T* rows, int kt, uint32_t a[4]) {
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const T* r = rows + g * LD + 2 * t + kt * 16;
-  a[0] = *reinterpret_cast<const uint32_t*>(r);
-  a[1] = *reinterpret_cast<const uint32_t*>(r + 8 * LD);
-  a[2] = *reinterpret_cast<const uint32_t*>(r + 8);
-  a[3] = *reinterpret_cast<const uint32_t*>(r + 8 * LD + 8);
+  const int lane = threadIdx.x % 32, m = lane / 8, r = lane % 8;
+  ldmatrix_x4<false>(a, rows + (r + (m & 1) * 8) * LD + kt * 16 + (m >> 1) * 8);
 }
 
-/// The B fragment of X·Yᵀ: n-tile nt (rows 8·nt … of Y, the output's columns) and
-/// k-step kt (columns 16·kt … of Y), Y row-major in shared memory (row stride LD).
+/// The B fragments of X·Yᵀ for n-tile nt (rows 8·nt … of Y, the output's columns) and
+/// the two k-steps kt, kt + 1 (columns 16·kt … 16·kt + 31 of Y), Y row-major in shared
+/// memory (row stride LD): b[0], b[1] of kt, then b[2], b[3] of kt + 1.
 template <class T, int LD>
-__device__ __forceinline__ void b_fragment_rows(const T* y, int nt, int kt, uint32_t& b0, uint32_t& b1) {
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const T* r = y + (nt * 8 + g) * LD + 2 * t + kt * 16;
-  b0 = *reinterpret_cast<const uint32_t*>(r);
-  b1 = *reinterpret_cast<const uint32_t*>(r + 8);
+__device__ __forceinline__ void b_fragments_rows(const T* y, int nt, int kt, uint32_t b[4]) {
+  const int lane = threadIdx.x % 32, m = lane / 8, r = lane % 8;
+  ldmatrix_x4<false>(b, y + (nt * 8 + r) * LD + kt * 16 + m * 8);
 }
 
-/// The B fragment of P·Y: k-step kk (rows 16·kk … of Y, the contraction) and n-tile n
-/// (columns 8·n … of Y, the output's columns), Y row-major in shared memory.
+/// The B fragments of P·Y for k-step kk (rows 16·kk … of Y, the contraction) and the
+/// two n-tiles n, n + 1 (columns 8·n … 8·n + 15 of Y), Y row-major in shared memory:
+/// b[0], b[1] of n, then b[2], b[3] of n + 1 (ldmatrix's transpose).
 template <class T, int LD>
-__device__ __forceinline__ void b_fragment_cols(const T* y, int kk, int n, uint32_t& b0, uint32_t& b1) {
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const T* r = y + (kk * 16 + 2 * t) * LD + g + n * 8;
-  b0 = pack2(r[0], r[LD]);
-  b1 = pack2(r[8 * LD], r[9 * LD]);
+__device__ __forceinline__ void b_fragments_cols(const T* y, int kk, int n, uint32_t b[4]) {
+  const int lane = threadIdx.x % 32, m = lane / 8, r = lane % 8;
+  ldmatrix_x4<true>(b, y + (kk * 16 + (m & 1) * 8 + r) * LD + (n + (m >> 1)) * 8);
 }
 
 /// The A fragment of k-step kk from an accumulator of 16 rows × (≥ 16·(kk+1)) columns
@@ -168,18 +185,24 @@ __device__ __forceinline__ void gated_accumulate(float (*acc)[4], const float* p
 
 /// acc (16 rows × 8·kNt columns, n-tiles) = X·Yᵀ, contracting 16·kKt columns: X is this
 /// warp's 16 rows and Y has 8·kNt rows, both row-major operands in shared memory (row
-/// stride LD).
+/// stride LD). Each acc[nt] sums its k-steps in order 0, 1, …; X's fragments are loaded
+/// once per pair of k-steps, not once per n-tile.
 template <class T, int LD, int kNt, int kKt>
 __device__ __forceinline__ void product_rows(float (*acc)[4], const T* x, const T* y) {
+  static_assert(kKt % 2 == 0, "k-steps come in pairs");
 #pragma unroll
-  for (int nt = 0; nt < kNt; ++nt) {
-    acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+  for (int nt = 0; nt < kNt; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
 #pragma unroll
-    for (int kt = 0; kt < kKt; ++kt) {
-      uint32_t a[4], b0, b1;
-      a_fragment<T, LD>(x, kt, a);
-      b_fragment_rows<T, LD>(y, nt, kt, b0, b1);
-      mma16816<T>(acc[nt], a, b0, b1);
+  for (int kt = 0; kt < kKt; kt += 2) {
+    uint32_t a0[4], a1[4];
+    a_fragment<T, LD>(x, kt, a0);
+    a_fragment<T, LD>(x, kt + 1, a1);
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) {
+      uint32_t bf[4];
+      b_fragments_rows<T, LD>(y, nt, kt, bf);
+      mma16816<T>(acc[nt], a0, bf[0], bf[1]);
+      mma16816<T>(acc[nt], a1, bf[2], bf[3]);
     }
   }
 }
@@ -192,15 +215,17 @@ template <class T, int LD, int kDt, int K>
 __device__ __forceinline__ void accumulate_product(float (*acc)[4], const float (*a)[4], const T* y, bool gated,
                                                    float* pw) {
   if (!gated) {
+    static_assert(kDt % 2 == 0, "n-tiles come in pairs");
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
       uint32_t af[4];
       a_from_accumulator<T>(a, kk, af);
 #pragma unroll
-      for (int n = 0; n < kDt; ++n) {
-        uint32_t b0, b1;
-        b_fragment_cols<T, LD>(y, kk, n, b0, b1);
-        mma16816<T>(acc[n], af, b0, b1);
+      for (int n = 0; n < kDt; n += 2) {
+        uint32_t bf[4];
+        b_fragments_cols<T, LD>(y, kk, n, bf);
+        mma16816<T>(acc[n], af, bf[0], bf[1]);
+        mma16816<T>(acc[n + 1], af, bf[2], bf[3]);
       }
     }
   } else {
@@ -209,22 +234,96 @@ __device__ __forceinline__ void accumulate_product(float (*acc)[4], const float 
   }
 }
 
+/// Whether 8 operands (16 bytes) are all finite: an exponent field of all ones is ±∞ or NaN.
+template <class T>
+__device__ __forceinline__ bool chunk_finite(uint4 x) {
+  constexpr uint32_t e = std::is_same_v<T, __nv_bfloat16> ? 0x7F80u : 0x7C00u;
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+  bool ok = true;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) ok = ok && (w[i] & e) != e && ((w[i] >> 16) & e) != e;
+  return ok;
+}
+
+/// Whether rows of `src` can be read as 16-byte chunks: In is the operand type, the head's
+/// first element is 16-byte aligned and the row stride (elements) keeps every row so.
+template <class T, class In>
+__device__ __forceinline__ bool rows_vectorizable(const In* src, int64_t row) {
+  return std::is_same_v<T, In> && reinterpret_cast<uintptr_t>(src) % 16 == 0 && row % 8 == 0;
+}
+
+/// 8 operands from memory (rounded to T for f32 inputs; one 16-byte load when `vec`).
+template <class T, class In>
+__device__ __forceinline__ uint4 load_chunk(const In* src, bool vec) {
+  if (vec) return *reinterpret_cast<const uint4*>(src);
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = pack2(load_operand<T>(src + 2 * i), load_operand<T>(src + 2 * i + 1));
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 /// Copies rows [r0, r0 + rows) of one head of a [L, H, D] tensor (row stride `row`)
-/// into shared memory (row stride LD) as operands, by the block's `threads` threads;
-/// rows ≥ valid are zeros. Returns whether this thread saw a NaN or ±∞ (when
+/// into shared memory (row stride LD) as operands, by the block's `threads` threads, in
+/// 16-byte chunks (chunk c: row c / (D / 8), columns 8·(c % (D / 8)) …, thread c mod
+/// threads); rows ≥ valid are zeros. Returns whether this thread saw a NaN or ±∞ (when
 /// check_finite).
 template <class T, class In, int D, int LD, int kBlockThreads>
 __device__ __forceinline__ bool load_rows(T* dst, const In* src, int64_t row, int r0, int rows, int valid,
                                           bool check_finite) {
+  static_assert(D % 8 == 0 && LD % 8 == 0, "rows are whole 16-byte chunks");
+  constexpr int kChunks = D / 8;
+  const bool vec = rows_vectorizable<T>(src, row);
   bool bad = false;
-  for (int e = threadIdx.x; e < rows * D; e += kBlockThreads) {
-    const int r = e / D, c = e - r * D;
-    T x = to_operand<T>(0.0f);
+  for (int c = threadIdx.x; c < rows * kChunks; c += kBlockThreads) {
+    const int r = c / kChunks, col = (c - r * kChunks) * 8;
+    uint4 x = make_uint4(0, 0, 0, 0);
     if (r0 + r < valid) {
-      x = load_operand<T>(src + (r0 + r) * row + c);
-      if (check_finite && !isfinite(to_float(x))) bad = true;
+      x = load_chunk<T>(src + (r0 + r) * row + col, vec);
+      if (check_finite && !chunk_finite<T>(x)) bad = true;
     }
-    dst[r * LD + c] = x;
+    *reinterpret_cast<uint4*>(dst + r * LD + col) = x;
+  }
+  return bad;
+}
+
+/// load_rows without waiting: where the rows are vectorizable (`vec`, block-uniform) each
+/// chunk is a cp.async (16 bytes, L2 only) that a later cp_async_wait completes; other
+/// rows are loaded and stored at once. Rows ≥ valid are zeroed by plain stores. The same
+/// chunks per thread as load_rows, so chunks_finite can check them without a barrier.
+template <class T, class In, int D, int LD, int kBlockThreads>
+__device__ __forceinline__ void start_rows(T* dst, const In* src, int64_t row, int r0, int rows, int valid,
+                                           bool vec) {
+  constexpr int kChunks = D / 8;
+  for (int c = threadIdx.x; c < rows * kChunks; c += kBlockThreads) {
+    const int r = c / kChunks, col = (c - r * kChunks) * 8;
+    T* to = dst + r * LD + col;
+    if (r0 + r >= valid) {
+      *reinterpret_cast<uint4*>(to) = make_uint4(0, 0, 0, 0);
+    } else if (vec) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(to)),
+                   "l"(src + (r0 + r) * row + col));
+    } else {
+      *reinterpret_cast<uint4*>(to) = load_chunk<T>(src + (r0 + r) * row + col, false);
+    }
+  }
+}
+
+/// Closes the group of cp.async issued since the last commit (an empty group is fine).
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+/// Waits until at most N of this thread's committed cp.async groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+/// Whether the chunks this thread copied with start_rows (rows × D, complete: after its
+/// cp_async_wait) hold a NaN or ±∞.
+template <class T, int D, int LD, int kBlockThreads>
+__device__ __forceinline__ bool chunks_not_finite(const T* dst, int rows) {
+  constexpr int kChunks = D / 8;
+  bool bad = false;
+  for (int c = threadIdx.x; c < rows * kChunks; c += kBlockThreads) {
+    const int r = c / kChunks, col = (c - r * kChunks) * 8;
+    bad = bad || !chunk_finite<T>(*reinterpret_cast<const uint4*>(dst + r * LD + col));
   }
   return bad;
 }

@@ -78,6 +78,21 @@ __device__ __forceinline__ float modified_score(const ForwardParams& p, const Se
   return x;
 }
 
+/// Whether the call modifies no score element by element (no softcap, ALiBi, mask or
+/// block mask): then modified_score of a key inside its row's band is scale·raw, and a
+/// tile inside every row's band (tile_inside_bands) takes the plain path.
+__device__ __forceinline__ bool scores_plain(const ForwardParams& p) {
+  return p.softcap <= 0.0f && p.alibi == nullptr && p.add_mask == nullptr && p.bool_mask == nullptr &&
+         p.bm_blocks == nullptr;
+}
+
+/// Whether keys [j0, j1] lie inside the band of every row from `first` to `last`: the
+/// bands' bounds never decrease with the row, so the last row's lo and the first row's
+/// hi bound them all (and hi < Lk).
+__device__ __forceinline__ bool tile_inside_bands(const Band& first, const Band& last, int64_t j0, int64_t j1) {
+  return j0 >= last.lo && j1 <= first.hi;
+}
+
 /// The ALiBi slope of (sequence b, head h); 0 without ALiBi.
 __device__ __forceinline__ float alibi_slope(const ForwardParams& p, int b, int h) {
   return p.alibi != nullptr ? p.alibi[b * p.alibi_b + h * p.alibi_h] : 0.0f;
