@@ -5,7 +5,6 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -13,6 +12,7 @@
 #include "arg_checker.hpp"
 #include "block_mask_args.hpp"
 #include "device.hpp"
+#include "number_text.hpp"
 #include "problem.hpp"
 #include "tensor/overlap.hpp"
 
@@ -158,14 +158,10 @@ void bind_qkv(const Checker& c, const TensorView& q, const TensorView& k, const 
 void bind_scalars(const Checker& c, const AttentionOptions& opt, Problem* p) {
   p->scale = opt.scale.has_value() ? *opt.scale : static_cast<float>(1.0 / std::sqrt(double(p->d)));
   if (!std::isfinite(p->scale) || p->scale <= 0.0f) {
-    std::ostringstream os;
-    os << "scale must be finite and > 0, got " << p->scale;
-    c.fail(os.str());
+    c.fail("scale must be finite and > 0, got " + number_text(p->scale));
   }
   if (!std::isfinite(opt.softcap) || opt.softcap < 0.0f) {
-    std::ostringstream os;
-    os << "softcap must be finite and >= 0 (0 = off), got " << opt.softcap;
-    c.fail(os.str());
+    c.fail("softcap must be finite and >= 0 (0 = off), got " + number_text(opt.softcap));
   }
   p->softcap = opt.softcap;
   if (opt.window.left < -1 || opt.window.right < -1) {
@@ -176,9 +172,7 @@ void bind_scalars(const Checker& c, const AttentionOptions& opt, Problem* p) {
   p->window_right = opt.window.right;
   p->causal = opt.causal;
   if (!(opt.dropout_p >= 0.0f && opt.dropout_p < 1.0f)) {
-    std::ostringstream os;
-    os << "dropout_p must be in [0, 1), got " << opt.dropout_p;
-    c.fail(os.str());
+    c.fail("dropout_p must be in [0, 1), got " + number_text(opt.dropout_p));
   }
   p->dropout_p = opt.dropout_p;
   p->seed = opt.seed;

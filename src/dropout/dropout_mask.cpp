@@ -1,8 +1,8 @@
 // attn::dropout_mask: the dropout decisions of attention(), materialised.
-#include <sstream>
 
 #include "attn/attention.hpp"
 #include "dropout/philox.hpp"
+#include "number_text.hpp"
 
 namespace attn {
 
@@ -16,9 +16,7 @@ void dropout_mask(const TensorView& mask, float dropout_p, uint64_t seed, uint64
                 ", but dropout_mask takes tensors in host memory (device cpu) only");
   }
   if (!(dropout_p >= 0.0f && dropout_p < 1.0f)) {
-    std::ostringstream os;
-    os << "dropout_mask: dropout_p must be in [0, 1), got " << dropout_p;
-    throw Error(os.str());
+    throw Error("dropout_mask: dropout_p must be in [0, 1), got " + detail::number_text(dropout_p));
   }
   const detail::DropoutRng rng(dropout_p, seed, offset, static_cast<int>(mask.size(1)));
   uint8_t* m = mask.data_as<uint8_t>();

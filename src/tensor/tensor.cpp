@@ -3,7 +3,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <new>
-#include <sstream>
 #include <string>
 
 #include "attn/error.hpp"
@@ -147,17 +146,17 @@ bool TensorView::is_contiguous() const {
 
 std::string TensorView::describe() const {
   if (empty()) return "(none)";
-  std::ostringstream os;
-  os << dtype_name(dtype_) << "[";
-  for (int i = 0; i < rank_; ++i) os << (i ? ", " : "") << shape_[i];
-  os << "]";
+  // Plain strings, not iostreams: see number_text.hpp.
+  std::string text = std::string(dtype_name(dtype_)) + "[";
+  for (int i = 0; i < rank_; ++i) text += (i ? ", " : "") + std::to_string(shape_[i]);
+  text += "]";
   if (!is_contiguous()) {
-    os << " strides [";
-    for (int i = 0; i < rank_; ++i) os << (i ? ", " : "") << strides_[i];
-    os << "]";
+    text += " strides [";
+    for (int i = 0; i < rank_; ++i) text += (i ? ", " : "") + std::to_string(strides_[i]);
+    text += "]";
   }
-  if (!device_.is_cpu()) os << " on " << device_.describe();
-  return os.str();
+  if (!device_.is_cpu()) text += " on " + device_.describe();
+  return text;
 }
 
 std::string Device::describe() const {
