@@ -43,10 +43,13 @@ if [ -n "$py" ] && "$py" -c "import torch, numpy, pytest, pybind11; assert torch
   ( cmake -S . -B build/gpu-py -G Ninja -DCMAKE_BUILD_TYPE=Release -DATTN_BUILD_TOOLS=OFF -DATTN_BUILD_TESTS=OFF \
       -DATTN_BUILD_BENCH=OFF -DATTN_BUILD_DIST=OFF -DATTN_CUDA_ARCHITECTURES=90a \
       -DPython_EXECUTABLE="$py" -Dpybind11_DIR="$("$py" -m pybind11 --cmakedir)" &&
-    nice cmake --build build/gpu-py -j"$((jobs - 2))" --target attn_python ) > "$out/python_build.txt" 2>&1 &
+    nice cmake --build build/gpu-py -j"$jobs" --target attn_python ) > "$out/python_build.txt" 2>&1 &
   python_build=$!
 fi
 
+status=0
+# ATTN_GPU_PYTHON_ONLY=1: only the Python GPU tests (the C++ suites and benchmarks are skipped).
+if [ "${ATTN_GPU_PYTHON_ONLY:-0}" != 1 ]; then
 bin=build/gpu/bin
 if [ -f .gpu-bundle/bundle.tar.xz ]; then
   rm -rf "$bin" && mkdir -p "$bin"
@@ -63,7 +66,6 @@ else
   cp build/gpu/tests/cuda_attention_test build/gpu/tests/device_errors_test build/gpu/bench/cuda_attention_bench "$bin"/
 fi
 
-status=0
 timeout 60 "$bin/device_errors_test" > "$out/device_errors_test.txt" 2>&1 || status=1
 tail -1 "$out/device_errors_test.txt"
 
@@ -112,12 +114,25 @@ if [ "${ATTN_GPU_NCU:-1}" = 1 ] && command -v ncu > /dev/null; then
     --launch-count 2 --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
     --section ComputeWorkloadAnalysis "$bin/cuda_attention_bench" 1 > "$out/ncu.txt" 2>&1 || true
 fi
+fi  # C++ suites and benchmarks
 
 if [ $python_ok = 1 ]; then
   if wait "$python_build"; then
-    PYTHONPATH=build/gpu-py/python timeout 180 "$py" -m pytest -q -rs -p no:cacheprovider python/tests/test_cuda.py \
-      > "$out/python_test_cuda.txt" 2>&1 || status=1
+    "$py" -c "import pybind11, numpy, torch; print('pybind11', pybind11.__version__, 'numpy', numpy.__version__, 'torch', torch.__version__)"
+    pytest_cuda() { PYTHONPATH=build/gpu-py/python timeout 180 "$py" -X faulthandler -m pytest -q -rs -p no:cacheprovider \
+      python/tests/test_cuda.py "$@"; }
+    pytest_cuda > "$out/python_test_cuda.txt" 2>&1 || status=1
     tail -8 "$out/python_test_cuda.txt"
+    # A crash: the native stack of the crashing test (cuda-gdb is gdb for host code too), then
+    # the other tests without it.
+    crashed=$(grep -oE "line [0-9]+ in test_[A-Za-z0-9_]+" "$out/python_test_cuda.txt" | head -1 | awk '{print $4}')
+    if [ -n "$crashed" ]; then
+      command -v cuda-gdb > /dev/null && PYTHONPATH=build/gpu-py/python timeout 150 cuda-gdb -batch -ex run -ex bt \
+        --args "$py" -m pytest -q -p no:cacheprovider python/tests/test_cuda.py -k "$crashed" > "$out/python_crash_bt.txt" 2>&1
+      grep -E "^#[0-9]+ " "$out/python_crash_bt.txt" | head -25
+      pytest_cuda -k "not $crashed" > "$out/python_test_cuda_rest.txt" 2>&1 || status=1
+      tail -8 "$out/python_test_cuda_rest.txt"
+    fi
   else
     status=1
     grep -E "error|Error|FAILED" "$out/python_build.txt" | head -20
@@ -126,5 +141,5 @@ else
   echo "python GPU tests skipped: python3 lacks torch with CUDA, numpy, pytest or pybind11" | tee "$out/python_test_cuda.txt"
 fi
 { echo "after:"; clocks; } | tee -a "$out/gpu.txt"
-cat "$out/attn_attention.txt" "$out/torch_sdpa.txt"
+cat "$out/attn_attention.txt" "$out/torch_sdpa.txt" 2> /dev/null
 exit $status
