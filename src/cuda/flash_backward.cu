@@ -204,34 +204,35 @@ __global__ void __launch_bounds__(kThreads)
       for (int nt = 0; nt < kNt; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float pr = e < 2 ? probability(sc[nt][e] * p.scale, m_a, il_a) : probability(sc[nt][e] * p.scale, m_b, il_b);
+          const float x = sc[nt][e] * p.scale;
+          const float pr = e < 2 ? probability(x, m_a, il_a) : probability(x, m_b, il_b);
           sc[nt][e] = score_gradient(pr, dp[nt][e], 1.0f, e < 2 ? ds_a : ds_b, 1.0f);
         }
       }
     } else {
 #pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
+      for (int nt = 0; nt < kNt; ++nt) {
 #pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        const int i = rr == 0 ? row_a : row_b;
-        const int64_t j = j0 + nt * 8 + 2 * t;
-        bool keep0 = true, keep1 = true;
-        if (dropout) dropout_keep_pair(rng, p, b, h, i, j, keep0, keep1);
+        for (int rr = 0; rr < 2; ++rr) {
+          const int i = rr == 0 ? row_a : row_b;
+          const int64_t j = j0 + nt * 8 + 2 * t;
+          bool keep0 = true, keep1 = true;
+          if (dropout) dropout_keep_pair(rng, p, b, h, i, j, keep0, keep1);
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int e = 2 * rr + c;
-          float cap_grad;
-          const float x = modified_score(p, s, b, h, slope, i, j + c, rr == 0 ? band_a : band_b, sc[nt][e], &cap_grad);
-          const float pr = rr == 0 ? probability(x, m_a, il_a) : probability(x, m_b, il_b);
-          const float keep = !dropout ? 1.0f : (c == 0 ? keep0 : keep1) ? keep_scale : 0.0f;
-          const float g_mask = score_gradient(pr, dp[nt][e], keep, rr == 0 ? ds_a : ds_b, 1.0f);
-          if (st.ds_all != nullptr && i < s.Lq && j + c < s.Lk) {
-            st.ds_all[st.at(p.Hq, b, h, i) * st.max_lk + j + c] = g_mask;  // ∂L/∂mask: before softcap'
+          for (int c = 0; c < 2; ++c) {
+            const int e = 2 * rr + c;
+            float cap_grad;
+            const float x = modified_score(p, s, b, h, slope, i, j + c, rr == 0 ? band_a : band_b, sc[nt][e], &cap_grad);
+            const float pr = rr == 0 ? probability(x, m_a, il_a) : probability(x, m_b, il_b);
+            const float keep = !dropout ? 1.0f : (c == 0 ? keep0 : keep1) ? keep_scale : 0.0f;
+            const float g_mask = score_gradient(pr, dp[nt][e], keep, rr == 0 ? ds_a : ds_b, 1.0f);
+            if (st.ds_all != nullptr && i < s.Lq && j + c < s.Lk) {
+              st.ds_all[st.at(p.Hq, b, h, i) * st.max_lk + j + c] = g_mask;  // ∂L/∂mask: before softcap'
+            }
+            sc[nt][e] = g_mask * cap_grad;
           }
-          sc[nt][e] = g_mask * cap_grad;
         }
       }
-    }
     }
 
     // dQ += dS·K (scaled once at the end).
@@ -389,20 +390,20 @@ __global__ void __launch_bounds__(kThreads)
         }
       } else {
 #pragma unroll
-      for (int nt = 0; nt < kNt; ++nt) {
+        for (int nt = 0; nt < kNt; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = nt * 8 + 2 * t + (e & 1);
-          const int i = i0 + r;
-          const int64_t j = e < 2 ? key_a : key_b;
-          float cap_grad;
-          const float x = modified_score(p, s, b, h, slope, i, j, band_of_row(p, s, i), sc[nt][e], &cap_grad);
-          const float pr = probability(x, m_s[r], il_s[r]);
-          const float keep = !dropout ? 1.0f : dropout_keep(rng, p, b, h, i, j) ? keep_scale : 0.0f;
-          dp[nt][e] = score_gradient(pr, dp[nt][e], keep, dsum_s[r], cap_grad);
-          sc[nt][e] = pr * keep;
+          for (int e = 0; e < 4; ++e) {
+            const int r = nt * 8 + 2 * t + (e & 1);
+            const int i = i0 + r;
+            const int64_t j = e < 2 ? key_a : key_b;
+            float cap_grad;
+            const float x = modified_score(p, s, b, h, slope, i, j, band_of_row(p, s, i), sc[nt][e], &cap_grad);
+            const float pr = probability(x, m_s[r], il_s[r]);
+            const float keep = !dropout ? 1.0f : dropout_keep(rng, p, b, h, i, j) ? keep_scale : 0.0f;
+            dp[nt][e] = score_gradient(pr, dp[nt][e], keep, dsum_s[r], cap_grad);
+            sc[nt][e] = pr * keep;
+          }
         }
-      }
       }
 
       // dV += P'ᵀ·dO and dK += dSᵀ·Q (scaled once at the end).
