@@ -210,28 +210,34 @@ struct CaseErrors {
 /// returns the kernel's and the yardstick's squared errors.
 inline CaseErrors compare_with_reference(const LowpCall& c, const std::vector<float>& ref,
                                          const std::vector<float>& ref_lse, const std::vector<float>& probs) {
-  CaseErrors e;
+  double fused = 0, plain_sq = 0;
   const int group = c.Hq / c.Hkv;
-  for (int b = 0; b < c.B; ++b)
-    for (int i = 0; i < c.Lq; ++i)
-      for (int h = 0; h < c.Hq; ++h) {
-        const float* p = probs.data() + ((size_t(b) * c.Hq + h) * c.Lq + i) * c.Lk;
-        const float l = ref_lse[(size_t(b) * c.Hq + h) * c.Lq + i];
-        const float l_kernel = c.lse[(size_t(b) * c.Hq + h) * c.Lq + i];
-        EXPECT_EQ(std::isinf(l), std::isinf(l_kernel)) << "lse b=" << b << " h=" << h << " i=" << i;
-        if (std::isfinite(l)) EXPECT_NEAR(l_kernel, l, 1e-4 * std::max(1.0f, std::fabs(l)));
-        for (int x = 0; x < c.dv; ++x) {
-          float acc = 0;
-          for (int j = 0; j < c.Lk; ++j)
-            acc += c.from(c.to(p[j])) * c.v32[((size_t(b) * c.Lk + j) * c.Hkv + h / group) * c.dv + x];
-          const size_t at = ((size_t(b) * c.Lq + i) * c.Hq + h) * c.dv + x;
-          const double r = ref[at], got = c.from(c.out[at]), plain = c.from(c.to(acc));
-          EXPECT_FALSE(std::isnan(got)) << at;
-          if (std::isinf(l)) EXPECT_EQ(got, 0.0) << "fully masked row b=" << b << " h=" << h << " i=" << i;
-          e.fused += (got - r) * (got - r);
-          e.plain += (plain - r) * (plain - r);
-        }
-      }
+  // Rows on several threads: the yardstick costs Lk·dv per row (minutes on one core for
+  // the GPU tests' 4097-long sequences). GoogleTest's assertions are thread-safe here.
+  const int64_t row_count = int64_t{c.B} * c.Lq * c.Hq;
+#pragma omp parallel for schedule(static) reduction(+ : fused, plain_sq) if (row_count * c.Lk * c.dv >= (int64_t{1} << 22))
+  for (int64_t row = 0; row < row_count; ++row) {
+    const int h = static_cast<int>(row % c.Hq), i = static_cast<int>(row / c.Hq % c.Lq),
+              b = static_cast<int>(row / c.Hq / c.Lq);
+    const float* p = probs.data() + ((size_t(b) * c.Hq + h) * c.Lq + i) * c.Lk;
+    const float l = ref_lse[(size_t(b) * c.Hq + h) * c.Lq + i];
+    const float l_kernel = c.lse[(size_t(b) * c.Hq + h) * c.Lq + i];
+    EXPECT_EQ(std::isinf(l), std::isinf(l_kernel)) << "lse b=" << b << " h=" << h << " i=" << i;
+    if (std::isfinite(l)) EXPECT_NEAR(l_kernel, l, 1e-4 * std::max(1.0f, std::fabs(l)));
+    for (int x = 0; x < c.dv; ++x) {
+      float acc = 0;
+      for (int j = 0; j < c.Lk; ++j)
+        acc += c.from(c.to(p[j])) * c.v32[((size_t(b) * c.Lk + j) * c.Hkv + h / group) * c.dv + x];
+      const size_t at = ((size_t(b) * c.Lq + i) * c.Hq + h) * c.dv + x;
+      const double r = ref[at], got = c.from(c.out[at]), plain = c.from(c.to(acc));
+      EXPECT_FALSE(std::isnan(got)) << at;
+      if (std::isinf(l)) EXPECT_EQ(got, 0.0) << "fully masked row b=" << b << " h=" << h << " i=" << i;
+      fused += (got - r) * (got - r);
+      plain_sq += (plain - r) * (plain - r);
+    }
+  }
+  CaseErrors e;
+  e.fused = fused, e.plain = plain_sq;
   return e;
 }
 

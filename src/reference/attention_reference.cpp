@@ -2,6 +2,7 @@
 #include "attention_reference.hpp"
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -37,14 +38,20 @@ void reference_forward(const Problem& p, T* out, T* lse, T* probs) {
   const T keep_p = T(1) - static_cast<T>(p.dropout_p);
   for (int b = 0; b < p.B; ++b) {
     const Sequence& seq = p.seqs[static_cast<size_t>(b)];
-    std::vector<T> score(static_cast<size_t>(seq.Lk));
-    std::vector<char> removed(static_cast<size_t>(seq.Lk));
-    std::vector<T> acc(static_cast<size_t>(p.dv));
     for (int h = 0; h < p.Hq; ++h) {
       const int hk = h / p.group();
       const float* q = p.q + seq.q_offset + h * p.q_head;
       const float* k = p.k + seq.k_offset + hk * p.k_head;
       const float* v = p.v + seq.v_offset + hk * p.v_head;
+      // Rows are independent, so they may run on several threads (the tests' long
+      // sequences take minutes on one core); not with user modifiers, which need not be
+      // thread-safe (a Python mask_mod holds the GIL).
+#pragma omp parallel if (p.mods == nullptr && int64_t{seq.Lq} * seq.Lk * p.d >= (int64_t{1} << 22))
+      {
+      std::vector<T> score(static_cast<size_t>(seq.Lk));
+      std::vector<char> removed(static_cast<size_t>(seq.Lk));
+      std::vector<T> acc(static_cast<size_t>(p.dv));
+#pragma omp for schedule(static)
       for (int i = 0; i < seq.Lq; ++i) {
         // 1. Scores, modified and masked; −∞ marks a removed key.
         T max_score = neg_inf;
@@ -127,6 +134,7 @@ void reference_forward(const Problem& p, T* out, T* lse, T* probs) {
           }
         }
       }
+      }  // omp parallel
     }
   }
 }
