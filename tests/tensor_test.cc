@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <locale>
+#include <string>
 
 #include "attn/error.hpp"
 #include "attn/tensor.hpp"
@@ -26,6 +28,20 @@ TEST(TensorView, StridedViewOfBhsdAsBshd) {
   EXPECT_FALSE(t.is_contiguous());
   EXPECT_EQ(t.stride(2), 15);
   EXPECT_NE(t.describe().find("strides"), std::string::npos);
+}
+
+// Descriptions (and so every error message) must not depend on the global locale: one
+// that groups digits gave "f32[1,000,000]" through std::ostream.
+TEST(TensorView, DescriptionIgnoresTheGlobalLocale) {
+  struct Grouping : std::numpunct<char> {
+    char do_thousands_sep() const override { return ','; }
+    std::string do_grouping() const override { return "\3"; }
+  };
+  const std::locale saved = std::locale::global(std::locale(std::locale::classic(), new Grouping));
+  float x = 0;
+  const std::string text = TensorView(&x, DType::f32, {1000000, 2}, {3, 1000000}).describe();
+  std::locale::global(saved);
+  EXPECT_EQ(text, "f32[1000000, 2] strides [3, 1000000]");
 }
 
 TEST(TensorView, DefaultIsEmptyAndBadShapesThrow) {
