@@ -68,6 +68,19 @@ struct E4m3Nan {
 template <typename T>
 constexpr bool kIsE4m3 = std::is_same_v<T, E4m3> || std::is_same_v<T, E4m3Nan>;
 
+/// A bf16 cache element read two at a time (LoadHalfF32): one 32-bit lane holds
+/// elements 2i and 2i + 1, and a shift by 16 or a mask by 0xFFFF0000 makes each an
+/// f32. So 2·kLanes elements widen in 2 operations, where PromoteTo takes 2 per
+/// kLanes (a zero-extension and a shift: on Zen 1 the shift's one pipe was the
+/// bottleneck of P·V). The kernel's columns are then in pair order within each run of
+/// 2·kLanes: the even elements, then the odd ones (q is arranged so, and O is put
+/// back in order at the end). Used when d and dv are multiples of 2·kLanes.
+struct Bf16Pairs {
+  uint16_t bits;
+};
+template <typename T>
+constexpr bool kPairs = std::is_same_v<T, Bf16Pairs>;
+
 /// Cache elements that come with a per-token-per-head scale.
 template <typename T>
 constexpr bool kQuantized = std::is_same_v<T, int8_t> || kIsE4m3<T>;
@@ -122,6 +135,8 @@ HWY_INLINE VF LoadF32(DF df, const T* HWY_RESTRICT p) {
       h = hn::IfThenElse(hn::Eq(hn::And(h, nan_bits), nan_bits), hn::Set(d16, 0x7E00), h);
     }
     return hn::PromoteTo(df, hn::BitCast(dh, h));
+  } else if constexpr (kPairs<T>) {
+    return LoadF32(df, reinterpret_cast<const hwy::bfloat16_t*>(p));
   } else if constexpr (std::is_same_v<T, int8_t>) {
     const hn::Rebind<int32_t, DF> di;
     const hn::Rebind<int8_t, DF> d8;
@@ -132,6 +147,27 @@ HWY_INLINE VF LoadF32(DF df, const T* HWY_RESTRICT p) {
   }
 }
 
+/// Half kHalf (0 or 1) of the 2·kLanes cache elements at p as f32, in the kernel's
+/// column order: for Bf16Pairs the even (0) or odd (1) elements, else elements
+/// kHalf·kLanes … kHalf·kLanes + kLanes − 1.
+template <int kHalf, typename T>
+HWY_INLINE VF LoadHalfF32(DF df, const T* HWY_RESTRICT p) {
+  if constexpr (kPairs<T>) {
+    const hn::Repartition<uint32_t, DF> du;
+    const auto both = hn::LoadU(du, reinterpret_cast<const uint32_t*>(p));
+    if constexpr (kHalf == 0) return hn::BitCast(df, hn::ShiftLeft<16>(both));
+    return hn::BitCast(df, hn::And(both, hn::Set(du, 0xFFFF0000u)));
+  } else {
+    return LoadF32(df, p + kHalf * kLanes);
+  }
+}
+
+/// The kLanes cache elements of the kernel's columns x … x + kLanes − 1 (x a multiple
+/// of kLanes) as f32, in its column order (see Bf16Pairs); width < kLanes: a row's
+/// last columns, zeros after them (never for Bf16Pairs, whose rows are whole pairs).
+template <typename T>
+HWY_INLINE VF LoadColumnsF32(DF df, const T* HWY_RESTRICT p, int x, int width);
+
 /// The n < kLanes cache elements at p as f32, zeros after them (no read past p + n).
 template <typename T>
 HWY_INLINE VF LoadTailF32(DF df, const T* HWY_RESTRICT p, int n) {
@@ -139,6 +175,16 @@ HWY_INLINE VF LoadTailF32(DF df, const T* HWY_RESTRICT p, int n) {
   std::memset(static_cast<void*>(buf), 0, sizeof(buf));
   std::memcpy(static_cast<void*>(buf), p, sizeof(T) * n);
   return LoadF32(df, buf);
+}
+
+template <typename T>
+HWY_INLINE VF LoadColumnsF32(DF df, const T* HWY_RESTRICT p, int x, int width) {
+  if constexpr (kPairs<T>) {
+    const int pair = x % (2 * kLanes);
+    return pair == 0 ? LoadHalfF32<0>(df, p + x) : LoadHalfF32<1>(df, p + x - pair);
+  } else {
+    return width == kLanes ? LoadF32(df, p + x) : LoadTailF32(df, p + x, width);
+  }
 }
 
 /// One cache line at p into L2. On x86 an asm statement: GCC 12 at -O3 emitted no
@@ -170,6 +216,24 @@ HWY_INLINE void PrefetchRow(const T* p, int n) {
 /// counts left to the optimiser GCC kept x, the caller's accumulators, on the stack.
 template <int N = kLanes>
 HWY_INLINE VF TransposedSums(DF df, VF* x) {
+#if HWY_ARCH_X86
+  if constexpr (N == 8 && kLanes == 8) {
+    // AVX2: ConcatEven/ConcatOdd cross the 128-bit halves (a vpermq each, 3 µops on
+    // Zen 1): 35 operations for 8 sums. Here two rounds stay within each half, and
+    // one exchange of halves ends it: 21 operations.
+    const hn::Repartition<double, DF> dd;
+    VF t[4];  // t[i], each half: [a0+a2, b0+b2, a1+a3, b1+b3] of a = x[2i], b = x[2i+1]
+    for (int i = 0; i < 4; ++i) {
+      t[i] = hn::Add(hn::InterleaveLower(df, x[2 * i], x[2 * i + 1]), hn::InterleaveUpper(df, x[2 * i], x[2 * i + 1]));
+    }
+    VF u[2];  // u[i], each half: that half's sums of x[4i] … x[4i+3]
+    for (int i = 0; i < 2; ++i) {
+      const auto lo = hn::BitCast(dd, t[2 * i]), hi = hn::BitCast(dd, t[2 * i + 1]);
+      u[i] = hn::Add(hn::BitCast(df, hn::InterleaveLower(dd, lo, hi)), hn::BitCast(df, hn::InterleaveUpper(dd, lo, hi)));
+    }
+    return hn::Add(hn::ConcatLowerLower(df, u[1], u[0]), hn::ConcatUpperUpper(df, u[1], u[0]));
+  }
+#endif
   if constexpr (N == 1) {
     return x[0];
   } else {
@@ -204,16 +268,27 @@ HWY_INLINE void DotRows(const float* HWY_RESTRICT q, size_t dp, const T* const* 
       // An f32 cache's key loads are plain loads, and GCC folded each query vector
       // into its NK FMAs as a memory operand: on AVX2 a Zen 1 core then waited on
       // loads (InRegister: f32 decoding 6-9% faster there). Widened bf16/i8 keys
-      // need the registers: there it measured 1-3% slower, so they keep the fold.
+      // need the registers: there it measured 1-3% slower, so they keep the fold —
+      // but for Bf16Pairs, whose widening needs none, it is faster again.
       VF qv = hn::Load(df, q + r * dp + x);
-      if constexpr (std::is_same_v<T, float>) qv = InRegister(qv);
+      if constexpr (std::is_same_v<T, float> || kPairs<T>) qv = InRegister(qv);
       for (int c = 0; c < NK; ++c) acc[r * NK + c] = hn::MulAdd(qv, kv[c], acc[r * NK + c]);
     }
   };
-  for (int x = 0; x < full; x += kLanes) {
-    VF kv[NK];
-    for (int c = 0; c < NK; ++c) kv[c] = LoadF32(df, keys[c] + x);
-    accumulate(kv, x);
+  if constexpr (kPairs<T>) {  // d is a multiple of 2·kLanes; q in pair order
+    for (int x = 0; x < full; x += 2 * kLanes) {
+      VF kv[NK];
+      for (int c = 0; c < NK; ++c) kv[c] = LoadHalfF32<0>(df, keys[c] + x);
+      accumulate(kv, x);
+      for (int c = 0; c < NK; ++c) kv[c] = LoadHalfF32<1>(df, keys[c] + x);
+      accumulate(kv, x + kLanes);
+    }
+  } else {
+    for (int x = 0; x < full; x += kLanes) {
+      VF kv[NK];
+      for (int c = 0; c < NK; ++c) kv[c] = LoadF32(df, keys[c] + x);
+      accumulate(kv, x);
+    }
   }
   if constexpr (kTail) accumulate(tail, full);
 #if HWY_TARGET != HWY_SCALAR
@@ -268,53 +343,69 @@ HWY_INLINE bool NoZeroAmong(const float* HWY_RESTRICT p) {
   return none;
 }
 
+/// o[r] += Σ_k p[r][k]·v_k for NK consecutive keys and NR rows, no p = 0 among them:
+/// each value chunk converted once and used by every row. Every row's accumulators
+/// stay in registers across the NK keys (NR × 2 vectors), so the FMA units see 2·NR
+/// independent chains: with one row's chains at a time (the old loop) they waited on
+/// the FMA latency (Zen 1: 46% of the FMA peak in this loop, and the 16 converted
+/// value vectors spilled). Each sum still adds the keys in order: bitwise the
+/// one-key-at-a-time result.
+template <typename T, int NK, int NR>
+HWY_INLINE void PvRowsDense(const float* HWY_RESTRICT p, size_t ld, const T* const* vals, int dv,
+                            float* HWY_RESTRICT o, size_t o_ld) {
+  const DF df;
+  int x = 0;
+  for (; x + 2 * kLanes <= dv; x += 2 * kLanes) {
+    VF acc0[NR], acc1[NR];
+    for (int r = 0; r < NR; ++r) {
+      acc0[r] = hn::Load(df, o + r * o_ld + x);
+      acc1[r] = hn::Load(df, o + r * o_ld + x + kLanes);
+    }
+    for (int k = 0; k < NK; ++k) {
+      const VF v0 = LoadHalfF32<0>(df, vals[k] + x), v1 = LoadHalfF32<1>(df, vals[k] + x);
+      for (int r = 0; r < NR; ++r) {
+        const VF pk = hn::Set(df, p[r * ld + k]);
+        acc0[r] = hn::MulAdd(pk, v0, acc0[r]);
+        acc1[r] = hn::MulAdd(pk, v1, acc1[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      hn::Store(acc0[r], df, o + r * o_ld + x);
+      hn::Store(acc1[r], df, o + r * o_ld + x + kLanes);
+    }
+  }
+  for (; x < dv; x += kLanes) {
+    const int width = std::min(kLanes, dv - x);
+    VF acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = hn::Load(df, o + r * o_ld + x);
+    for (int k = 0; k < NK; ++k) {
+      const VF vv = width == kLanes ? LoadF32(df, vals[k] + x) : LoadTailF32(df, vals[k] + x, width);
+      for (int r = 0; r < NR; ++r) acc[r] = hn::MulAdd(hn::Set(df, p[r * ld + k]), vv, acc[r]);
+    }
+    for (int r = 0; r < NR; ++r) hn::Store(acc[r], df, o + r * o_ld + x);
+  }
+}
+
 /// o[r] += Σ_k p[r][k]·v_k for NK consecutive keys (p: row stride ld) and every
-/// row: one key row (all of dv) at a time, so the cache is read in token order.
-/// A p of exactly 0 — a removed key — is skipped, so a NaN or ±∞ the cache holds
-/// there never reaches o (0·NaN would).
+/// row, the cache read in token order. A p of exactly 0 — a removed key — is
+/// skipped, so a NaN or ±∞ the cache holds there never reaches o (0·NaN would).
 template <typename T, int NK>
 HWY_INLINE void PvKeys(const float* HWY_RESTRICT p, size_t ld, int rows, const T* const* vals, int dv,
                        float* HWY_RESTRICT o, size_t o_ld) {
-  const DF df;
   bool dense = true;  // no p = 0 among these keys and rows: the plain loop
   for (int r = 0; r < rows && dense; ++r) dense = NoZeroAmong<NK>(p + r * ld);
-  if (dense) {  // each value chunk converted once, used by every row
-    int x = 0;
-    // Two vectors of dv per pass: each row's two sums are independent chains of NK
-    // fused multiply-adds, where one chain per row left the FMA units waiting on
-    // the latency of the one before (perf: the chain's last FMAs held the samples).
-    // Each sum still adds the keys in order, so the result is the one-vector loop's.
-    for (; x + 2 * kLanes <= dv; x += 2 * kLanes) {
-      VF v0[NK], v1[NK];
-      for (int k = 0; k < NK; ++k) {
-        v0[k] = LoadF32(df, vals[k] + x);
-        v1[k] = LoadF32(df, vals[k] + x + kLanes);
-      }
-      for (int r = 0; r < rows; ++r) {
-        float* orow = o + r * o_ld + x;
-        VF acc0 = hn::Load(df, orow), acc1 = hn::Load(df, orow + kLanes);
-        for (int k = 0; k < NK; ++k) {
-          const VF pk = hn::Set(df, p[r * ld + k]);
-          acc0 = hn::MulAdd(pk, v0[k], acc0);
-          acc1 = hn::MulAdd(pk, v1[k], acc1);
-        }
-        hn::Store(acc0, df, orow);
-        hn::Store(acc1, df, orow + kLanes);
-      }
-    }
-    for (; x < dv; x += kLanes) {
-      const int width = std::min(kLanes, dv - x);
-      VF vv[NK];
-      for (int k = 0; k < NK; ++k) vv[k] = width == kLanes ? LoadF32(df, vals[k] + x) : LoadTailF32(df, vals[k] + x, width);
-      for (int r = 0; r < rows; ++r) {
-        float* orow = o + r * o_ld + x;
-        VF acc = hn::Load(df, orow);
-        for (int k = 0; k < NK; ++k) acc = hn::MulAdd(hn::Set(df, p[r * ld + k]), vv[k], acc);
-        hn::Store(acc, df, orow);
-      }
+  if (dense) {
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) PvRowsDense<T, NK, 4>(p + r * ld, ld, vals, dv, o + r * o_ld, o_ld);
+    switch (rows - r) {
+      case 3: PvRowsDense<T, NK, 3>(p + r * ld, ld, vals, dv, o + r * o_ld, o_ld); break;
+      case 2: PvRowsDense<T, NK, 2>(p + r * ld, ld, vals, dv, o + r * o_ld, o_ld); break;
+      case 1: PvRowsDense<T, NK, 1>(p + r * ld, ld, vals, dv, o + r * o_ld, o_ld); break;
+      default: break;
     }
     return;
   }
+  const DF df;
   for (int r = 0; r < rows; ++r) {
     float coef[NK];
     bool all = true, any = false;
@@ -330,8 +421,7 @@ HWY_INLINE void PvKeys(const float* HWY_RESTRICT p, size_t ld, int rows, const T
       VF acc = hn::Load(df, orow + x);
       for (int k = 0; k < NK; ++k) {
         if (!all && coef[k] == 0.0f) continue;
-        const VF vv = width == kLanes ? LoadF32(df, vals[k] + x) : LoadTailF32(df, vals[k] + x, width);
-        acc = hn::MulAdd(hn::Set(df, coef[k]), vv, acc);
+        acc = hn::MulAdd(hn::Set(df, coef[k]), LoadColumnsF32(df, vals[k], x, width), acc);
       }
       hn::Store(acc, df, orow + x);
     }
@@ -424,8 +514,15 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
   for (int hh = 0; hh < it.heads; ++hh) {
     for (int r = 0; r < rows; ++r) {
       const int h = (it.hk0 + hh) * group + rc.g0 + r / rc.count, i = rc.i0 + r % rc.count;
-      std::memcpy(&w.q[(static_cast<size_t>(hh) * rows + r) * dp],
-                  qs + ((static_cast<size_t>(b) * p.Hq + h) * p.Lq + i) * dp, sizeof(float) * dp);
+      float* to = &w.q[(static_cast<size_t>(hh) * rows + r) * dp];
+      const float* from = qs + ((static_cast<size_t>(b) * p.Hq + h) * p.Lq + i) * dp;
+      if constexpr (kPairs<T>) {  // pair order (see Bf16Pairs): evens, then odds
+        for (int x = 0; x < dp; x += 2 * kLanes) {
+          for (int j = 0; j < kLanes; ++j) to[x + j] = from[x + 2 * j], to[x + kLanes + j] = from[x + 2 * j + 1];
+        }
+      } else {
+        std::memcpy(to, from, sizeof(float) * dp);
+      }
     }
   }
   // The tile path (i8 caches on AMX-INT8, decode_amx_i8-inl.h) for up to 4 rows per
@@ -649,9 +746,12 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       }
 #endif
     } else {
-      // P·V, key by key again, 8 keys per pass: each O chunk is loaded and stored
-      // once per 8 keys rather than once per key.
-      constexpr int kPvKeys = 8;
+      // P·V, key by key again, 16 keys per pass: each O chunk is loaded and stored
+      // once per 16 keys rather than once per key (Zen 1, bf16 values: 8 keys per
+      // pass reached 74% of the FMA peak in isolation, 16 keys 80%). The values'
+      // prefetches still go out 8 keys at a time, half before and half after the
+      // pass (see kPrefetchKeys on bursts).
+      constexpr int kPvKeys = 16;
       const T* vv[kPvKeys];
       for (int c = 0; c < cols; c += kPvKeys) {
         const int nk = std::min(kPvKeys, cols - c);
@@ -659,21 +759,34 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
           using U = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
           const U* const* vu = reinterpret_cast<const U* const*>(vv);
           for (int hh = 0; hh < it.heads; ++hh) {
-            prefetch_head(p.v, vals0, v_scale_at, hh, p.dv, c, nk);
-            if (!active[hh]) continue;
-            for (int k = 0; k < nk; ++k) vv[k] = vals0[c + k] + hh * p.v.head_stride;
-            const float* s = &w.s[static_cast<size_t>(hh) * rows_pad * kBk] + c;
-            float* o = &w.o[static_cast<size_t>(hh) * rows * dvp];
-            switch (nk) {
-              case 8: PvKeys<U, 8>(s, kBk, rows, vu, p.dv, o, dvp); break;
-              case 7: PvKeys<U, 7>(s, kBk, rows, vu, p.dv, o, dvp); break;
-              case 6: PvKeys<U, 6>(s, kBk, rows, vu, p.dv, o, dvp); break;
-              case 5: PvKeys<U, 5>(s, kBk, rows, vu, p.dv, o, dvp); break;
-              case 4: PvKeys<U, 4>(s, kBk, rows, vu, p.dv, o, dvp); break;
-              case 3: PvKeys<U, 3>(s, kBk, rows, vu, p.dv, o, dvp); break;
-              case 2: PvKeys<U, 2>(s, kBk, rows, vu, p.dv, o, dvp); break;
-              default: PvKeys<U, 1>(s, kBk, rows, vu, p.dv, o, dvp); break;
+            prefetch_head(p.v, vals0, v_scale_at, hh, p.dv, c, std::min(nk, 8));
+            if (active[hh]) {
+              for (int k = 0; k < nk; ++k) vv[k] = vals0[c + k] + hh * p.v.head_stride;
+              const float* s = &w.s[static_cast<size_t>(hh) * rows_pad * kBk] + c;
+              float* o = &w.o[static_cast<size_t>(hh) * rows * dvp];
+              // Whole passes of 16, else pieces of at most 8: each column still sums
+              // its keys in order, so the result does not depend on the pieces.
+              if (nk == 16) {
+                PvKeys<U, 16>(s, kBk, rows, vu, p.dv, o, dvp);
+              } else {
+                for (int k0 = 0; k0 < nk; k0 += 8) {
+                  const int n = std::min(8, nk - k0);
+                  const float* sk = s + k0;
+                  const U* const* vk = vu + k0;
+                  switch (n) {
+                    case 8: PvKeys<U, 8>(sk, kBk, rows, vk, p.dv, o, dvp); break;
+                    case 7: PvKeys<U, 7>(sk, kBk, rows, vk, p.dv, o, dvp); break;
+                    case 6: PvKeys<U, 6>(sk, kBk, rows, vk, p.dv, o, dvp); break;
+                    case 5: PvKeys<U, 5>(sk, kBk, rows, vk, p.dv, o, dvp); break;
+                    case 4: PvKeys<U, 4>(sk, kBk, rows, vk, p.dv, o, dvp); break;
+                    case 3: PvKeys<U, 3>(sk, kBk, rows, vk, p.dv, o, dvp); break;
+                    case 2: PvKeys<U, 2>(sk, kBk, rows, vk, p.dv, o, dvp); break;
+                    default: PvKeys<U, 1>(sk, kBk, rows, vk, p.dv, o, dvp); break;
+                  }
+                }
+              }
             }
+            if (nk > 8) prefetch_head(p.v, vals0, v_scale_at, hh, p.dv, c + 8, nk - 8);
           }
         });
       }
@@ -688,7 +801,15 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       out.m[at] = w.m[static_cast<size_t>(hh) * rows_pad + r];
       out.l[at] = RowSum(&w.l[static_cast<size_t>(hh) * rows_pad * kLanes], r);
       if (!on_tiles) {
-        std::memcpy(out.o + at * dvp, &w.o[at * dvp], sizeof(float) * dvp);
+        const float* from = &w.o[at * dvp];
+        float* to = out.o + at * dvp;
+        if constexpr (kPairs<T>) {  // back from pair order
+          for (int x = 0; x < dvp; x += 2 * kLanes) {
+            for (int j = 0; j < kLanes; ++j) to[x + 2 * j] = from[x + j], to[x + 2 * j + 1] = from[x + kLanes + j];
+          }
+        } else {
+          std::memcpy(to, from, sizeof(float) * dvp);
+        }
         continue;
       }
 #if ATTN_DECODE_AMX_I8
@@ -854,7 +975,13 @@ void Decode(const DecodeProblem& p, int threads) {
 
 void DecodeDispatch(const DecodeProblem& p, int threads) {
   switch (p.cache_dtype) {
-    case DType::bf16: Decode<hwy::bfloat16_t>(p, threads); break;
+    case DType::bf16:
+      if (p.d % (2 * kLanes) == 0 && p.dv % (2 * kLanes) == 0) {
+        Decode<Bf16Pairs>(p, threads);
+      } else {
+        Decode<hwy::bfloat16_t>(p, threads);
+      }
+      break;
     case DType::f16: Decode<hwy::float16_t>(p, threads); break;
     case DType::i8: Decode<int8_t>(p, threads); break;
     case DType::f8e4m3: Decode<E4m3>(p, threads); break;
