@@ -8,11 +8,13 @@
 // for all of them (GQA/MQA decoding is bound by reading the cache, not by arithmetic),
 // and taking all kv heads reads whole token rows. A split is a range of whole key
 // blocks; for each block of kBk keys:
-//   S = (scale·Q)·Kᵀ        4 rows × 4 keys per pass, the key rows converted to f32
-//                           once for all rows (i8, f8e4m3: times the key's scale)
+//   S = (scale·Q)·Kᵀ        4 rows × 4 keys per pass (2 keys where a vector has 8
+//                           lanes), the key rows converted to f32 once for all rows
+//                           (i8, f8e4m3: times the key's scale; bf16: two elements
+//                           per 32-bit lane, see Bf16Pairs)
 //   S = modifiers (S)       ApplyScoreMods, shared with attention()
 //   P = e^(S − m_new) …     SoftmaxTile, shared with attention()
-//   O = α·O + P·V           8 keys per pass, V rows converted once per chunk of dv
+//   O = α·O + P·V           16 keys per pass, V rows converted once per chunk of dv
 // Splits are combined in split order as merge_attention_states does. The automatic
 // split count depends on the key count only, so no result depends on the threads.
 // Removed keys never contribute, even where the cache holds NaN or ±∞ there: P·V
@@ -869,12 +871,19 @@ void FinishRow(const DecodeProblem& p, int b, int i, int h, const Partial* parts
 }
 
 /// ComputeItem asks for cache rows ahead in software only when the call reads at
-/// least this many bytes of cache. Measured on the Intel Xeon with AMX (2026-11-23,
+/// least this many bytes of cache, or more than the last-level cache holds where that
+/// is smaller (PrefetchMinBytes). Measured on the Intel Xeon with AMX (2026-11-23,
 /// B = 1, 1 and 2 threads, head-by-head requests 8 keys ahead): from DRAM they gain
 /// 28–40% for bf16, 15–21% for i8, 19–28% for f8e4m3 and 7–13% for f32 (32k and 128k
 /// tokens); from L3 (1k–8k tokens of bf16 or i8) they cost 0–4%, each request holding
-/// a line-fill buffer through L3's latency.
+/// a line-fill buffer through L3's latency. On Zen 1 (8 MiB of L3) an 8k bf16 cache
+/// (34 MB) comes from DRAM, and the requests made it 0.94x the time (i8: 0.89x).
 constexpr double kPrefetchMinBytes = 48.0 * (1 << 20);
+
+double PrefetchMinBytes() {
+  const double l3 = static_cast<double>(l3_cache_bytes());
+  return l3 > 0 ? std::min(kPrefetchMinBytes, std::max(l3, 4.0 * (1 << 20))) : kPrefetchMinBytes;
+}
 
 int SplitsOf(const DecodeProblem& p, int lk) {
   if (p.num_splits > 0) return p.num_splits;
@@ -920,7 +929,7 @@ void Decode(const DecodeProblem& p, int threads) {
   double bytes = 0;
   for (int b = 0; b < p.B; ++b) bytes += double(p.attn.seqs[b].Lk) * p.Hkv * (p.d + p.dv);
   const int nt = bytes < 1e5 ? 1 : std::max(1, threads);
-  const bool prefetch = bytes * sizeof(T) >= kPrefetchMinBytes;
+  const bool prefetch = bytes * sizeof(T) >= PrefetchMinBytes();
   const int nitems = static_cast<int>(items.size()), ngroups = static_cast<int>(groups.size());
   bool on_tiles = false;
 #if ATTN_DECODE_AMX_I8

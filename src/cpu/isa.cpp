@@ -1,6 +1,7 @@
 // CPU feature detection for the bf16 kernels (see isa.hpp).
 #include "cpu/isa.hpp"
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -106,6 +107,28 @@ size_t l2_cache_bytes() {
     const long n = 0;
 #endif
     return n > 0 ? static_cast<size_t>(n) : size_t{1} << 20;
+  }();
+  return bytes;
+}
+
+size_t l3_cache_bytes() {
+  static const size_t bytes = [] {
+    // "8192K": a number and a unit letter.
+    if (std::FILE* f = std::fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r")) {
+      unsigned long n = 0;
+      char unit = 0;
+      const int got = std::fscanf(f, "%lu%c", &n, &unit);
+      std::fclose(f);
+      if (got >= 1 && n > 0) {
+        const size_t scale = unit == 'K' ? size_t{1} << 10 : unit == 'M' ? size_t{1} << 20 : unit == 'G' ? size_t{1} << 30 : 1;
+        return static_cast<size_t>(n) * scale;
+      }
+    }
+#if defined(_SC_LEVEL3_CACHE_SIZE)
+    const long n = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    if (n > 0) return static_cast<size_t>(n);
+#endif
+    return size_t{0};
   }();
   return bytes;
 }

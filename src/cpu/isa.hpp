@@ -54,6 +54,11 @@ bool decode_i8_on_tiles();
 /// L2 by it (2 MiB per core on the Intel Xeon with AMX, 1 MiB on Zen 4/5).
 size_t l2_cache_bytes();
 
+/// The last-level cache that this core shares, in bytes: Linux's sysfs entry for cpu0's
+/// level-3 cache (the core complex's, 8 MiB on Zen 1), else the C library's figure
+/// (which on Zen 1 reports the whole socket's 64 MiB), else 0; detected once.
+size_t l3_cache_bytes();
+
 /// "amx", "avx512bf16" or "f32".
 const char* lowp_path_name(LowpPath path);
 
