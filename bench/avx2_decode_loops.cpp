@@ -33,6 +33,47 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256 WidenBf16(const
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256 WidenF16(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+/// P·V with f16 values (vcvtph2ps per 8), 4 rows × 2 vectors of accumulators.
+template <int NK>
+__attribute__((noinline, target("avx2,fma,f16c"))) void PvF16(const float* p, const uint16_t* vals, float* o, int passes) {
+  for (int pass = 0; pass < passes; ++pass) {
+    for (int x = 0; x < kD; x += 16) {
+      __m256 a0[4], a1[4];
+      for (int r = 0; r < 4; ++r) a0[r] = _mm256_loadu_ps(o + r * kRowStride + x), a1[r] = _mm256_loadu_ps(o + r * kRowStride + x + 8);
+      for (int k = 0; k < NK; ++k) {
+        const __m256 v0 = WidenF16(vals + k * kKeyStride + x), v1 = WidenF16(vals + k * kKeyStride + x + 8);
+        for (int r = 0; r < 4; ++r) {
+          const __m256 pk = _mm256_broadcast_ss(p + r * 64 + k);
+          a0[r] = _mm256_fmadd_ps(pk, v0, a0[r]), a1[r] = _mm256_fmadd_ps(pk, v1, a1[r]);
+        }
+      }
+      for (int r = 0; r < 4; ++r) _mm256_storeu_ps(o + r * kRowStride + x, a0[r]), _mm256_storeu_ps(o + r * kRowStride + x + 8, a1[r]);
+    }
+  }
+}
+
+/// Q·Kᵀ with f16 keys, 4 rows × 2 keys; q folded or in a register.
+template <bool kInRegister>
+__attribute__((noinline, target("avx2,fma,f16c"))) void ScoreF16(const float* q, const uint16_t* keys, float* s, int passes) {
+  for (int pass = 0; pass < passes; ++pass) {
+    __m256 acc[8];
+    for (auto& a : acc) a = _mm256_setzero_ps();
+    for (int x = 0; x < kD; x += 8) {
+      const __m256 k0 = WidenF16(keys + x), k1 = WidenF16(keys + kKeyStride + x);
+      for (int r = 0; r < 4; ++r) {
+        __m256 qv = _mm256_loadu_ps(q + r * kRowStride + x);
+        if constexpr (kInRegister) asm("" : "+x"(qv));
+        acc[2 * r] = _mm256_fmadd_ps(qv, k0, acc[2 * r]), acc[2 * r + 1] = _mm256_fmadd_ps(qv, k1, acc[2 * r + 1]);
+      }
+    }
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(s + i * 8, acc[i]);
+  }
+}
+
 /// P·V with PromoteTo-style widening (or f32 values), 4 rows × 2 vectors of accumulators.
 template <int NK, bool kBf16>
 AVX2 void PvPromote(const float* p, const void* vals, float* o, int passes) {
@@ -169,6 +210,10 @@ int main() {
   run("P·V bf16 PromoteTo, 8 keys a pass", [&] { PvPromote<8, true>(p.data(), vb.data(), o.data(), kPasses); }, pv8);
   run("P·V bf16 pairs, 8 keys a pass", [&] { PvPairs<8>(p.data(), vb.data(), o.data(), kPasses); }, pv8);
   run("P·V bf16 pairs, 16 keys a pass", [&] { PvPairs<16>(p.data(), vb.data(), o.data(), kPasses / 2); }, pv8);
+  run("P·V f16, 8 keys a pass", [&] { PvF16<8>(p.data(), vb.data(), o.data(), kPasses); }, pv8);
+  run("P·V f16, 16 keys a pass", [&] { PvF16<16>(p.data(), vb.data(), o.data(), kPasses / 2); }, pv8);
+  run("Q·Kᵀ f16, 4 x 2, q folded", [&] { ScoreF16<false>(q.data(), vb.data(), s.data(), kPasses); }, sc * 8);
+  run("Q·Kᵀ f16, 4 x 2, q in a register", [&] { ScoreF16<true>(q.data(), vb.data(), s.data(), kPasses); }, sc * 8);
   run("Q·Kᵀ f32, 4 rows x 2 keys", [&] { ScorePromote<4, 2, false>(q.data(), vf.data(), s.data(), kPasses); }, sc * 8);
   run("Q·Kᵀ f32, 4 rows x 3 keys", [&] { ScorePromote<4, 3, false>(q.data(), vf.data(), s.data(), kPasses); }, sc * 12);
   run("Q·Kᵀ bf16 PromoteTo, 4 rows x 2 keys", [&] { ScorePromote<4, 2, true>(q.data(), vb.data(), s.data(), kPasses); }, sc * 8);
