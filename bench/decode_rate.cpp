@@ -6,11 +6,12 @@
 // cache (L = 512 keys: 2 MiB of bf16 keys and values) stays in L2/L3, so this
 // measures the arithmetic alone; a long one (L = 8192) adds the memory system back.
 //
-// Shapes as the decode table's: B = 1, Lq = 1, Hq = 32, Hkv = 8, d = dv = 128,
+// Shapes as the decode table's: B = 1, Lq = 1, Hq = 32, Hkv = 8 (or --hkv), d = dv = 128,
 // contiguous cache, one split, 1 thread. Flops: 4·Hq·L·d per call (Q·Kᵀ and P·V).
 // Fresh random keys, values, scales and queries (never constants).
 //
-// usage: decode_rate [f32|bf16|f16|i8 ...] [--lengths L ...] [--calls N]
+// usage: decode_rate [f32|bf16|f16|i8 ...] [--lengths L ...] [--hkv H] [--calls N]
+//        --hkv: kv heads (default 8, 4 query rows per kv head; 32 = multi-head, 1 row)
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -33,8 +34,8 @@ struct Rate {
 };
 
 /// Median over 7 rounds of `calls` decoding calls each (after 10 warm-up calls).
-Rate time_decode(DType cache_dtype, int L, int calls, std::mt19937& rng) {
-  constexpr int B = 1, Hq = 32, Hkv = 8, d = 128;
+Rate time_decode(DType cache_dtype, int L, int Hkv, int calls, std::mt19937& rng) {
+  constexpr int B = 1, Hq = 32, d = 128;
   const size_t n = static_cast<size_t>(B) * L * Hkv * d;
   const size_t bytes = cache_dtype == DType::f32 ? 4 : cache_dtype == DType::i8 ? 1 : 2;
   std::vector<uint8_t> k(n * bytes), v(n * bytes);
@@ -92,17 +93,23 @@ Rate time_decode(DType cache_dtype, int L, int calls, std::mt19937& rng) {
 int main(int argc, char** argv) {
   std::vector<DType> dtypes;
   std::vector<int> lengths;
-  int calls = 0;
+  int calls = 0, hkv = 8;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--lengths") {
       while (i + 1 < argc && std::atoi(argv[i + 1]) > 0) lengths.push_back(std::atoi(argv[++i]));
+    } else if (a == "--hkv" && i + 1 < argc) {
+      hkv = std::atoi(argv[++i]);
+      if (hkv < 1 || 32 % hkv != 0) {
+        std::fprintf(stderr, "decode_rate: --hkv must divide 32\n");
+        return 2;
+      }
     } else if (a == "--calls" && i + 1 < argc) {
       calls = std::atoi(argv[++i]);
     } else if (a == "f32" || a == "bf16" || a == "f16" || a == "i8") {
       dtypes.push_back(a == "f32" ? DType::f32 : a == "bf16" ? DType::bf16 : a == "f16" ? DType::f16 : DType::i8);
     } else {
-      std::fprintf(stderr, "usage: decode_rate [f32|bf16|f16|i8 ...] [--lengths L ...] [--calls N]\n");
+      std::fprintf(stderr, "usage: decode_rate [f32|bf16|f16|i8 ...] [--lengths L ...] [--hkv H] [--calls N]\n");
       return a == "--help" || a == "-h" ? 0 : 2;
     }
   }
@@ -110,14 +117,14 @@ int main(int argc, char** argv) {
   if (lengths.empty()) lengths = {512, 8192};
   attn::set_num_threads(1);
   const attn::bench::Peak peak = attn::bench::measure_peak(1);
-  std::printf("decode_rate: B=1 Lq=1 Hq=32 Hkv=8 d=128, 1 thread, one split; FMA peak %.1f GFLOP/s (%s)\n",
+  std::printf("decode_rate: B=1 Lq=1 Hq=32 Hkv=%d d=128, 1 thread, one split; FMA peak %.1f GFLOP/s (%s)\n", hkv,
               peak.f32_gflops, peak.isa);
   std::printf("| cache | L | us/call | GFLOP/s | of FMA peak |\n|---|---:|---:|---:|---:|\n");
   std::mt19937 rng(2026);
   for (DType dt : dtypes) {
     for (int L : lengths) {
       const int n = calls > 0 ? calls : std::max(3, 200 * 512 / L);
-      const Rate r = time_decode(dt, L, n, rng);
+      const Rate r = time_decode(dt, L, hkv, n, rng);
       std::printf("| %s | %d | %.1f | %.1f | %.0f%% |\n", attn::dtype_name(dt), L, r.us_per_call, r.gflops,
                   100.0 * r.gflops / peak.f32_gflops);
     }

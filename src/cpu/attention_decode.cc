@@ -357,6 +357,31 @@ HWY_INLINE void PvRowsDense(const float* HWY_RESTRICT p, size_t ld, const T* con
                             float* HWY_RESTRICT o, size_t o_ld) {
   const DF df;
   int x = 0;
+  // One or two rows (multi-head decoding, few queries): more vectors of each row, so
+  // there are still 8 independent chains (2 rows × 4 or 1 × 8 vectors).
+  constexpr int kWide = NR == 1 ? 8 : NR == 2 ? 4 : 0;
+  if constexpr (kWide > 0) {
+    for (; x + kWide * kLanes <= dv; x += kWide * kLanes) {
+      VF acc[NR][kWide];
+      for (int r = 0; r < NR; ++r) {
+        for (int j = 0; j < kWide; ++j) acc[r][j] = hn::Load(df, o + r * o_ld + x + j * kLanes);
+      }
+      for (int k = 0; k < NK; ++k) {
+        VF v[kWide];
+        for (int j = 0; j < kWide; j += 2) {
+          v[j] = LoadHalfF32<0>(df, vals[k] + x + j * kLanes);
+          v[j + 1] = LoadHalfF32<1>(df, vals[k] + x + j * kLanes);
+        }
+        for (int r = 0; r < NR; ++r) {
+          const VF pk = hn::Set(df, p[r * ld + k]);
+          for (int j = 0; j < kWide; ++j) acc[r][j] = hn::MulAdd(pk, v[j], acc[r][j]);
+        }
+      }
+      for (int r = 0; r < NR; ++r) {
+        for (int j = 0; j < kWide; ++j) hn::Store(acc[r][j], df, o + r * o_ld + x + j * kLanes);
+      }
+    }
+  }
   for (; x + 2 * kLanes <= dv; x += 2 * kLanes) {
     VF acc0[NR], acc1[NR];
     for (int r = 0; r < NR; ++r) {
@@ -649,6 +674,33 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
         });
       };
       int c = 0;
+#if HWY_TARGET != HWY_SCALAR
+      if (rows == 1) {  // one row per kv head (multi-head decoding): kLanes keys a pass,
+        // kLanes independent chains that leave through one TransposedSums, where 2 keys
+        // a pass gave 2 chains, each with its own SumOfLanes
+        for (; c + kLanes <= cols; c += kLanes) {
+          ReadAs<T>(nan_codes(p.k, keys0, k_span, p.d, c, kLanes), [&](auto tag) {
+            using U = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+            const T* wide[kLanes];
+            for (int hh = 0; hh < it.heads; ++hh) {
+              // Half the pass's requests before its dot products, half after (see
+              // kPrefetchKeys on bursts).
+              prefetch_head(p.k, keys0, k_scale_at, hh, p.d, c, kLanes / 2);
+              head_keys(c, hh, kLanes, wide);
+              const float* q1 = &w.q[static_cast<size_t>(hh) * dp];
+              float* s1 = &w.s[static_cast<size_t>(hh) * rows_pad * kBk] + c;
+              const U* const* ku = reinterpret_cast<const U* const*>(wide);
+              if (p.d % kLanes == 0) {
+                DotRows<U, 1, kLanes, false>(q1, dp, ku, p.d, s1, kBk);
+              } else {
+                DotRows<U, 1, kLanes, true>(q1, dp, ku, p.d, s1, kBk);
+              }
+              prefetch_head(p.k, keys0, k_scale_at, hh, p.d, c + kLanes / 2, kLanes / 2);
+            }
+          });
+        }
+      }
+#endif
       for (; c + kKeysPerPass <= cols; c += kKeysPerPass) scores(std::integral_constant<int, kKeysPerPass>(), c);
       for (; c < cols; ++c) scores(std::integral_constant<int, 1>(), c);
     }
@@ -753,10 +805,14 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       // pass reached 74% of the FMA peak in isolation, 16 keys 80%). The values'
       // prefetches still go out 8 keys at a time, half before and half after the
       // pass (see kPrefetchKeys on bursts).
+      // With fewer than 4 rows per kv head the pass is bound by reading V, and there
+      // 16 token rows at once, head by head, read slower than 8: f32 multi-head
+      // decoding from DRAM took 1.04–1.22x the time on Zen 1.
       constexpr int kPvKeys = 16;
+      const int pv_keys = rows >= 4 ? kPvKeys : kPvKeys / 2;
       const T* vv[kPvKeys];
-      for (int c = 0; c < cols; c += kPvKeys) {
-        const int nk = std::min(kPvKeys, cols - c);
+      for (int c = 0; c < cols; c += pv_keys) {
+        const int nk = std::min(pv_keys, cols - c);
         ReadAs<T>(nan_codes(p.v, vals0, v_span, p.dv, c, nk), [&](auto tag) {
           using U = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
           const U* const* vu = reinterpret_cast<const U* const*>(vv);
@@ -877,12 +933,15 @@ void FinishRow(const DecodeProblem& p, int b, int i, int h, const Partial* parts
 /// 28–40% for bf16, 15–21% for i8, 19–28% for f8e4m3 and 7–13% for f32 (32k and 128k
 /// tokens); from L3 (1k–8k tokens of bf16 or i8) they cost 0–4%, each request holding
 /// a line-fill buffer through L3's latency. On Zen 1 (8 MiB of L3) an 8k bf16 cache
-/// (34 MB) comes from DRAM, and the requests made it 0.94x the time (i8: 0.89x).
+/// (34 MB) comes from DRAM, and the requests made it 0.94x the time (i8: 0.89x); f32
+/// caches of 16–32 MiB there were 1.0–1.08x (4 rows per kv head) and 1.25x (1 row)
+/// the time with them, so f32 keeps the 48 MiB rule.
 constexpr double kPrefetchMinBytes = 48.0 * (1 << 20);
 
-double PrefetchMinBytes() {
+double PrefetchMinBytes(size_t element_bytes) {
   const double l3 = static_cast<double>(l3_cache_bytes());
-  return l3 > 0 ? std::min(kPrefetchMinBytes, std::max(l3, 4.0 * (1 << 20))) : kPrefetchMinBytes;
+  if (element_bytes >= 4 || l3 <= 0) return kPrefetchMinBytes;
+  return std::min(kPrefetchMinBytes, std::max(l3, 4.0 * (1 << 20)));
 }
 
 int SplitsOf(const DecodeProblem& p, int lk) {
@@ -929,7 +988,7 @@ void Decode(const DecodeProblem& p, int threads) {
   double bytes = 0;
   for (int b = 0; b < p.B; ++b) bytes += double(p.attn.seqs[b].Lk) * p.Hkv * (p.d + p.dv);
   const int nt = bytes < 1e5 ? 1 : std::max(1, threads);
-  const bool prefetch = bytes * sizeof(T) >= PrefetchMinBytes();
+  const bool prefetch = bytes * sizeof(T) >= PrefetchMinBytes(sizeof(T));
   const int nitems = static_cast<int>(items.size()), ngroups = static_cast<int>(groups.size());
   bool on_tiles = false;
 #if ATTN_DECODE_AMX_I8
