@@ -14,7 +14,8 @@
 //                           per 32-bit lane, see Bf16Pairs)
 //   S = modifiers (S)       ApplyScoreMods, shared with attention()
 //   P = e^(S − m_new) …     SoftmaxTile, shared with attention()
-//   O = α·O + P·V           16 keys per pass, V rows converted once per chunk of dv
+//   O = α·O + P·V           16 keys per pass (8 below 4 rows), V rows converted once
+//                           per chunk of dv
 // Splits are combined in split order as merge_attention_states does. The automatic
 // split count depends on the key count only, so no result depends on the threads.
 // Removed keys never contribute, even where the cache holds NaN or ±∞ there: P·V
@@ -164,12 +165,6 @@ HWY_INLINE VF LoadHalfF32(DF df, const T* HWY_RESTRICT p) {
   }
 }
 
-/// The kLanes cache elements of the kernel's columns x … x + kLanes − 1 (x a multiple
-/// of kLanes) as f32, in its column order (see Bf16Pairs); width < kLanes: a row's
-/// last columns, zeros after them (never for Bf16Pairs, whose rows are whole pairs).
-template <typename T>
-HWY_INLINE VF LoadColumnsF32(DF df, const T* HWY_RESTRICT p, int x, int width);
-
 /// The n < kLanes cache elements at p as f32, zeros after them (no read past p + n).
 template <typename T>
 HWY_INLINE VF LoadTailF32(DF df, const T* HWY_RESTRICT p, int n) {
@@ -179,6 +174,9 @@ HWY_INLINE VF LoadTailF32(DF df, const T* HWY_RESTRICT p, int n) {
   return LoadF32(df, buf);
 }
 
+/// The kLanes cache elements of the kernel's columns x … x + kLanes − 1 (x a multiple
+/// of kLanes) as f32, in its column order (see Bf16Pairs); width < kLanes: a row's
+/// last columns, zeros after them (never for Bf16Pairs, whose rows are whole pairs).
 template <typename T>
 HWY_INLINE VF LoadColumnsF32(DF df, const T* HWY_RESTRICT p, int x, int width) {
   if constexpr (kPairs<T>) {
