@@ -411,6 +411,40 @@ HWY_INLINE void PvRowsDense(const float* HWY_RESTRICT p, size_t ld, const T* con
   }
 }
 
+/// The most keys one P·V pass takes.
+constexpr int kPvKeysMax = 16;
+
+/// o[r] += Σ_k p[r][k]·v_k for nk ≤ kPvKeysMax keys and every row, one row and one
+/// vector of dv at a time, each key's p = 0 skipped: the path for passes with removed
+/// keys, and for the short passes at a block's end (one instance for every key count,
+/// where templates on the count multiplied the file's compile time). Each column adds
+/// the keys in order, as PvRowsDense does, so the two agree bitwise.
+template <typename T>
+HWY_INLINE void PvKeysSkippingZeros(const float* HWY_RESTRICT p, size_t ld, int rows, const T* const* vals, int nk,
+                                    int dv, float* HWY_RESTRICT o, size_t o_ld) {
+  const DF df;
+  for (int r = 0; r < rows; ++r) {
+    float coef[kPvKeysMax];
+    bool all = true, any = false;
+    for (int k = 0; k < nk; ++k) {
+      coef[k] = p[r * ld + k];
+      all &= coef[k] != 0.0f;
+      any |= coef[k] != 0.0f;
+    }
+    if (!any) continue;
+    float* orow = o + r * o_ld;
+    for (int x = 0; x < dv; x += kLanes) {
+      const int width = std::min(kLanes, dv - x);
+      VF acc = hn::Load(df, orow + x);
+      for (int k = 0; k < nk; ++k) {
+        if (!all && coef[k] == 0.0f) continue;
+        acc = hn::MulAdd(hn::Set(df, coef[k]), LoadColumnsF32(df, vals[k], x, width), acc);
+      }
+      hn::Store(acc, df, orow + x);
+    }
+  }
+}
+
 /// o[r] += Σ_k p[r][k]·v_k for NK consecutive keys (p: row stride ld) and every
 /// row, the cache read in token order. A p of exactly 0 — a removed key — is
 /// skipped, so a NaN or ±∞ the cache holds there never reaches o (0·NaN would).
@@ -430,27 +464,7 @@ HWY_INLINE void PvKeys(const float* HWY_RESTRICT p, size_t ld, int rows, const T
     }
     return;
   }
-  const DF df;
-  for (int r = 0; r < rows; ++r) {
-    float coef[NK];
-    bool all = true, any = false;
-    for (int k = 0; k < NK; ++k) {
-      coef[k] = p[r * ld + k];
-      all &= coef[k] != 0.0f;
-      any |= coef[k] != 0.0f;
-    }
-    if (!any) continue;
-    float* orow = o + r * o_ld;
-    for (int x = 0; x < dv; x += kLanes) {
-      const int width = std::min(kLanes, dv - x);
-      VF acc = hn::Load(df, orow + x);
-      for (int k = 0; k < NK; ++k) {
-        if (!all && coef[k] == 0.0f) continue;
-        acc = hn::MulAdd(hn::Set(df, coef[k]), LoadColumnsF32(df, vals[k], x, width), acc);
-      }
-      hn::Store(acc, df, orow + x);
-    }
-  }
+  PvKeysSkippingZeros(p, ld, rows, vals, NK, dv, o, o_ld);
 }
 
 /// The query rows of one work item: query heads g0 … g0+heads−1 of the kv head's
@@ -806,9 +820,8 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       // With fewer than 4 rows per kv head the pass is bound by reading V, and there
       // 16 token rows at once, head by head, read slower than 8: f32 multi-head
       // decoding from DRAM took 1.04–1.22x the time on Zen 1.
-      constexpr int kPvKeys = 16;
-      const int pv_keys = rows >= 4 ? kPvKeys : kPvKeys / 2;
-      const T* vv[kPvKeys];
+      const int pv_keys = rows >= 4 ? kPvKeysMax : kPvKeysMax / 2;
+      const T* vv[kPvKeysMax];
       for (int c = 0; c < cols; c += pv_keys) {
         const int nk = std::min(pv_keys, cols - c);
         ReadAs<T>(nan_codes(p.v, vals0, v_span, p.dv, c, nk), [&](auto tag) {
@@ -820,26 +833,15 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
               for (int k = 0; k < nk; ++k) vv[k] = vals0[c + k] + hh * p.v.head_stride;
               const float* s = &w.s[static_cast<size_t>(hh) * rows_pad * kBk] + c;
               float* o = &w.o[static_cast<size_t>(hh) * rows * dvp];
-              // Whole passes of 16, else pieces of at most 8: each column still sums
-              // its keys in order, so the result does not depend on the pieces.
+              // Whole passes of 16 or 8 on the register-blocked loops, a block's
+              // shorter last pass on PvKeysSkippingZeros: each column still sums its
+              // keys in order, so the result does not depend on the pieces.
               if (nk == 16) {
                 PvKeys<U, 16>(s, kBk, rows, vu, p.dv, o, dvp);
+              } else if (nk == 8) {
+                PvKeys<U, 8>(s, kBk, rows, vu, p.dv, o, dvp);
               } else {
-                for (int k0 = 0; k0 < nk; k0 += 8) {
-                  const int n = std::min(8, nk - k0);
-                  const float* sk = s + k0;
-                  const U* const* vk = vu + k0;
-                  switch (n) {
-                    case 8: PvKeys<U, 8>(sk, kBk, rows, vk, p.dv, o, dvp); break;
-                    case 7: PvKeys<U, 7>(sk, kBk, rows, vk, p.dv, o, dvp); break;
-                    case 6: PvKeys<U, 6>(sk, kBk, rows, vk, p.dv, o, dvp); break;
-                    case 5: PvKeys<U, 5>(sk, kBk, rows, vk, p.dv, o, dvp); break;
-                    case 4: PvKeys<U, 4>(sk, kBk, rows, vk, p.dv, o, dvp); break;
-                    case 3: PvKeys<U, 3>(sk, kBk, rows, vk, p.dv, o, dvp); break;
-                    case 2: PvKeys<U, 2>(sk, kBk, rows, vk, p.dv, o, dvp); break;
-                    default: PvKeys<U, 1>(sk, kBk, rows, vk, p.dv, o, dvp); break;
-                  }
-                }
+                PvKeysSkippingZeros(s, kBk, rows, vu, nk, p.dv, o, dvp);
               }
             }
             if (nk > 8) prefetch_head(p.v, vals0, v_scale_at, hh, p.dv, c + 8, nk - 8);
