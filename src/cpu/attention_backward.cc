@@ -53,38 +53,65 @@ HWY_BEFORE_NAMESPACE();
 namespace attn::detail::HWY_NAMESPACE {
 namespace {
 
-/// Packed K and V of each (sequence, kv head): per key tile a [d][Bk] panel of K
-/// (for S = Q·Kᵀ), a [dv][Bk] panel of V (for dP = dO·Vᵀ) and [Bk][dp] rows of K
-/// (for dQ = dS·K).
+/// Packed operands of a call. Per key tile of each (sequence, kv head): a [d][Bk]
+/// panel of K (for S = Q·Kᵀ), a [dv][Bk] panel of V (for dP = dO·Vᵀ) and [Bk][dp]
+/// rows of K (for dQ = dS·K). Per query tile of each (sequence, query head): scale·Q
+/// as [Bq][dp] rows and dO as [Bq][dvp] rows, zero padded. Every key tile pairs with
+/// each query tile of its band; when each pair gathered and scaled its own query and
+/// dO rows from the strided tensors (rows H·d floats apart), that copy took ~20% of
+/// the f32 backward's time on a Zen 1 core (perf, d = 64). Packed once, they are
+/// read in place.
 struct BwdPack {
-  int dp = 0;
+  int dp = 0, dvp = 0;
   std::vector<size_t> seq_base;
   size_t total = 0;
   std::vector<size_t> tile_base;              // per sequence: index of kv head 0, tile 0
   mutable std::vector<uint8_t> kv_nonfinite;  // per tile: K or V holds a NaN or ±∞
+  std::vector<size_t> q_seq_base;             // per sequence: offset of head 0's query tiles
+  std::vector<size_t> q_tile_base;            // per sequence: index of head 0, query tile 0
+  mutable std::vector<uint8_t> q_nonfinite;   // per query tile: Q or dO holds a NaN or ±∞
   uint8_t& NonFinite(const Problem& p, int b, int hk, int t) const {
     return kv_nonfinite[tile_base[b] + static_cast<size_t>(hk) * KeyTiles(p.seqs[b].Lk) + t];
+  }
+  uint8_t& QueryNonFinite(const Problem& p, int b, int h, int qt) const {
+    return q_nonfinite[q_tile_base[b] + static_cast<size_t>(h) * QueryTiles(p.seqs[b].Lq) + qt];
   }
   size_t TileFloats(const Problem& p) const { return size_t{kBk} * (p.d + p.dv + dp); }
   float* Tile(float* pack, const Problem& p, int b, int hk, int t) const {
     return pack + seq_base[b] +
            (static_cast<size_t>(hk) * KeyTiles(p.seqs[b].Lk) + t) * TileFloats(p);
   }
+  size_t QueryTileFloats() const { return size_t{kBq} * (dp + dvp); }
+  /// Query tile qt of (b, h): scale·Q rows (row stride dp), then dO rows (dvp).
+  float* QueryTile(float* pack, const Problem& p, int b, int h, int qt) const {
+    return pack + q_seq_base[b] +
+           (static_cast<size_t>(h) * QueryTiles(p.seqs[b].Lq) + qt) * QueryTileFloats();
+  }
 };
 
 BwdPack MakeBwdPack(const Problem& p) {
   BwdPack pk;
   pk.dp = RoundUp(p.d, kLanes);
+  pk.dvp = RoundUp(p.dv, kLanes);
   pk.seq_base.resize(p.seqs.size());
   pk.tile_base.resize(p.seqs.size());
-  size_t tiles = 0;
+  pk.q_seq_base.resize(p.seqs.size());
+  pk.q_tile_base.resize(p.seqs.size());
+  size_t tiles = 0, qtiles = 0;
   for (size_t b = 0; b < p.seqs.size(); ++b) {
     pk.seq_base[b] = pk.total;
     pk.total += static_cast<size_t>(p.Hkv) * KeyTiles(p.seqs[b].Lk) * pk.TileFloats(p);
     pk.tile_base[b] = tiles;
     tiles += static_cast<size_t>(p.Hkv) * KeyTiles(p.seqs[b].Lk);
   }
+  for (size_t b = 0; b < p.seqs.size(); ++b) {
+    pk.q_seq_base[b] = pk.total;
+    pk.total += static_cast<size_t>(p.Hq) * QueryTiles(p.seqs[b].Lq) * pk.QueryTileFloats();
+    pk.q_tile_base[b] = qtiles;
+    qtiles += static_cast<size_t>(p.Hq) * QueryTiles(p.seqs[b].Lq);
+  }
   pk.kv_nonfinite.assign(tiles, 0);
+  pk.q_nonfinite.assign(qtiles, 0);
   return pk;
 }
 
@@ -105,7 +132,7 @@ constexpr int kBkRows = (kBk + kRowsPerBlock - 1) / kRowsPerBlock * kRowsPerBloc
 /// Per-item scratch, carved from the thread's reusable buffer.
 struct BwdScratch {
   float *dk, *dv;        // [BkRows][dp], [BkRows][dvp]  the item's gradient accumulators
-  float *q, *dout;       // [Bq][dp], [Bq][dvp]  query tile (scaled) and dO tile
+  float* q;              // [Bq][dp]             query tile, scaled (RowStats)
   float *s, *p, *ds;     // [Bq][Bk] each        scores → P, dropped P', dP → dS
   float* kept;           // [Bq][Bk]             final scores (−∞: removed key)
   float* drop;           // [Bq][Bk]             dropout multipliers: 0 or 1/(1 − p)
@@ -117,7 +144,7 @@ struct BwdScratch {
 
   static size_t Floats(int dp, int dvp) {
     const size_t tile = size_t{kBq} * kBk + kLanes;
-    return size_t{kBkRows} * (dp + dvp) + size_t{kBq} * (2 * dp + dvp) + 7 * tile + 7 * size_t{kBq} + 64;
+    return size_t{kBkRows} * (dp + dvp) + size_t{kBq} * 2 * dp + 7 * tile + 7 * size_t{kBq} + 64;
   }
   BwdScratch(int dp, int dvp) {
     const size_t tile = size_t{kBq} * kBk + kLanes;
@@ -125,7 +152,6 @@ struct BwdScratch {
     dk = x, x += size_t{kBkRows} * dp;
     dv = x, x += size_t{kBkRows} * dvp;
     q = x, x += size_t{kBq} * dp;
-    dout = x, x += size_t{kBq} * dvp;
     dq = x, x += size_t{kBq} * dp;
     s = x, x += tile;
     p = x, x += tile;
@@ -184,41 +210,35 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
   const float* kpanel = tile;
   const float* vpanel = tile + size_t{kBk} * p.d;
   const float* krows = vpanel + size_t{kBk} * p.dv;
+  // The query tile's scale·Q and dO rows, packed in phase 1 (padding rows are zero).
+  const float* q = sh.pack_layout.QueryTile(sh.pack, p, b, h, qt);
+  const float* dout = q + size_t{kBq} * dp;
   const DF df;
 
-  // Query rows: scale·q, dO, lse, D, and the band. The backward works in natural
-  // units: P = exp(S − lse) is formed as 2^((S − lse)·log₂e). S − lse is exact
-  // when the two are close, so the rounding of the base-2 conversion applies to
-  // the small difference; converting S and lse to base 2 first (as the forward
-  // does) would cost eps·|lse| in every P, visible in dbias.
+  // Query rows: lse, D and the band. The backward works in natural units:
+  // P = exp(S − lse) is formed as 2^((S − lse)·log₂e). S − lse is exact when the
+  // two are close, so the rounding of the base-2 conversion applies to the small
+  // difference; converting S and lse to base 2 first (as the forward does) would
+  // cost eps·|lse| in every P, visible in dbias.
+  const size_t row0 = sh.dsum_base[b] + size_t(h) * seq.Lq + i0;
   for (int r = 0; r < rows_used; ++r) {
-    float* qr = w.q + size_t(r) * dp;
-    float* gr = w.dout + size_t(r) * dvp;
     if (r < rows) {
-      const float* src = p.q + seq.q_offset + h * p.q_head + int64_t{i0 + r} * p.q_row;
-      for (int c = 0; c < p.d; ++c) qr[c] = src[c] * p.scale;
-      std::fill(qr + p.d, qr + dp, 0.0f);
-      const float* g = bp.dout + seq.dout_offset + h * bp.dout_head + int64_t{i0 + r} * bp.dout_row;
-      std::memcpy(gr, g, sizeof(float) * p.dv);
-      std::fill(gr + p.dv, gr + dvp, 0.0f);
-      w.dsum[r] = sh.dsum[sh.dsum_base[b] + size_t(h) * seq.Lq + i0 + r];
-      w.inv_l[r] = sh.row_inv_l[sh.dsum_base[b] + size_t(h) * seq.Lq + i0 + r];
-      w.lse[r] = sh.row_m[sh.dsum_base[b] + size_t(h) * seq.Lq + i0 + r];
+      w.dsum[r] = sh.dsum[row0 + r];
+      w.inv_l[r] = sh.row_inv_l[row0 + r];
+      w.lse[r] = sh.row_m[row0 + r];
       BandOfRow(p, seq, i0 + r, &w.lo[r], &w.hi[r]);
     } else {
-      std::fill(qr, qr + dp, 0.0f);
-      std::fill(gr, gr + dvp, 0.0f);
       w.lse[r] = -HUGE_VALF, w.dsum[r] = 0.0f, w.inv_l[r] = 1.0f;
     }
   }
-  const bool careful = sh.pack_layout.NonFinite(p, b, hk, kt) != 0 || !AllFinite(w.q, size_t(rows_used) * dp) ||
-                       !AllFinite(w.dout, size_t(rows_used) * dvp);
+  const bool careful =
+      sh.pack_layout.NonFinite(p, b, hk, kt) != 0 || sh.pack_layout.QueryNonFinite(p, b, h, qt) != 0;
 
   // S (only the key vectors each 4-row block's band reaches), modifiers, masks.
   const TilePlace place{b, h, i0, rows, j0, nk, w.lo, w.hi};
   for (int r = 0, blk = 0; r < rows_used; r += kRowsPerBlock, ++blk) {
     BlockKeyVectors(w.lo, w.hi, r, rows, j0, &w.first[blk], &w.count[blk]);
-    QkRows(w.q + size_t(r) * dp, dp, kpanel, p.d, w.s + r * kBk, kBk, w.first[blk], w.count[blk]);
+    QkRows(q + size_t(r) * dp, dp, kpanel, p.d, w.s + r * kBk, kBk, w.first[blk], w.count[blk]);
   }
   const bool save_raw = p.softcap > 0.0f;
   const bool save_pre = p.mods != nullptr && p.mods->grad_tile != nullptr;
@@ -266,16 +286,16 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
   // dV += P'ᵀ·dO (rows: keys, inner: queries).
   for (int kr = 0; kr < keys_used; kr += kRowsPerBlock) {
     if (careful) {
-      PvRowsGated(pd + kr, 1, kBk, w.kept + kr, 1, kBk, -HUGE_VALF, w.dout, dvp, rows, nullptr,
+      PvRowsGated(pd + kr, 1, kBk, w.kept + kr, 1, kBk, -HUGE_VALF, dout, dvp, rows, nullptr,
                   w.dv + size_t(kr) * dvp);
     } else {
-      PvRows(pd + kr, 1, kBk, w.dout, dvp, rows, nullptr, w.dv + size_t(kr) * dvp);
+      PvRows(pd + kr, 1, kBk, dout, dvp, rows, nullptr, w.dv + size_t(kr) * dvp);
     }
   }
 
   // dP = dO·Vᵀ over the same key vectors as S; dropout: dP ← dP·mask/(1 − p).
   for (int r = 0, blk = 0; r < rows_used; r += kRowsPerBlock, ++blk) {
-    QkRows(w.dout + size_t(r) * dvp, dvp, vpanel, p.dv, w.ds + r * kBk, kBk, w.first[blk], w.count[blk]);
+    QkRows(dout + size_t(r) * dvp, dvp, vpanel, p.dv, w.ds + r * kBk, kBk, w.first[blk], w.count[blk]);
   }
   if (dropout) {  // −∞ (keys outside the block's vectors) times 0 is NaN: P = 0 there, masked below
     for (size_t n = 0; n < size_t(rows_used) * kBk; ++n) w.ds[n] *= w.drop[n];
@@ -322,7 +342,7 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
   std::fill(w.dq, w.dq + size_t(rows_used) * dp, 0.0f);
   if (careful) {
     for (int kr = 0; kr < keys_used; kr += kRowsPerBlock) {
-      PvRowsGated(w.ds + kr, 1, kBk, w.kept + kr, 1, kBk, -HUGE_VALF, w.q, dp, rows, nullptr,
+      PvRowsGated(w.ds + kr, 1, kBk, w.kept + kr, 1, kBk, -HUGE_VALF, q, dp, rows, nullptr,
                   w.dk + size_t(kr) * dp);
     }
     for (int r = 0; r < rows_used; r += kRowsPerBlock) {
@@ -331,7 +351,7 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
     }
   } else {
     for (int kr = 0; kr < keys_used; kr += kRowsPerBlock) {
-      PvRows(w.ds + kr, 1, kBk, w.q, dp, rows, nullptr, w.dk + size_t(kr) * dp);
+      PvRows(w.ds + kr, 1, kBk, q, dp, rows, nullptr, w.dk + size_t(kr) * dp);
     }
     for (int r = 0; r < rows_used; r += kRowsPerBlock) {
       PvRows(w.ds + r * kBk, kBk, 1, krows, dp, nk, nullptr, w.dq + size_t(r) * dp);
@@ -505,12 +525,17 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
             n_items = static_cast<int>(items.size()), n_stats = static_cast<int>(stats_items.size());
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
-    // Phase 1: D = rowsum(dO ∘ O) per query row; zero dq (it is accumulated).
+    // Phase 1: per query tile, D = rowsum(dO ∘ O) of each row; scale·Q and dO
+    // packed; zero dq (it is accumulated).
 #pragma omp for schedule(static)
     for (int n = 0; n < n_rows; ++n) {
       const auto [b, h, qt] = rows_items[n];
       const Sequence& seq = p.seqs[b];
-      for (int i = qt * kBq; i < std::min(seq.Lq, (qt + 1) * kBq); ++i) {
+      float* qpack = pk.QueryTile(pack, p, b, h, qt);
+      float* gpack = qpack + size_t{kBq} * pk.dp;
+      const int i0 = qt * kBq, rows = std::min(kBq, seq.Lq - i0);
+      for (int r = 0; r < rows; ++r) {
+        const int i = i0 + r;
         const float* o = p.out + seq.out_offset + h * p.out_head + int64_t{i} * p.out_row;
         const float* g = bp.dout + seq.dout_offset + h * bp.dout_head + int64_t{i} * bp.dout_row;
         // The same fused multiply-adds, in the same order, as QkRows accumulates
@@ -520,7 +545,17 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
         for (int c = 0; c < p.dv; ++c) acc = std::fma(g[c], o[c], acc);
         dsum[dsum_base[b] + size_t(h) * seq.Lq + i] = acc;
         std::fill_n(bp.dq + seq.dq_offset + h * bp.dq_head + int64_t{i} * bp.dq_row, p.d, 0.0f);
+        const float* src = p.q + seq.q_offset + h * p.q_head + int64_t{i} * p.q_row;
+        float* qr = qpack + size_t(r) * pk.dp;
+        for (int c = 0; c < p.d; ++c) qr[c] = src[c] * p.scale;
+        std::fill(qr + p.d, qr + pk.dp, 0.0f);
+        float* gr = gpack + size_t(r) * pk.dvp;
+        std::memcpy(gr, g, sizeof(float) * p.dv);
+        std::fill(gr + p.dv, gr + pk.dvp, 0.0f);
       }
+      std::fill(qpack + size_t(rows) * pk.dp, gpack, 0.0f);
+      std::fill(gpack + size_t(rows) * pk.dvp, gpack + size_t{kBq} * pk.dvp, 0.0f);
+      pk.QueryNonFinite(p, b, h, qt) = !AllFinite(qpack, pk.QueryTileFloats());
     }
     // Phase 2: pack K and V; zero the rows of dk, dv beyond each key length.
 #pragma omp for schedule(static)
