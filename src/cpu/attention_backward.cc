@@ -56,11 +56,12 @@ namespace {
 /// Packed operands of a call. Per key tile of each (sequence, kv head): a [d][Bk]
 /// panel of K (for S = Q·Kᵀ), a [dv][Bk] panel of V (for dP = dO·Vᵀ) and [Bk][dp]
 /// rows of K (for dQ = dS·K). Per query tile of each (sequence, query head): scale·Q
-/// as [Bq][dp] rows and dO as [Bq][dvp] rows, zero padded. Every key tile pairs with
-/// each query tile of its band; when each pair gathered and scaled its own query and
-/// dO rows from the strided tensors (rows H·d floats apart), that copy took ~20% of
-/// the f32 backward's time on a Zen 1 core (perf, d = 64). Packed once, they are
-/// read in place.
+/// as [Bq][dp] rows and dO as [Bq][dvp] rows, zero padded, and the tile's dQ sum
+/// [Bq][dp]. Every key tile pairs with each query tile of its band; when each pair
+/// gathered and scaled its own query and dO rows from the strided tensors (rows
+/// H·d floats apart), that copy took ~20% of the f32 backward's time on a Zen 1 core
+/// (perf, d = 64), and adding its dQ into dq's strided rows another ~9%. Packed,
+/// one contiguous block per query tile, they are read and summed in place.
 struct BwdPack {
   int dp = 0, dvp = 0;
   std::vector<size_t> seq_base;
@@ -81,8 +82,9 @@ struct BwdPack {
     return pack + seq_base[b] +
            (static_cast<size_t>(hk) * KeyTiles(p.seqs[b].Lk) + t) * TileFloats(p);
   }
-  size_t QueryTileFloats() const { return size_t{kBq} * (dp + dvp); }
-  /// Query tile qt of (b, h): scale·Q rows (row stride dp), then dO rows (dvp).
+  size_t QueryTileFloats() const { return size_t{kBq} * (2 * dp + dvp); }
+  /// Query tile qt of (b, h): scale·Q rows (row stride dp), dO rows (dvp), then
+  /// the dQ sum's rows (dp).
   float* QueryTile(float* pack, const Problem& p, int b, int h, int qt) const {
     return pack + q_seq_base[b] +
            (static_cast<size_t>(h) * QueryTiles(p.seqs[b].Lq) + qt) * QueryTileFloats();
@@ -211,7 +213,8 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
   const float* vpanel = tile + size_t{kBk} * p.d;
   const float* krows = vpanel + size_t{kBk} * p.dv;
   // The query tile's scale·Q and dO rows, packed in phase 1 (padding rows are zero).
-  const float* q = sh.pack_layout.QueryTile(sh.pack, p, b, h, qt);
+  float* const qtile = sh.pack_layout.QueryTile(sh.pack, p, b, h, qt);
+  const float* q = qtile;
   const float* dout = q + size_t{kBq} * dp;
   const DF df;
 
@@ -358,12 +361,13 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
     }
   }
 
-  // Add this tile's dQ when it is this key tile's turn for (h, qt).
+  // Add this tile's dQ into the query tile's sum when it is this key tile's turn
+  // for (h, qt); phase 4 copies the sums out.
   std::atomic<int>& turn = WaitTurn(sh, b, h, kt, qt);
-  for (int r = 0; r < rows; ++r) {
-    float* dst = bp.dq + seq.dq_offset + h * bp.dq_head + int64_t{i0 + r} * bp.dq_row;
-    const float* src = w.dq + size_t(r) * dp;
-    for (int cc = 0; cc < p.d; ++cc) dst[cc] += p.scale * src[cc];
+  float* dq_sum = qtile + size_t{kBq} * (dp + dvp);
+  const VF scale = hn::Set(df, p.scale);
+  for (size_t x = 0; x < size_t(rows) * dp; x += kLanes) {
+    hn::Store(hn::MulAdd(scale, hn::Load(df, w.dq + x), hn::Load(df, dq_sum + x)), df, dq_sum + x);
   }
   turn.store(kt + 1, std::memory_order_release);
 }
@@ -526,7 +530,7 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     // Phase 1: per query tile, D = rowsum(dO ∘ O) of each row; scale·Q and dO
-    // packed; zero dq (it is accumulated).
+    // packed; the dQ sum zeroed.
 #pragma omp for schedule(static)
     for (int n = 0; n < n_rows; ++n) {
       const auto [b, h, qt] = rows_items[n];
@@ -544,7 +548,6 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
         float acc = 0.0f;
         for (int c = 0; c < p.dv; ++c) acc = std::fma(g[c], o[c], acc);
         dsum[dsum_base[b] + size_t(h) * seq.Lq + i] = acc;
-        std::fill_n(bp.dq + seq.dq_offset + h * bp.dq_head + int64_t{i} * bp.dq_row, p.d, 0.0f);
         const float* src = p.q + seq.q_offset + h * p.q_head + int64_t{i} * p.q_row;
         float* qr = qpack + size_t(r) * pk.dp;
         for (int c = 0; c < p.d; ++c) qr[c] = src[c] * p.scale;
@@ -555,7 +558,9 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
       }
       std::fill(qpack + size_t(rows) * pk.dp, gpack, 0.0f);
       std::fill(gpack + size_t(rows) * pk.dvp, gpack + size_t{kBq} * pk.dvp, 0.0f);
-      pk.QueryNonFinite(p, b, h, qt) = !AllFinite(qpack, pk.QueryTileFloats());
+      pk.QueryNonFinite(p, b, h, qt) = !AllFinite(qpack, size_t{kBq} * (pk.dp + pk.dvp));
+      float* dq_sum = gpack + size_t{kBq} * pk.dvp;
+      std::fill(dq_sum, dq_sum + size_t{kBq} * pk.dp, 0.0f);
     }
     // Phase 2: pack K and V; zero the rows of dk, dv beyond each key length.
 #pragma omp for schedule(static)
@@ -599,6 +604,17 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
           if (it.t >= KeyTiles(p.seqs[b].Lk)) continue;
           for (int hk = 0; hk < p.Hkv; ++hk) BackwardItem(sh, b, hk, it.t);
         }
+      }
+    }
+    // Phase 4: dq, from each query tile's sum (complete once phase 3 is).
+#pragma omp for schedule(static)
+    for (int n = 0; n < n_rows; ++n) {
+      const auto [b, h, qt] = rows_items[n];
+      const Sequence& seq = p.seqs[b];
+      const float* dq_sum = pk.QueryTile(pack, p, b, h, qt) + size_t{kBq} * (pk.dp + pk.dvp);
+      for (int r = 0, i0 = qt * kBq; r < std::min(kBq, seq.Lq - i0); ++r) {
+        std::memcpy(bp.dq + seq.dq_offset + h * bp.dq_head + int64_t{i0 + r} * bp.dq_row, dq_sum + size_t(r) * pk.dp,
+                    sizeof(float) * p.d);
       }
     }
   }
