@@ -223,8 +223,9 @@ size_t attention_workspace_bytes(const TensorView& q, const TensorView& k, const
 /// way). On the AMX and AVX512-BF16 paths: q, k, v and dout packed as bf16 tiles
 /// (for f16 on AMX, twice that: hi + lo pieces), an f32 dQ accumulator the size of q
 /// with d padded to 32, per-row lse and D, and one tile scratch per thread. On the
-/// portable f32 kernel: K (in two layouts) and V packed in f32, per-row statistics
-/// and one tile scratch per thread; bf16/f16 inputs there (and f32 inputs with
+/// portable f32 kernel: K (in two layouts) and V packed in f32; scale·q, dout and a
+/// dQ accumulator packed per query tile (d and dv padded to whole vectors); per-row
+/// statistics and one tile scratch per thread; bf16/f16 inputs there (and f32 inputs with
 /// Precision::bf16, and every call the bf16 kernels leave to it: softcap, a dbias,
 /// f16 without AMX) add f32 copies of q, k, v, out, dout, dq, dk and dv, and a
 /// bf16/f16 mask its f32 copy. The bf16 kernels also hand a call whose q, k, v or dout
