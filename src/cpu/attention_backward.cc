@@ -1,6 +1,7 @@
 // Fused attention backward on the CPU: FlashAttention-2's algorithm, deterministic.
 //
-//   D_i = rowsum(dO ∘ O)                                       (phase 1, per query row)
+//   D_i = rowsum(dO ∘ O); scale·Q, dO packed per query tile    (phase 1)
+//   K, Kᵀ, Vᵀ packed per key tile                               (phase 2)
 //   for each key tile (a work item, owning its dK and dV):      (phase 3)
 //     for each query head of its kv group, each query tile its band reaches:
 //       S  = (scale·Q)·Kᵀ, modified and masked, P = exp(S − lse)  (recomputed, in
@@ -8,7 +9,9 @@
 //       dV += P'ᵀ·dO                     P' = P with dropout applied
 //       dP = dO·Vᵀ (dropout applied), dS = P ∘ (dP − D)   (then softcap', score_mod')
 //       dK += scale·dSᵀ·Q
-//       dQ += scale·dS·K                  added in ascending key-tile order (below)
+//       dQ += scale·dS·K                  added in ascending key-tile order (below),
+//                                          into the query tile's packed dQ sum
+//   dq = each query tile's dQ sum                               (phase 4)
 //
 // Non-finite inputs: products with a zero factor of a key that takes no part
 // (a removed key, score −∞) would turn a NaN or ∞ in q, k, v or dO into NaN
