@@ -362,6 +362,25 @@ TEST(KVCache, DecodingMatchesFloat64OnEveryCacheDtypeAndLayout) {
   }
 }
 
+// f32 caches take score passes of 3 keys (AVX2) with a pass of 2 and single keys at a
+// block's end, over groups of 4 query rows and a remainder of 1–3: every such count,
+// with and without a partial last vector of d, against the float64 reference.
+TEST(KVCache, F32ScorePassesOfEveryKeyAndRowCount) {
+  auto rng = make_rng(1207);
+  for (int group : {4, 5, 7}) {
+    for (int d : {3, 17, 64}) {
+      for (int lq : {1, 2}) {
+        KvConfig c;
+        c.B = 6, c.Hkv = 1, c.Hq = group, c.d = d, c.dv = d;
+        c.Lq = c.Lnew = lq;
+        c.cached = {0, 1, 2, 30, 34, 68};
+        c.cache_dtype = DType::f32;
+        run_and_check(c, rng);
+      }
+    }
+  }
+}
+
 TEST(KVCache, OddShapesOptionsAndQueryDtypes) {
   auto rng = make_rng(1202);
   std::uniform_int_distribution<int> pick(0, 1 << 30);
