@@ -214,6 +214,20 @@ HWY_INLINE void PrefetchRow(const T* p, int n) {
 /// 3 operations per sum where SumOfLanes costs 2·log₂(kLanes) for each.
 /// The rounds are unrolled at compile time (N a template argument): with the trip
 /// counts left to the optimiser GCC kept x, the caller's accumulators, on the stack.
+#if HWY_ARCH_X86
+/// AVX2, 4 vectors x: each 128-bit half of the result holds that half's sums of
+/// x[0] … x[3], in two rounds that stay within the halves (unpack, add): 10 operations.
+HWY_INLINE VF HalfSums4(DF df, const VF* x) {
+  const hn::Repartition<double, DF> dd;
+  VF t[2];  // t[i], each half: [a0+a2, b0+b2, a1+a3, b1+b3] of a = x[2i], b = x[2i+1]
+  for (int i = 0; i < 2; ++i) {
+    t[i] = hn::Add(hn::InterleaveLower(df, x[2 * i], x[2 * i + 1]), hn::InterleaveUpper(df, x[2 * i], x[2 * i + 1]));
+  }
+  const auto lo = hn::BitCast(dd, t[0]), hi = hn::BitCast(dd, t[1]);
+  return hn::Add(hn::BitCast(df, hn::InterleaveLower(dd, lo, hi)), hn::BitCast(df, hn::InterleaveUpper(dd, lo, hi)));
+}
+#endif
+
 template <int N = kLanes>
 HWY_INLINE VF TransposedSums(DF df, VF* x) {
 #if HWY_ARCH_X86
@@ -221,17 +235,8 @@ HWY_INLINE VF TransposedSums(DF df, VF* x) {
     // AVX2: ConcatEven/ConcatOdd cross the 128-bit halves (a vpermq each, 3 µops on
     // Zen 1): 35 operations for 8 sums. Here two rounds stay within each half, and
     // one exchange of halves ends it: 21 operations.
-    const hn::Repartition<double, DF> dd;
-    VF t[4];  // t[i], each half: [a0+a2, b0+b2, a1+a3, b1+b3] of a = x[2i], b = x[2i+1]
-    for (int i = 0; i < 4; ++i) {
-      t[i] = hn::Add(hn::InterleaveLower(df, x[2 * i], x[2 * i + 1]), hn::InterleaveUpper(df, x[2 * i], x[2 * i + 1]));
-    }
-    VF u[2];  // u[i], each half: that half's sums of x[4i] … x[4i+3]
-    for (int i = 0; i < 2; ++i) {
-      const auto lo = hn::BitCast(dd, t[2 * i]), hi = hn::BitCast(dd, t[2 * i + 1]);
-      u[i] = hn::Add(hn::BitCast(df, hn::InterleaveLower(dd, lo, hi)), hn::BitCast(df, hn::InterleaveUpper(dd, lo, hi)));
-    }
-    return hn::Add(hn::ConcatLowerLower(df, u[1], u[0]), hn::ConcatUpperUpper(df, u[1], u[0]));
+    const VF u0 = HalfSums4(df, x), u1 = HalfSums4(df, x + 4);
+    return hn::Add(hn::ConcatLowerLower(df, u1, u0), hn::ConcatUpperUpper(df, u1, u0));
   }
 #endif
   if constexpr (N == 1) {
@@ -246,15 +251,9 @@ HWY_INLINE VF TransposedSums(DF df, VF* x) {
 
 #if HWY_ARCH_X86
 /// AVX2: lane i of the 4-lane result is the sum of the lanes of x[i], for 4 vectors
-/// x — TransposedSums's first two rounds, then the two halves added: 11 operations.
+/// x: HalfSums4, then the two halves added (11 operations).
 HWY_INLINE hn::Vec<hn::Half<DF>> TransposedSums4(DF df, const VF* x) {
-  const hn::Repartition<double, DF> dd;
-  VF t[2];
-  for (int i = 0; i < 2; ++i) {
-    t[i] = hn::Add(hn::InterleaveLower(df, x[2 * i], x[2 * i + 1]), hn::InterleaveUpper(df, x[2 * i], x[2 * i + 1]));
-  }
-  const auto lo = hn::BitCast(dd, t[0]), hi = hn::BitCast(dd, t[1]);
-  const VF u = hn::Add(hn::BitCast(df, hn::InterleaveLower(dd, lo, hi)), hn::BitCast(df, hn::InterleaveUpper(dd, lo, hi)));
+  const VF u = HalfSums4(df, x);
   const hn::Half<DF> dh;
   return hn::Add(hn::LowerHalf(dh, u), hn::UpperHalf(dh, u));
 }
