@@ -208,12 +208,6 @@ HWY_INLINE void PrefetchRow(const T* p, int n) {
 }
 
 #if HWY_TARGET != HWY_SCALAR
-/// Lane i of the result is the sum of the lanes of x[i], for kLanes vectors x:
-/// log₂(kLanes) rounds of pairwise sums, each halving the vector count while the
-/// partial sums of x[i] stay in lanes [i·w, (i+1)·w) of w = kLanes/count. About
-/// 3 operations per sum where SumOfLanes costs 2·log₂(kLanes) for each.
-/// The rounds are unrolled at compile time (N a template argument): with the trip
-/// counts left to the optimiser GCC kept x, the caller's accumulators, on the stack.
 #if HWY_ARCH_X86
 /// AVX2, 4 vectors x: each 128-bit half of the result holds that half's sums of
 /// x[0] … x[3], in two rounds that stay within the halves (unpack, add): 10 operations.
@@ -228,6 +222,12 @@ HWY_INLINE VF HalfSums4(DF df, const VF* x) {
 }
 #endif
 
+/// Lane i of the result is the sum of the lanes of x[i], for kLanes vectors x:
+/// log₂(kLanes) rounds of pairwise sums, each halving the vector count while the
+/// partial sums of x[i] stay in lanes [i·w, (i+1)·w) of w = kLanes/count. About
+/// 3 operations per sum where SumOfLanes costs 2·log₂(kLanes) for each.
+/// The rounds are unrolled at compile time (N a template argument): with the trip
+/// counts left to the optimiser GCC kept x, the caller's accumulators, on the stack.
 template <int N = kLanes>
 HWY_INLINE VF TransposedSums(DF df, VF* x) {
 #if HWY_ARCH_X86
@@ -693,7 +693,8 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       }
 #endif
     } else {
-      // 4 keys per pass where a vector has 16 lanes (4 rows × 4 keys: one TransposedSums), else 2; then the rest.
+      // 4 keys per pass where a vector has 16 lanes (4 rows × 4 keys: one TransposedSums), else 2
+      // (or 3, below); then the rest.
       // f32 keys on AVX2: 4 rows × 3 keys, the 12 accumulators, 3 keys and a query
       // vector in the 16 registers (Zen 1, L1-resident: 96% of the FMA peak against
       // 77% for 4 × 2; bench/avx2_decode_loops). Widened keys need registers of
