@@ -870,6 +870,11 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       // 16 token rows at once, head by head, read slower than 8: f32 multi-head
       // decoding from DRAM took 1.04–1.22x the time on Zen 1.
       const int pv_keys = rows >= 4 ? kPvKeysMax : kPvKeysMax / 2;
+      // f32 values where the pass asks for its own lines ahead (kPvAheadBytes; 3 or
+      // more rows): the head-by-head requests only competed with those (Zen 1, B = 1,
+      // 8k and 32k tokens: 0.91–0.93x the time without them), so they stay off. bf16
+      // values keep them (1.01–1.04x without).
+      const bool request_values = !(kPvAheadBytes > 0 && std::is_same_v<T, float> && rows >= 3);
       const T* vv[kPvKeysMax];
       for (int c = 0; c < cols; c += pv_keys) {
         const int nk = std::min(pv_keys, cols - c);
@@ -877,7 +882,7 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
           using U = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
           const U* const* vu = reinterpret_cast<const U* const*>(vv);
           for (int hh = 0; hh < it.heads; ++hh) {
-            prefetch_head(p.v, vals0, v_scale_at, hh, p.dv, c, std::min(nk, 8));
+            if (request_values) prefetch_head(p.v, vals0, v_scale_at, hh, p.dv, c, std::min(nk, 8));
             if (active[hh]) {
               for (int k = 0; k < nk; ++k) vv[k] = vals0[c + k] + hh * p.v.head_stride;
               const float* s = &w.s[static_cast<size_t>(hh) * rows_pad * kBk] + c;
@@ -893,7 +898,7 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
                 PvKeysSkippingZeros(s, kBk, rows, vu, nk, p.dv, o, dvp);
               }
             }
-            if (nk > 8) prefetch_head(p.v, vals0, v_scale_at, hh, p.dv, c + 8, nk - 8);
+            if (request_values && nk > 8) prefetch_head(p.v, vals0, v_scale_at, hh, p.dv, c + 8, nk - 8);
           }
         });
       }
