@@ -104,10 +104,10 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(ForwardParams p
   // the next during the softmax and P·V (cp.async where the rows allow 16-byte copies).
   const bool k_vec = rows_vectorizable<T>(k, p.k_row), v_vec = rows_vectorizable<T>(v, p.v_row);
   int64_t j0 = live_tile(key_lo <= key_hi ? (key_lo / Bc) * Bc : key_hi + 1);
-  if (j0 >= 0) start_rows<T, In, D, LD, kThreads>(k_s, k, p.k_row, static_cast<int>(j0), Bc, s.Lk, k_vec);
+  if (j0 >= 0) start_rows<T, In, D, LD, kThreads, Bc>(k_s, k, p.k_row, static_cast<int>(j0), s.Lk, k_vec);
   cp_async_commit();
   while (j0 >= 0) {
-    start_rows<T, In, D, LD, kThreads>(v_s, v, p.v_row, static_cast<int>(j0), Bc, s.Lk, v_vec);
+    start_rows<T, In, D, LD, kThreads, Bc>(v_s, v, p.v_row, static_cast<int>(j0), s.Lk, v_vec);
     cp_async_commit();
     cp_async_wait<1>();  // K of this tile
     __syncthreads();
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(ForwardParams p
     }
     __syncthreads();  // every warp has read K: the next tile's K may come
     const int64_t next = live_tile(j0 + Bc);
-    if (next >= 0) start_rows<T, In, D, LD, kThreads>(k_s, k, p.k_row, static_cast<int>(next), Bc, s.Lk, k_vec);
+    if (next >= 0) start_rows<T, In, D, LD, kThreads, Bc>(k_s, k, p.k_row, static_cast<int>(next), s.Lk, k_vec);
     cp_async_commit();
 
     // Modifiers and masks, attention()'s order: scale, softcap, ALiBi, masks, band; a
@@ -188,10 +188,14 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(ForwardParams p
     }
     l_a = l_a * alpha_a + sum_a;
     l_b = l_b * alpha_b + sum_b;
+    // Rescale O only when a row's max moved (alpha ≠ 1; x·1 = x for every x, so skipping
+    // changes no bit): after the first tiles it rarely does on real data.
+    if (alpha_a != 1.0f || alpha_b != 1.0f) {
 #pragma unroll
-    for (int n = 0; n < kDt; ++n) {
-      o[n][0] *= alpha_a, o[n][1] *= alpha_a;
-      o[n][2] *= alpha_b, o[n][3] *= alpha_b;
+      for (int n = 0; n < kDt; ++n) {
+        o[n][0] *= alpha_a, o[n][1] *= alpha_a;
+        o[n][2] *= alpha_b, o[n][3] *= alpha_b;
+      }
     }
     // Dropout after the sums (lse is that of the scores before dropout).
     if (dropout) {
@@ -215,7 +219,7 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(ForwardParams p
     // NaN or ±∞ takes the element-by-element path, skipping the keys whose probability
     // is 0 (removed or dropped), with P rounded as on the tensor cores.
     cp_async_wait<1>();  // V of this tile
-    const bool slow = __syncthreads_or(chunks_not_finite<T, D, LD, kThreads>(v_s, Bc));
+    const bool slow = __syncthreads_or(chunks_not_finite<T, D, LD, kThreads, Bc>(v_s));
     accumulate_product<T, LD, kDt, Bc>(o, sc, v_s, slow, p_s + warp * 16 * Bc);
     __syncthreads();  // before the next tile overwrites V
     j0 = next;

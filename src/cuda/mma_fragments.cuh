@@ -286,24 +286,31 @@ __device__ __forceinline__ bool load_rows(T* dst, const In* src, int64_t row, in
   return bad;
 }
 
-/// load_rows without waiting: where the rows are vectorizable (`vec`, block-uniform) each
-/// chunk is a cp.async (16 bytes, L2 only) that a later cp_async_wait completes; other
-/// rows are loaded and stored at once. Rows ≥ valid are zeroed by plain stores. The same
-/// chunks per thread as load_rows, so chunks_finite can check them without a barrier.
-template <class T, class In, int D, int LD, int kBlockThreads>
-__device__ __forceinline__ void start_rows(T* dst, const In* src, int64_t row, int r0, int rows, int valid,
-                                           bool vec) {
+/// load_rows without waiting, for a tile of kRows rows (a compile-time count, so each
+/// thread's kRows·D/8/threads chunks unroll with their addresses one stride apart): where
+/// the rows are vectorizable (`vec`, block-uniform) each chunk is a cp.async (16 bytes, L2
+/// only) that a later cp_async_wait completes; other rows are loaded and stored at once.
+/// Rows ≥ valid are zeroed by plain stores. The same chunks per thread as load_rows, so
+/// chunks_not_finite can check them without a barrier.
+template <class T, class In, int D, int LD, int kBlockThreads, int kRows>
+__device__ __forceinline__ void start_rows(T* dst, const In* src, int64_t row, int r0, int valid, bool vec) {
   constexpr int kChunks = D / 8;
-  for (int c = threadIdx.x; c < rows * kChunks; c += kBlockThreads) {
+  static_assert(kRows * kChunks % kBlockThreads == 0, "every thread copies the same number of chunks");
+  const bool whole = r0 + kRows <= valid;  // block-uniform: no row past the end
+#pragma unroll
+  for (int u = 0; u < kRows * kChunks / kBlockThreads; ++u) {
+    const int c = threadIdx.x + u * kBlockThreads;
     const int r = c / kChunks, col = (c - r * kChunks) * 8;
     T* to = dst + r * LD + col;
-    if (r0 + r >= valid) {
+    const In* from = src + (r0 + r) * row + col;
+    if (whole && vec) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(to)), "l"(from));
+    } else if (r0 + r >= valid) {
       *reinterpret_cast<uint4*>(to) = make_uint4(0, 0, 0, 0);
     } else if (vec) {
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(to)),
-                   "l"(src + (r0 + r) * row + col));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(to)), "l"(from));
     } else {
-      *reinterpret_cast<uint4*>(to) = load_chunk<T>(src + (r0 + r) * row + col, false);
+      *reinterpret_cast<uint4*>(to) = load_chunk<T>(from, false);
     }
   }
 }
@@ -315,17 +322,19 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-/// Whether the chunks this thread copied with start_rows (rows × D, complete: after its
+/// Whether the chunks this thread copied with start_rows (kRows × D, complete: after its
 /// cp_async_wait) hold a NaN or ±∞.
-template <class T, int D, int LD, int kBlockThreads>
-__device__ __forceinline__ bool chunks_not_finite(const T* dst, int rows) {
+template <class T, int D, int LD, int kBlockThreads, int kRows>
+__device__ __forceinline__ bool chunks_not_finite(const T* dst) {
   constexpr int kChunks = D / 8;
-  bool bad = false;
-  for (int c = threadIdx.x; c < rows * kChunks; c += kBlockThreads) {
+  uint32_t bits = 0;  // OR of every word's test: one branch for the whole tile
+#pragma unroll
+  for (int u = 0; u < kRows * kChunks / kBlockThreads; ++u) {
+    const int c = threadIdx.x + u * kBlockThreads;
     const int r = c / kChunks, col = (c - r * kChunks) * 8;
-    bad = bad || !chunk_finite<T>(*reinterpret_cast<const uint4*>(dst + r * LD + col));
+    bits |= chunk_finite<T>(*reinterpret_cast<const uint4*>(dst + r * LD + col)) ? 0u : 1u;
   }
-  return bad;
+  return bits != 0;
 }
 
 }  // namespace attn::cuda
