@@ -33,6 +33,7 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRowsPerBlock = kWarps * 16;  // Br
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 
 template <class T, class In, int D, int Bc>
 __global__ void __launch_bounds__(kThreads) flash_forward_kernel(ForwardParams p, const SeqDesc* seqs) {
@@ -84,7 +85,10 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(ForwardParams p
   float o[kDt][4];
 #pragma unroll
   for (int n = 0; n < kDt; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  // The running maxima m are in log2 units (scores · log2 e), so that each probability is
+  // one exp2 of a difference: p = 2^(x − m).
   float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;
+  const float scale_log2 = p.scale * kLog2e;
 
   const float slope = alibi_slope(p, b, h);
   const bool dropout = p.dropout_p > 0.0f;
@@ -146,7 +150,7 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(ForwardParams p
       for (int nt = 0; nt < kNt; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float x = sc[nt][e] * p.scale;
+          const float x = sc[nt][e] * scale_log2;
           sc[nt][e] = x;
           if (e < 2) mx_a = fmaxf(mx_a, x); else mx_b = fmaxf(mx_b, x);
         }
@@ -158,7 +162,7 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(ForwardParams p
         for (int e = 0; e < 4; ++e) {
           const int i = e < 2 ? row_a : row_b;
           const int64_t j = j0 + nt * 8 + 2 * t + (e & 1);
-          const float x = modified_score(p, s, b, h, slope, i, j, e < 2 ? band_a : band_b, sc[nt][e]);
+          const float x = modified_score(p, s, b, h, slope, i, j, e < 2 ? band_a : band_b, sc[nt][e]) * kLog2e;
           sc[nt][e] = x;
           if (e < 2) mx_a = fmaxf(mx_a, x); else mx_b = fmaxf(mx_b, x);
         }
@@ -174,14 +178,14 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(ForwardParams p
     const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
     // A row that has seen only −∞ so far subtracts 0 (e^(−∞ − 0) = 0, not NaN).
     const float ref_a = mn_a == -INFINITY ? 0.0f : mn_a, ref_b = mn_b == -INFINITY ? 0.0f : mn_b;
-    const float alpha_a = exp2f((m_a - ref_a) * kLog2e), alpha_b = exp2f((m_b - ref_b) * kLog2e);
+    const float alpha_a = exp2f(m_a - ref_a), alpha_b = exp2f(m_b - ref_b);
     m_a = mn_a, m_b = mn_b;
     float sum_a = 0.0f, sum_b = 0.0f;
 #pragma unroll
     for (int nt = 0; nt < kNt; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float pr = exp2f((sc[nt][e] - (e < 2 ? ref_a : ref_b)) * kLog2e);
+        const float pr = exp2f(sc[nt][e] - (e < 2 ? ref_a : ref_b));
         if (e < 2) sum_a += pr; else sum_b += pr;
         sc[nt][e] = pr;
       }
@@ -248,7 +252,7 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(ForwardParams p
       orow[col + 1] = from_float<In>(empty ? 0.0f : o[n][2 * rr + 1] * inv);
     }
     if (p.lse != nullptr && t == 0) {
-      p.lse[s.lse_offset + int64_t{h} * p.lse_h + int64_t{i} * p.lse_i] = empty ? -INFINITY : m + logf(l);
+      p.lse[s.lse_offset + int64_t{h} * p.lse_h + int64_t{i} * p.lse_i] = empty ? -INFINITY : m * kLn2 + logf(l);
     }
   }
 }
