@@ -186,15 +186,35 @@ __global__ void __launch_bounds__(kThreads)
   const T* q_w = q_s + warp * 16 * LD;
   const T* do_w = do_s + warp * 16 * LD;
 
-  for (int64_t j0 = key_lo <= key_hi ? (key_lo / Bc) * Bc : key_hi + 1; j0 <= key_hi; j0 += Bc) {
-    if (tile_blocked<kThreads>(p, b, h, q0, last_row, j0, min(j0 + Bc, int64_t{s.Lk}) - 1)) continue;
-    const bool k_bad = load_rows<T, In, D, LD, kThreads>(k_s, k, p.k_row, static_cast<int>(j0), Bc, s.Lk, true);
-    load_rows<T, In, D, LD, kThreads>(v_s, v, p.v_row, static_cast<int>(j0), Bc, s.Lk, false);
-    const bool gated = __syncthreads_or(k_bad);
+  // The next key tile from j on that the block mask leaves some key of (−1: none).
+  auto live_tile = [&](int64_t j) -> int64_t {
+    for (; j <= key_hi; j += Bc) {
+      if (!tile_blocked<kThreads>(p, b, h, q0, last_row, j, min(j + Bc, int64_t{s.Lk}) - 1)) return j;
+    }
+    return -1;
+  };
+  // A pipeline as the forward's: V of a tile is needed first (dP = dO·Vᵀ), K after it
+  // (S, dQ += dS·K). So the next V comes while S, dS and dQ are computed, and the next K
+  // while the next dP is (cp.async where the rows allow 16-byte copies).
+  const bool k_vec = rows_vectorizable<T>(k, p.k_row), v_vec = rows_vectorizable<T>(v, p.v_row);
+  int64_t j0 = live_tile(key_lo <= key_hi ? (key_lo / Bc) * Bc : key_hi + 1);
+  if (j0 >= 0) start_rows<T, In, D, LD, kThreads, Bc>(v_s, v, p.v_row, static_cast<int>(j0), s.Lk, v_vec);
+  cp_async_commit();
+  if (j0 >= 0) start_rows<T, In, D, LD, kThreads, Bc>(k_s, k, p.k_row, static_cast<int>(j0), s.Lk, k_vec);
+  cp_async_commit();
+  while (j0 >= 0) {
+    cp_async_wait<1>();  // V of this tile (and Q, dO before the first)
+    __syncthreads();
 
     // dP = dO·Vᵀ and S = Q·Kᵀ, 16 rows × Bc keys each.
     float dp[kNt][4], sc[kNt][4];
     product_rows<T, LD, kNt, kKt>(dp, do_w, v_s);
+    __syncthreads();  // every warp has read V: the next tile's V may come
+    const int64_t next = live_tile(j0 + Bc);
+    if (next >= 0) start_rows<T, In, D, LD, kThreads, Bc>(v_s, v, p.v_row, static_cast<int>(next), s.Lk, v_vec);
+    cp_async_commit();
+    cp_async_wait<1>();  // K of this tile
+    const bool gated = __syncthreads_or(chunks_not_finite<T, D, LD, kThreads, Bc>(k_s));
     product_rows<T, LD, kNt, kKt>(sc, q_w, k_s);
 
     // dS, in place of S: only scaled scores where the tile lies inside every row's band
@@ -237,8 +257,12 @@ __global__ void __launch_bounds__(kThreads)
 
     // dQ += dS·K (scaled once at the end).
     accumulate_product<T, LD, kDt, Bc>(dq, sc, k_s, gated, pw_s + warp * 16 * Bc);
-    __syncthreads();  // before the next tile overwrites K and V
+    __syncthreads();  // every warp has read K: the next tile's K may come
+    if (next >= 0) start_rows<T, In, D, LD, kThreads, Bc>(k_s, k, p.k_row, static_cast<int>(next), s.Lk, k_vec);
+    cp_async_commit();
+    j0 = next;
   }
+  cp_async_wait<0>();
 
   In* dq_out = static_cast<In*>(bp.dq) + bseqs[b].dq_offset + int64_t{h} * bp.dq_head;
 #pragma unroll
