@@ -16,7 +16,7 @@
 #
 # Environment: ATTN_GPU_PYTHON_ONLY=1 runs the Python GPU tests alone; ATTN_GPU_SKIP_PYTHON=1
 # skips them (an A/B call that carries two bundles and no .gpu-deps); ATTN_GPU_NCU=0 skips
-# the profile. Without bundles, the binaries are built here. Libraries the machine lacks for
+# the profile, ATTN_GPU_NCU_BUNDLE=NAME profiles that bundle instead of `main`. Without bundles, the binaries are built here. Libraries the machine lacks for
 # a build (Highway, OpenBLAS, GoogleTest, ...) come from .gpu-deps/ (scripts/gpu-deps.sh,
 # where Debian's mirrors are reachable): each package is unpacked and its files added
 # without overwriting any file the machine already has. The Python extension is always
@@ -123,13 +123,14 @@ if [ "${ATTN_GPU_PYTHON_ONLY:-0}" != 1 ]; then
   { echo "PyTorch SDPA (bench/peers/cuda_sdpa.py $repeats):"; cat "$logs/torch_sdpa.txt"; } >> "$out/summary.txt"
   # One forward and one dQ launch (d = 128, N = 4096, not causal: the 19th shape) through
   # Nsight Compute, where it reads the counters: where the kernels' time goes.
-  profiled=main
-  [ -d build/gpu/main ] || profiled=${bundles[0]}
+  profiled=${ATTN_GPU_NCU_BUNDLE:-main}
+  [ -d "build/gpu/$profiled" ] || profiled=${bundles[0]}
   if [ "${ATTN_GPU_NCU:-1}" = 1 ] && command -v ncu > /dev/null; then
     LD_LIBRARY_PATH="$PWD/build/gpu/$profiled/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" timeout 150 \
       ncu --clock-control none -k regex:"flash_forward_kernel|backward_dq_kernel" --launch-skip 147 --launch-count 2 \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
-      --section ComputeWorkloadAnalysis "build/gpu/$profiled/bin/cuda_attention_bench" 1 > "$out/ncu.txt" 2>&1 || true
+      --section ComputeWorkloadAnalysis --section InstructionStats --section SchedulerStats --section SourceCounters \
+      "build/gpu/$profiled/bin/cuda_attention_bench" 1 > "$out/ncu.txt" 2>&1 || true
   fi
 fi
 

@@ -40,6 +40,7 @@
 #include "cuda/cuda_backend.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/mma_fragments.cuh"
+#include "cuda/nonfinite_tiles.cuh"
 #include "cuda/score_mods.cuh"
 
 namespace attn::cuda {
@@ -75,7 +76,7 @@ struct RowStats {
 /// a row with no visible key.
 __device__ __forceinline__ float probability(float x, float m, float inv_l) {
   if (x == -INFINITY || m == -INFINITY) return 0.0f;
-  return exp2f((x - m) * kLog2e) * inv_l;
+  return fast_exp2((x - m) * kLog2e) * inv_l;
 }
 
 /// dS of one score: P ∘ (dP' − D) ∘ softcap'; exactly 0 where P is (a removed key
@@ -129,10 +130,12 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// dQ of 64 query rows (4 warps × 16) of one (sequence, head), over Bc-key tiles.
+// dQ of 64 query rows (4 warps × 16) of one (sequence, head), over Bc-key tiles. k_bad:
+// the pre-pass's flag per Bc-key tile of K (nonfinite_tiles.cuh), k_tiles per head.
 template <class T, class In, int D, int Bc>
 __global__ void __launch_bounds__(kThreads)
-    backward_dq_kernel(BackwardParams bp, const SeqDesc* seqs, const BackwardSeq* bseqs, RowStats st) {
+    backward_dq_kernel(BackwardParams bp, const SeqDesc* seqs, const BackwardSeq* bseqs, RowStats st,
+                       const uint8_t* k_bad, int k_tiles) {
   constexpr int LD = D + 8;
   constexpr int kNt = Bc / 8, kKt = D / 16, kDt = D / 8;
   const ForwardParams& p = bp.fwd;
@@ -154,6 +157,7 @@ __global__ void __launch_bounds__(kThreads)
   const In* k = static_cast<const In*>(p.k) + s.k_offset + int64_t{hk} * p.k_head;
   const In* v = static_cast<const In*>(p.v) + s.v_offset + int64_t{hk} * p.v_head;
   const In* dout = static_cast<const In*>(bp.dout) + bseqs[b].dout_offset + int64_t{h} * bp.dout_head;
+  const uint8_t* k_bad_head = k_bad + (int64_t{b} * p.Hkv + hk) * k_tiles;
   load_rows<T, In, D, LD, kThreads>(q_s, q, p.q_row, q0, kBlockRows, s.Lq, false);
   load_rows<T, In, D, LD, kThreads>(do_s, dout, bp.dout_row, q0, kBlockRows, s.Lq, false);
 
@@ -214,7 +218,8 @@ __global__ void __launch_bounds__(kThreads)
     if (next >= 0) start_rows<T, In, D, LD, kThreads, Bc>(v_s, v, p.v_row, static_cast<int>(next), s.Lk, v_vec);
     cp_async_commit();
     cp_async_wait<1>();  // K of this tile
-    const bool gated = __syncthreads_or(chunks_not_finite<T, D, LD, kThreads, Bc>(k_s));
+    __syncthreads();
+    const bool gated = k_bad_head[j0 / Bc] != 0;
     product_rows<T, LD, kNt, kKt>(sc, q_w, k_s);
 
     // dS, in place of S: only scaled scores where the tile lies inside every row's band
@@ -494,9 +499,19 @@ cudaError_t launch(const BackwardParams& bp, const SeqDesc* seqs, const Backward
   auto* dq_kernel = &backward_dq_kernel<T, In, D, Bc>;
   const size_t dq_smem = (2 * kBlockRows + 2 * Bc) * size_t{D + 8} * sizeof(T) + size_t{kWarps} * 16 * Bc * sizeof(float);
   if ((e = allow_shared_memory(dq_kernel, dq_smem)) != cudaSuccess) return e;
-  const dim3 dq_grid((p.max_lq + kBlockRows - 1) / kBlockRows, p.Hq, p.B);
-  dq_kernel<<<dq_grid, kThreads, dq_smem, stream>>>(bp, seqs, bseqs, st);
-  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  // The K tiles holding a NaN or ±∞, one flag each (stream-ordered scratch).
+  const int k_tiles = key_tiles(p, Bc);
+  uint8_t* k_bad = nullptr;
+  const size_t flag_bytes = size_t(p.B) * p.Hkv * size_t(k_tiles > 0 ? k_tiles : 1);
+  if ((e = cudaMallocAsync(reinterpret_cast<void**>(&k_bad), flag_bytes, stream)) != cudaSuccess) return e;
+  e = find_nonfinite_tiles<T, In, D, Bc>(p, seqs, KeySide::keys, k_tiles, k_bad, stream);
+  if (e == cudaSuccess) {
+    const dim3 dq_grid((p.max_lq + kBlockRows - 1) / kBlockRows, p.Hq, p.B);
+    dq_kernel<<<dq_grid, kThreads, dq_smem, stream>>>(bp, seqs, bseqs, st, k_bad, k_tiles);
+    e = cudaGetLastError();
+  }
+  const cudaError_t f = cudaFreeAsync(k_bad, stream);
+  if (e != cudaSuccess || (e = f) != cudaSuccess) return e;
 
   constexpr int Br = kDkdvRowTile<D>;
   auto* dkdv_kernel = &backward_dkdv_kernel<T, In, D, Br>;

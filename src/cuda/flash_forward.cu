@@ -10,9 +10,10 @@
 //
 // Semantics that cost a branch here and nothing on well-formed inputs:
 //   - a key removed for a row (band, mask, key length) scores −∞ and gets p = 0;
-//   - a value tile holding a NaN or ±∞ is multiplied element by element, skipping
-//     p = 0, so that the value of a removed key never reaches an output (the tensor
-//     cores would give 0·∞ = NaN);
+//   - a value tile holding a NaN or ±∞ (found once per call by a pre-pass,
+//     nonfinite_tiles.cuh) is multiplied element by element, skipping p = 0, so that
+//     the value of a removed key never reaches an output (the tensor cores would give
+//     0·∞ = NaN);
 //   - a row with no visible key gives out = 0 and lse = −∞.
 // `probs`, when wanted, comes from a second, row-wise kernel (probs_kernel).
 #include <cuda_runtime.h>
@@ -24,6 +25,7 @@
 #include "cuda/cuda_backend.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/mma_fragments.cuh"
+#include "cuda/nonfinite_tiles.cuh"
 #include "cuda/score_mods.cuh"
 
 namespace attn::cuda {
@@ -35,8 +37,10 @@ constexpr int kRowsPerBlock = kWarps * 16;  // Br
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+// v_bad: the pre-pass's flag per Bc-key tile of V (nonfinite_tiles.cuh), v_tiles per head.
 template <class T, class In, int D, int Bc>
-__global__ void __launch_bounds__(kThreads) flash_forward_kernel(ForwardParams p, const SeqDesc* seqs) {
+__global__ void __launch_bounds__(kThreads)
+    flash_forward_kernel(ForwardParams p, const SeqDesc* seqs, const uint8_t* v_bad, int v_tiles) {
   constexpr int LD = D + 8;  // padded rows: the fragment loads hit 32 different banks
   constexpr int kNt = Bc / 8;   // n-tiles of a score row
   constexpr int kKt = D / 16;   // k-steps of Q·Kᵀ
@@ -57,6 +61,7 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(ForwardParams p
   const In* q = static_cast<const In*>(p.q) + s.q_offset + int64_t{h} * p.q_head;
   const In* k = static_cast<const In*>(p.k) + s.k_offset + int64_t{hk} * p.k_head;
   const In* v = static_cast<const In*>(p.v) + s.v_offset + int64_t{hk} * p.v_head;
+  const uint8_t* v_bad_head = v_bad + (int64_t{b} * p.Hkv + hk) * v_tiles;
 
   // Q: held as A fragments in registers, or (d = 256, where registers run out) kept
   // in shared memory and read per tile. Staged through the K/V buffer (2·Bc ≥ 64 rows)
@@ -142,19 +147,18 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(ForwardParams p
     if (next >= 0) start_rows<T, In, D, LD, kThreads, Bc>(k_s, k, p.k_row, static_cast<int>(next), s.Lk, k_vec);
     cp_async_commit();
 
-    // Modifiers and masks, attention()'s order: scale, softcap, ALiBi, masks, band; a
-    // tile inside every row's band without element-wise modifiers is only scaled.
-    float mx_a = -INFINITY, mx_b = -INFINITY;
+    // Modifiers and masks, attention()'s order: scale, softcap, ALiBi, masks, band. A
+    // tile inside every row's band without element-wise modifiers keeps its raw products:
+    // scale > 0 keeps their order, so the row max is taken raw and scaled once, and each
+    // score's scaling joins its exponent's subtraction in one FFMA below (`mul`).
+    float mx_a = -INFINITY, mx_b = -INFINITY, mul = 1.0f;
     if (plain && tile_inside_bands(band_first, band_last, j0, j0 + Bc - 1)) {
 #pragma unroll
       for (int nt = 0; nt < kNt; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float x = sc[nt][e] * scale_log2;
-          sc[nt][e] = x;
-          if (e < 2) mx_a = fmaxf(mx_a, x); else mx_b = fmaxf(mx_b, x);
-        }
+        mx_a = fmaxf(mx_a, fmaxf(sc[nt][0], sc[nt][1]));
+        mx_b = fmaxf(mx_b, fmaxf(sc[nt][2], sc[nt][3]));
       }
+      mul = scale_log2;
     } else {
 #pragma unroll
       for (int nt = 0; nt < kNt; ++nt) {
@@ -175,17 +179,17 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(ForwardParams p
       mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
       mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
     }
-    const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
+    const float mn_a = fmaxf(m_a, mx_a * mul), mn_b = fmaxf(m_b, mx_b * mul);
     // A row that has seen only −∞ so far subtracts 0 (e^(−∞ − 0) = 0, not NaN).
     const float ref_a = mn_a == -INFINITY ? 0.0f : mn_a, ref_b = mn_b == -INFINITY ? 0.0f : mn_b;
-    const float alpha_a = exp2f(m_a - ref_a), alpha_b = exp2f(m_b - ref_b);
+    const float alpha_a = fast_exp2(m_a - ref_a), alpha_b = fast_exp2(m_b - ref_b);
     m_a = mn_a, m_b = mn_b;
     float sum_a = 0.0f, sum_b = 0.0f;
 #pragma unroll
     for (int nt = 0; nt < kNt; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float pr = exp2f(sc[nt][e] - (e < 2 ? ref_a : ref_b));
+        const float pr = fast_exp2(fmaf(sc[nt][e], mul, -(e < 2 ? ref_a : ref_b)));
         if (e < 2) sum_a += pr; else sum_b += pr;
         sc[nt][e] = pr;
       }
@@ -223,7 +227,8 @@ __global__ void __launch_bounds__(kThreads) flash_forward_kernel(ForwardParams p
     // NaN or ±∞ takes the element-by-element path, skipping the keys whose probability
     // is 0 (removed or dropped), with P rounded as on the tensor cores.
     cp_async_wait<1>();  // V of this tile
-    const bool slow = __syncthreads_or(chunks_not_finite<T, D, LD, kThreads, Bc>(v_s));
+    __syncthreads();
+    const bool slow = v_bad_head[j0 / Bc] != 0;
     accumulate_product<T, LD, kDt, Bc>(o, sc, v_s, slow, p_s + warp * 16 * Bc);
     __syncthreads();  // before the next tile overwrites V
     j0 = next;
@@ -317,9 +322,20 @@ cudaError_t launch(const ForwardParams& p, const SeqDesc* seqs, cudaStream_t str
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (e != cudaSuccess) return e;
   }
-  const dim3 grid((p.max_lq + kRowsPerBlock - 1) / kRowsPerBlock, p.Hq, p.B);
-  kernel<<<grid, kThreads, smem, stream>>>(p, seqs);
-  return cudaGetLastError();
+  // The V tiles holding a NaN or ±∞, one flag each (stream-ordered scratch).
+  const int v_tiles = key_tiles(p, Bc);
+  uint8_t* v_bad = nullptr;
+  const size_t flag_bytes = size_t(p.B) * p.Hkv * size_t(v_tiles > 0 ? v_tiles : 1);
+  cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&v_bad), flag_bytes, stream);
+  if (e != cudaSuccess) return e;
+  e = find_nonfinite_tiles<T, In, D, Bc>(p, seqs, KeySide::values, v_tiles, v_bad, stream);
+  if (e == cudaSuccess) {
+    const dim3 grid((p.max_lq + kRowsPerBlock - 1) / kRowsPerBlock, p.Hq, p.B);
+    kernel<<<grid, kThreads, smem, stream>>>(p, seqs, v_bad, v_tiles);
+    e = cudaGetLastError();
+  }
+  const cudaError_t f = cudaFreeAsync(v_bad, stream);
+  return e != cudaSuccess ? e : f;
 }
 
 template <class T, class In>

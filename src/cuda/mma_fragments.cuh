@@ -78,6 +78,16 @@ __device__ __forceinline__ void mma16816(float d[4], const uint32_t a[4], uint32
   }
 }
 
+/// 2^x by the special-function unit alone (ex2.approx.ftz: relative error ~2⁻²², results
+/// below 2⁻¹²⁶ flush to 0, 2^−∞ = 0, NaN stays NaN). exp2f would add a range fix-up
+/// of three instructions per call for denormal results, which a probability that small
+/// does not need: it is below the f32 rounding of any sum it joins.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 /// The shared-memory address of a generic pointer into shared memory (ldmatrix, cp.async).
 __device__ __forceinline__ uint32_t shared_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -286,29 +296,54 @@ __device__ __forceinline__ bool load_rows(T* dst, const In* src, int64_t row, in
   return bad;
 }
 
+/// One 16-byte cp.async (global → shared, cached in L2 only), completed by a later
+/// cp_async_wait.
+__device__ __forceinline__ void cp_async_16(void* to, const void* from) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(to)), "l"(from));
+}
+
 /// load_rows without waiting, for a tile of kRows rows (a compile-time count, so each
-/// thread's kRows·D/8/threads chunks unroll with their addresses one stride apart): where
-/// the rows are vectorizable (`vec`, block-uniform) each chunk is a cp.async (16 bytes, L2
-/// only) that a later cp_async_wait completes; other rows are loaded and stored at once.
-/// Rows ≥ valid are zeroed by plain stores. The same chunks per thread as load_rows, so
-/// chunks_not_finite can check them without a barrier.
+/// thread's kRows·D/8/threads chunks unroll): where the rows are vectorizable (`vec`,
+/// block-uniform) each chunk is a cp.async that a later cp_async_wait completes; other
+/// rows are loaded and stored at once. Rows ≥ valid are zeroed by plain stores. The same
+/// chunks per thread as load_rows.
+///
+/// A whole tile of vectorizable rows (every call but a sequence's last tile) takes a
+/// branch-free path: when a pass of the block covers whole rows (D = 64, 128, 256), the
+/// thread's chunks are one row stride apart in memory and LD apart in shared memory, so
+/// each costs one pointer increment and one cp.async with an immediate offset, not the
+/// 64-bit row arithmetic (~20 instructions) the general path spends per chunk.
 template <class T, class In, int D, int LD, int kBlockThreads, int kRows>
 __device__ __forceinline__ void start_rows(T* dst, const In* src, int64_t row, int r0, int valid, bool vec) {
   constexpr int kChunks = D / 8;
   static_assert(kRows * kChunks % kBlockThreads == 0, "every thread copies the same number of chunks");
+  constexpr int kPerThread = kRows * kChunks / kBlockThreads;
   const bool whole = r0 + kRows <= valid;  // block-uniform: no row past the end
+  if constexpr (kBlockThreads % kChunks == 0) {
+    if (whole && vec) {
+      constexpr int kPassRows = kBlockThreads / kChunks;  // rows one pass of the block copies
+      const int r = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
+      T* to = dst + r * LD + col;
+      const In* from = src + int64_t{r0 + r} * row + col;
+      const int64_t step = int64_t{kPassRows} * row;
 #pragma unroll
-  for (int u = 0; u < kRows * kChunks / kBlockThreads; ++u) {
+      for (int u = 0; u < kPerThread; ++u) {
+        cp_async_16(to + u * kPassRows * LD, from);
+        from += step;
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u) {
     const int c = threadIdx.x + u * kBlockThreads;
     const int r = c / kChunks, col = (c - r * kChunks) * 8;
     T* to = dst + r * LD + col;
     const In* from = src + (r0 + r) * row + col;
-    if (whole && vec) {
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(to)), "l"(from));
-    } else if (r0 + r >= valid) {
+    if (r0 + r >= valid) {
       *reinterpret_cast<uint4*>(to) = make_uint4(0, 0, 0, 0);
     } else if (vec) {
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(to)), "l"(from));
+      cp_async_16(to, from);
     } else {
       *reinterpret_cast<uint4*>(to) = load_chunk<T>(from, false);
     }
@@ -321,20 +356,5 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 /// Waits until at most N of this thread's committed cp.async groups are still in flight.
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
-/// Whether the chunks this thread copied with start_rows (kRows × D, complete: after its
-/// cp_async_wait) hold a NaN or ±∞.
-template <class T, int D, int LD, int kBlockThreads, int kRows>
-__device__ __forceinline__ bool chunks_not_finite(const T* dst) {
-  constexpr int kChunks = D / 8;
-  uint32_t bits = 0;  // OR of every word's test: one branch for the whole tile
-#pragma unroll
-  for (int u = 0; u < kRows * kChunks / kBlockThreads; ++u) {
-    const int c = threadIdx.x + u * kBlockThreads;
-    const int r = c / kChunks, col = (c - r * kChunks) * 8;
-    bits |= chunk_finite<T>(*reinterpret_cast<const uint4*>(dst + r * LD + col)) ? 0u : 1u;
-  }
-  return bits != 0;
-}
 
 }  // namespace attn::cuda
