@@ -121,16 +121,22 @@ if [ "${ATTN_GPU_PYTHON_ONLY:-0}" != 1 ]; then
   done
   timeout 240 python3 bench/peers/cuda_sdpa.py "$repeats" > "$logs/torch_sdpa.txt" 2>&1 || true
   { echo "PyTorch SDPA (bench/peers/cuda_sdpa.py $repeats):"; cat "$logs/torch_sdpa.txt"; } >> "$out/summary.txt"
-  # One forward and one dQ launch (d = 128, N = 4096, not causal: the 19th shape) through
-  # Nsight Compute, where it reads the counters: where the kernels' time goes.
+  # One launch of each attention kernel (d = 128, N = 4096, not causal: the 19th shape;
+  # the bench makes 4 launches of each per shape) through Nsight Compute, where it reads the
+  # counters: where the kernels' time goes; then the forward's stall reasons per issued
+  # instruction.
   profiled=${ATTN_GPU_NCU_BUNDLE:-main}
   [ -d "build/gpu/$profiled" ] || profiled=${bundles[0]}
   if [ "${ATTN_GPU_NCU:-1}" = 1 ] && command -v ncu > /dev/null; then
-    LD_LIBRARY_PATH="$PWD/build/gpu/$profiled/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" timeout 150 \
-      ncu --clock-control none -k regex:"flash_forward_kernel|backward_dq_kernel" --launch-skip 147 --launch-count 2 \
+    export LD_LIBRARY_PATH="$PWD/build/gpu/$profiled/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    timeout 150 ncu --clock-control none -k regex:"flash_forward_kernel|backward_dq_kernel|backward_dkdv_kernel" \
+      --launch-skip 219 --launch-count 3 \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
       --section ComputeWorkloadAnalysis --section InstructionStats --section SchedulerStats --section SourceCounters \
       "build/gpu/$profiled/bin/cuda_attention_bench" 1 > "$out/ncu.txt" 2>&1 || true
+    timeout 100 ncu --clock-control none -k regex:"flash_forward_kernel|backward_dkdv_kernel" --launch-skip 147 --launch-count 2 \
+      --metrics "regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$" \
+      "build/gpu/$profiled/bin/cuda_attention_bench" 1 >> "$out/ncu.txt" 2>&1 || true
   fi
 fi
 

@@ -330,19 +330,23 @@ __device__ __forceinline__ void rows_reaching(const ForwardParams& p, const SeqD
 }
 
 // dK and dV of 64 keys (4 warps × 16) of one (sequence, kv head), over every query
-// head of the group and the Br-row query tiles whose band reaches them.
+// head of the group and the Br-row query tiles whose band reaches them. Q and dO tiles
+// come through two shared-memory buffers: the next tile's cp.async is in flight while
+// this one is used. q_bad, do_bad: the pre-pass's flags per Br-row tile of Q and dO
+// (nonfinite_tiles.cuh), q_tiles per head.
 template <class T, class In, int D, int Br>
 __global__ void __launch_bounds__(kThreads)
-    backward_dkdv_kernel(BackwardParams bp, const SeqDesc* seqs, const BackwardSeq* bseqs, RowStats st) {
+    backward_dkdv_kernel(BackwardParams bp, const SeqDesc* seqs, const BackwardSeq* bseqs, RowStats st,
+                         const uint8_t* q_bad, const uint8_t* do_bad, int q_tiles) {
   constexpr int LD = D + 8;
   constexpr int kNt = Br / 8, kKt = D / 16, kDt = D / 8;
   const ForwardParams& p = bp.fwd;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* k_s = reinterpret_cast<T*>(smem_raw);
   T* v_s = k_s + kBlockRows * LD;
-  T* q_s = v_s + kBlockRows * LD;
-  T* do_s = q_s + Br * LD;
-  float* pw_s = reinterpret_cast<float*>(do_s + Br * LD);  // [kWarps][16][Br], the gated path's P' or dS
+  T* q_s = v_s + kBlockRows * LD;  // [2][Br][LD]: the tile in use and the next
+  T* do_s = q_s + 2 * Br * LD;      // [2][Br][LD]
+  float* pw_s = reinterpret_cast<float*>(do_s + 2 * Br * LD);  // [kWarps][16][Br], the gated path's P' or dS
   float* m_s = pw_s + kWarps * 16 * Br;                    // [Br] statistics of the tile's rows
   float* il_s = m_s + Br;
   float* dsum_s = il_s + Br;
@@ -377,30 +381,62 @@ __global__ void __launch_bounds__(kThreads)
     for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
   }
 
-  for (int h = hk * group; h < (hk + 1) * group; ++h) {
-    const float slope = alibi_slope(p, b, h);
-    const In* q = static_cast<const In*>(p.q) + s.q_offset + int64_t{h} * p.q_head;
-    const In* dout = static_cast<const In*>(bp.dout) + bseqs[b].dout_offset + int64_t{h} * bp.dout_head;
-    for (int i0 = row_first <= row_last ? (row_first / Br) * Br : row_last + 1; i0 <= row_last; i0 += Br) {
-      if (tile_blocked<kThreads>(p, b, h, i0, min(i0 + Br, s.Lq) - 1, j0, min(j0 + kBlockRows, s.Lk) - 1)) continue;
-      const bool q_bad = load_rows<T, In, D, LD, kThreads>(q_s, q, p.q_row, i0, Br, s.Lq, true);
-      const bool do_bad = load_rows<T, In, D, LD, kThreads>(do_s, dout, bp.dout_row, i0, Br, s.Lq, true);
-      for (int r = threadIdx.x; r < Br; r += kThreads) {
-        const int i = i0 + r;
-        if (i < s.Lq) {
-          const int64_t at = st.at(p.Hq, b, h, i);
-          m_s[r] = st.m[at], il_s[r] = st.inv_l[at], dsum_s[r] = st.dsum[at];
-        } else {
-          m_s[r] = -INFINITY, il_s[r] = 0.0f, dsum_s[r] = 0.0f;
+  // The steps: (query head h of the group, row tile i0) for every tile whose band
+  // reaches the block's keys, less those the block mask empties. live_step gives the
+  // step after (h, i0), or the first for h < 0 (every thread calls it: tile_blocked
+  // votes across the block).
+  const int h_end = (hk + 1) * group;
+  const int i_first = row_first <= row_last ? (row_first / Br) * Br : row_last + 1;
+  auto live_step = [&](int h, int i0, int& nh, int& ni) -> bool {
+    if (h < 0) h = hk * group, i0 = i_first; else i0 += Br;
+    for (; h < h_end; ++h, i0 = i_first) {
+      for (; i0 <= row_last; i0 += Br) {
+        if (!tile_blocked<kThreads>(p, b, h, i0, min(i0 + Br, s.Lq) - 1, j0, min(j0 + kBlockRows, s.Lk) - 1)) {
+          nh = h, ni = i0;
+          return true;
         }
       }
-      const bool gated_dk = __syncthreads_or(q_bad);
-      const bool gated_dv = __syncthreads_or(do_bad);
+    }
+    return false;
+  };
+  auto start_tile = [&](int h, int i0, int buf) {
+    const In* q = static_cast<const In*>(p.q) + s.q_offset + int64_t{h} * p.q_head;
+    const In* dout = static_cast<const In*>(bp.dout) + bseqs[b].dout_offset + int64_t{h} * bp.dout_head;
+    start_rows<T, In, D, LD, kThreads, Br>(q_s + buf * Br * LD, q, p.q_row, i0, s.Lq, rows_vectorizable<T>(q, p.q_row));
+    start_rows<T, In, D, LD, kThreads, Br>(do_s + buf * Br * LD, dout, bp.dout_row, i0, s.Lq,
+                                           rows_vectorizable<T>(dout, bp.dout_row));
+  };
 
+  int h = -1, i0 = 0, buf = 0;
+  bool have = live_step(h, i0, h, i0);
+  if (have) start_tile(h, i0, 0);
+  cp_async_commit();
+  while (have) {
+    int nh = h, ni = i0;
+    const bool more = live_step(h, i0, nh, ni);
+    if (more) start_tile(nh, ni, buf ^ 1);  // its buffer was last read before the previous step's end barrier
+    cp_async_commit();
+    for (int r = threadIdx.x; r < Br; r += kThreads) {
+      const int i = i0 + r;
+      if (i < s.Lq) {
+        const int64_t at = st.at(p.Hq, b, h, i);
+        m_s[r] = st.m[at], il_s[r] = st.inv_l[at], dsum_s[r] = st.dsum[at];
+      } else {
+        m_s[r] = -INFINITY, il_s[r] = 0.0f, dsum_s[r] = 0.0f;
+      }
+    }
+    cp_async_wait<1>();  // this step's Q and dO
+    __syncthreads();
+    const int64_t tile = (int64_t{b} * p.Hq + h) * q_tiles + i0 / Br;
+    const bool gated_dk = q_bad[tile] != 0, gated_dv = do_bad[tile] != 0;
+    const T* qt = q_s + buf * Br * LD;
+    const T* dot = do_s + buf * Br * LD;
+    const float slope = alibi_slope(p, b, h);
+    {
       // dPᵀ = V·dOᵀ and Sᵀ = K·Qᵀ: 16 keys × Br rows each.
       float dp[kNt][4], sc[kNt][4];
-      product_rows<T, LD, kNt, kKt>(dp, v_w, do_s);
-      product_rows<T, LD, kNt, kKt>(sc, k_w, q_s);
+      product_rows<T, LD, kNt, kKt>(dp, v_w, dot);
+      product_rows<T, LD, kNt, kKt>(sc, k_w, qt);
 
       // P' (in sc) and dS (in dp), element (key, row) at (e < 2 ? key_a : key_b,
       // i0 + 8·nt + 2t + (e & 1)); only scaled scores where the key block lies inside
@@ -437,11 +473,13 @@ __global__ void __launch_bounds__(kThreads)
 
       // dV += P'ᵀ·dO and dK += dSᵀ·Q (scaled once at the end).
       float* pw = pw_s + warp * 16 * Br;
-      accumulate_product<T, LD, kDt, Br>(dv, sc, do_s, gated_dv, pw);
-      accumulate_product<T, LD, kDt, Br>(dk, dp, q_s, gated_dk, pw);
-      __syncthreads();  // before the next tile overwrites Q, dO and the statistics
+      accumulate_product<T, LD, kDt, Br>(dv, sc, dot, gated_dv, pw);
+      accumulate_product<T, LD, kDt, Br>(dk, dp, qt, gated_dk, pw);
     }
+    __syncthreads();  // before the next step's statistics, and the copy after it, overwrite this one's
+    h = nh, i0 = ni, have = more, buf ^= 1;
   }
+  cp_async_wait<0>();
 
   In* dk_out = static_cast<In*>(bp.dk) + bseqs[b].dk_offset + int64_t{hk} * bp.dk_head;
   In* dv_out = static_cast<In*>(bp.dv) + bseqs[b].dv_offset + int64_t{hk} * bp.dv_head;
@@ -500,27 +538,34 @@ cudaError_t launch(const BackwardParams& bp, const SeqDesc* seqs, const Backward
   const size_t dq_smem = (2 * kBlockRows + 2 * Bc) * size_t{D + 8} * sizeof(T) + size_t{kWarps} * 16 * Bc * sizeof(float);
   if ((e = allow_shared_memory(dq_kernel, dq_smem)) != cudaSuccess) return e;
   // The K tiles holding a NaN or ±∞, one flag each (stream-ordered scratch).
-  const int k_tiles = key_tiles(p, Bc);
-  uint8_t* k_bad = nullptr;
-  const size_t flag_bytes = size_t(p.B) * p.Hkv * size_t(k_tiles > 0 ? k_tiles : 1);
-  if ((e = cudaMallocAsync(reinterpret_cast<void**>(&k_bad), flag_bytes, stream)) != cudaSuccess) return e;
-  e = find_nonfinite_tiles<T, In, D, Bc>(p, seqs, KeySide::keys, k_tiles, k_bad, stream);
+  NonfiniteTiles k_bad;
+  e = k_bad.make<T, In, D, Bc>(p, seqs, bseqs, TileSource::keys, p.k, p.k_row, p.k_head, p.Hkv, stream);
   if (e == cudaSuccess) {
     const dim3 dq_grid((p.max_lq + kBlockRows - 1) / kBlockRows, p.Hq, p.B);
-    dq_kernel<<<dq_grid, kThreads, dq_smem, stream>>>(bp, seqs, bseqs, st, k_bad, k_tiles);
+    dq_kernel<<<dq_grid, kThreads, dq_smem, stream>>>(bp, seqs, bseqs, st, k_bad.flags, k_bad.tiles);
     e = cudaGetLastError();
   }
-  const cudaError_t f = cudaFreeAsync(k_bad, stream);
+  const cudaError_t f = k_bad.free(stream);
   if (e != cudaSuccess || (e = f) != cudaSuccess) return e;
 
   constexpr int Br = kDkdvRowTile<D>;
   auto* dkdv_kernel = &backward_dkdv_kernel<T, In, D, Br>;
-  const size_t dkdv_smem = (2 * kBlockRows + 2 * Br) * size_t{D + 8} * sizeof(T) +
+  const size_t dkdv_smem = (2 * kBlockRows + 4 * Br) * size_t{D + 8} * sizeof(T) +
                            (size_t{kWarps} * 16 * Br + 3 * Br) * sizeof(float);
   if ((e = allow_shared_memory(dkdv_kernel, dkdv_smem)) != cudaSuccess) return e;
   const dim3 dkdv_grid((bp.max_lk + kBlockRows - 1) / kBlockRows, p.Hkv, p.B);
-  dkdv_kernel<<<dkdv_grid, kThreads, dkdv_smem, stream>>>(bp, seqs, bseqs, st);
-  if ((e = cudaGetLastError()) != cudaSuccess || bp.dbias == nullptr) return e;
+  // The Q and dO tiles holding a NaN or ±∞, one flag each (stream-ordered scratch).
+  NonfiniteTiles q_bad, do_bad;
+  e = q_bad.make<T, In, D, Br>(p, seqs, bseqs, TileSource::queries, p.q, p.q_row, p.q_head, p.Hq, stream);
+  if (e == cudaSuccess) {
+    e = do_bad.make<T, In, D, Br>(p, seqs, bseqs, TileSource::dout, bp.dout, bp.dout_row, bp.dout_head, p.Hq, stream);
+  }
+  if (e == cudaSuccess) {
+    dkdv_kernel<<<dkdv_grid, kThreads, dkdv_smem, stream>>>(bp, seqs, bseqs, st, q_bad.flags, do_bad.flags, q_bad.tiles);
+    e = cudaGetLastError();
+  }
+  const cudaError_t f1 = q_bad.free(stream), f2 = do_bad.free(stream);
+  if (e != cudaSuccess || (e = f1) != cudaSuccess || (e = f2) != cudaSuccess || bp.dbias == nullptr) return e;
   const int64_t n = bp.dbias_dims[0] * bp.dbias_dims[1] * bp.dbias_dims[2] * bp.dbias_dims[3];
   if (n == 0) return cudaSuccess;
   dbias_kernel<<<static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, stream>>>(bp, st);

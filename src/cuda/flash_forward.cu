@@ -323,18 +323,14 @@ cudaError_t launch(const ForwardParams& p, const SeqDesc* seqs, cudaStream_t str
     if (e != cudaSuccess) return e;
   }
   // The V tiles holding a NaN or ±∞, one flag each (stream-ordered scratch).
-  const int v_tiles = key_tiles(p, Bc);
-  uint8_t* v_bad = nullptr;
-  const size_t flag_bytes = size_t(p.B) * p.Hkv * size_t(v_tiles > 0 ? v_tiles : 1);
-  cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&v_bad), flag_bytes, stream);
-  if (e != cudaSuccess) return e;
-  e = find_nonfinite_tiles<T, In, D, Bc>(p, seqs, KeySide::values, v_tiles, v_bad, stream);
+  NonfiniteTiles v_bad;
+  cudaError_t e = v_bad.make<T, In, D, Bc>(p, seqs, nullptr, TileSource::values, p.v, p.v_row, p.v_head, p.Hkv, stream);
   if (e == cudaSuccess) {
     const dim3 grid((p.max_lq + kRowsPerBlock - 1) / kRowsPerBlock, p.Hq, p.B);
-    kernel<<<grid, kThreads, smem, stream>>>(p, seqs, v_bad, v_tiles);
+    kernel<<<grid, kThreads, smem, stream>>>(p, seqs, v_bad.flags, v_bad.tiles);
     e = cudaGetLastError();
   }
-  const cudaError_t f = cudaFreeAsync(v_bad, stream);
+  const cudaError_t f = v_bad.free(stream);
   return e != cudaSuccess ? e : f;
 }
 
