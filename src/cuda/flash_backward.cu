@@ -207,6 +207,8 @@ __global__ void __launch_bounds__(kThreads)
   if (j0 >= 0) start_rows<T, In, D, LD, kThreads, Bc>(k_s, k, p.k_row, static_cast<int>(j0), s.Lk, k_vec);
   cp_async_commit();
   while (j0 >= 0) {
+    // K's flag, read now so that its load's latency passes during dP, not before dQ.
+    const bool gated = k_bad_head[j0 / Bc] != 0;
     cp_async_wait<1>();  // V of this tile (and Q, dO before the first)
     __syncthreads();
 
@@ -219,7 +221,6 @@ __global__ void __launch_bounds__(kThreads)
     cp_async_commit();
     cp_async_wait<1>();  // K of this tile
     __syncthreads();
-    const bool gated = k_bad_head[j0 / Bc] != 0;
     product_rows<T, LD, kNt, kKt>(sc, q_w, k_s);
 
     // dS, in place of S: only scaled scores where the tile lies inside every row's band
@@ -407,28 +408,35 @@ __global__ void __launch_bounds__(kThreads)
                                            rows_vectorizable<T>(dout, bp.dout_row));
   };
 
+  // Thread r < Br holds row i0 + r's statistics of the next step in registers, loaded a
+  // step ahead so that their global loads' latency passes during a step's products.
+  static_assert(Br <= kThreads, "one thread per row of a step");
+  float next_m = -INFINITY, next_il = 0.0f, next_ds = 0.0f;
+  auto load_stats = [&](int h, int i0) {
+    const int i = i0 + threadIdx.x;
+    if (threadIdx.x < Br && i < s.Lq) {
+      const int64_t at = st.at(p.Hq, b, h, i);
+      next_m = st.m[at], next_il = st.inv_l[at], next_ds = st.dsum[at];
+    } else {
+      next_m = -INFINITY, next_il = 0.0f, next_ds = 0.0f;
+    }
+  };
+
   int h = -1, i0 = 0, buf = 0;
   bool have = live_step(h, i0, h, i0);
-  if (have) start_tile(h, i0, 0);
+  if (have) start_tile(h, i0, 0), load_stats(h, i0);
   cp_async_commit();
   while (have) {
-    int nh = h, ni = i0;
-    const bool more = live_step(h, i0, nh, ni);
-    if (more) start_tile(nh, ni, buf ^ 1);  // its buffer was last read before the previous step's end barrier
-    cp_async_commit();
-    for (int r = threadIdx.x; r < Br; r += kThreads) {
-      const int i = i0 + r;
-      if (i < s.Lq) {
-        const int64_t at = st.at(p.Hq, b, h, i);
-        m_s[r] = st.m[at], il_s[r] = st.inv_l[at], dsum_s[r] = st.dsum[at];
-      } else {
-        m_s[r] = -INFINITY, il_s[r] = 0.0f, dsum_s[r] = 0.0f;
-      }
-    }
-    cp_async_wait<1>();  // this step's Q and dO
-    __syncthreads();
+    if (threadIdx.x < Br) m_s[threadIdx.x] = next_m, il_s[threadIdx.x] = next_il, dsum_s[threadIdx.x] = next_ds;
+    // The flags too are read before they are needed.
     const int64_t tile = (int64_t{b} * p.Hq + h) * q_tiles + i0 / Br;
     const bool gated_dk = q_bad[tile] != 0, gated_dv = do_bad[tile] != 0;
+    int nh = h, ni = i0;
+    const bool more = live_step(h, i0, nh, ni);
+    if (more) start_tile(nh, ni, buf ^ 1), load_stats(nh, ni);  // its buffer was last read before the previous step's end barrier
+    cp_async_commit();
+    cp_async_wait<1>();  // this step's Q and dO
+    __syncthreads();
     const T* qt = q_s + buf * Br * LD;
     const T* dot = do_s + buf * Br * LD;
     const float slope = alibi_slope(p, b, h);

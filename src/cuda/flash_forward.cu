@@ -118,6 +118,8 @@ __global__ void __launch_bounds__(kThreads)
   while (j0 >= 0) {
     start_rows<T, In, D, LD, kThreads, Bc>(v_s, v, p.v_row, static_cast<int>(j0), s.Lk, v_vec);
     cp_async_commit();
+    // V's flag, read now so that its load's latency passes during S, not before P·V.
+    const bool slow = v_bad_head[j0 / Bc] != 0;
     cp_async_wait<1>();  // K of this tile
     __syncthreads();
 
@@ -228,7 +230,6 @@ __global__ void __launch_bounds__(kThreads)
     // is 0 (removed or dropped), with P rounded as on the tensor cores.
     cp_async_wait<1>();  // V of this tile
     __syncthreads();
-    const bool slow = v_bad_head[j0 / Bc] != 0;
     accumulate_product<T, LD, kDt, Bc>(o, sc, v_s, slow, p_s + warp * 16 * Bc);
     __syncthreads();  // before the next tile overwrites V
     j0 = next;
