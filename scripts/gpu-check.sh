@@ -16,7 +16,8 @@
 #
 # Environment: ATTN_GPU_PYTHON_ONLY=1 runs the Python GPU tests alone; ATTN_GPU_SKIP_PYTHON=1
 # skips them (an A/B call that carries two bundles and no .gpu-deps); ATTN_GPU_NCU=0 skips
-# the profile, ATTN_GPU_NCU_BUNDLE=NAME profiles that bundle instead of `main`. Without bundles, the binaries are built here. Libraries the machine lacks for
+# the profile, ATTN_GPU_NCU_BUNDLE=NAME profiles that bundle instead of `main`;
+# ATTN_GPU_SKIP_TORCH=1 skips PyTorch's SDPA (a short A/B call). Without bundles, the binaries are built here. Libraries the machine lacks for
 # a build (Highway, OpenBLAS, GoogleTest, ...) come from .gpu-deps/ (scripts/gpu-deps.sh,
 # where Debian's mirrors are reachable): each package is unpacked and its files added
 # without overwriting any file the machine already has. The Python extension is always
@@ -119,8 +120,10 @@ if [ "${ATTN_GPU_PYTHON_ONLY:-0}" != 1 ]; then
     (export LD_LIBRARY_PATH="$PWD/build/gpu/$name/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
      check_bundle "$name" "build/gpu/$name/bin"; exit $status) || status=1
   done
-  timeout 240 python3 bench/peers/cuda_sdpa.py "$repeats" > "$logs/torch_sdpa.txt" 2>&1 || true
-  { echo "PyTorch SDPA (bench/peers/cuda_sdpa.py $repeats):"; cat "$logs/torch_sdpa.txt"; } >> "$out/summary.txt"
+  if [ "${ATTN_GPU_SKIP_TORCH:-0}" != 1 ]; then
+    timeout 240 python3 bench/peers/cuda_sdpa.py "$repeats" > "$logs/torch_sdpa.txt" 2>&1 || true
+    { echo "PyTorch SDPA (bench/peers/cuda_sdpa.py $repeats):"; cat "$logs/torch_sdpa.txt"; } >> "$out/summary.txt"
+  fi
   # One launch of each attention kernel (d = 128, N = 4096, not causal: the 19th shape;
   # the bench makes 4 launches of each per shape) through Nsight Compute, where it reads the
   # counters: where the kernels' time goes; then the forward's stall reasons per issued
