@@ -290,6 +290,37 @@ TEST_P(CudaForward, ValuesOfRemovedKeysNeverReachAnOutput) {
       }
 }
 
+// The pre-pass flags V's non-finite tiles per (sequence, kv head): values of one
+// sequence and head must neither leak into another's outputs nor be missed in their own.
+TEST_P(CudaForward, NonFiniteValuesAreFlaggedPerSequenceAndHead) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng = make_rng(1307);
+  const int B = 3, Lq = 70, Lk = 90, Hq = 4, Hkv = 2, d = 64;
+  LowpCall c(GetParam(), B, Lq, Lk, Hq, Hkv, d, d, rng);
+  auto v_at = [&](int b, int j, int hk, int x) -> uint16_t& { return c.v[((size_t(b) * Lk + j) * Hkv + hk) * d + x]; };
+  v_at(2, 7, 1, 3) = c.to(INFINITY);  // rows ≥ 7 of sequence 2, heads 2 and 3, see it
+  v_at(2, 80, 1, 5) = c.to(NAN);      // beyond every row's band (top-left causal)
+  v_at(0, 80, 0, 6) = c.to(-INFINITY);
+  AttentionOptions o;
+  o.causal = Causal::TopLeft;
+  std::vector<std::unique_ptr<DeviceBuffer>> keep;
+  DeviceBuffer out(c.out.size() * 2);
+  attention(on_gpu(c.view(c.q, Lq, Hq, d), keep), on_gpu(c.view(c.k, Lk, Hkv, d), keep),
+            on_gpu(c.view(c.v, Lk, Hkv, d), keep), TensorView(out.get(), c.dt, {B, Lq, Hq, d}).on(kGpu), o);
+  out.to_host(c.out);
+  for (int b = 0; b < B; ++b)
+    for (int i = 0; i < Lq; ++i)
+      for (int h = 0; h < Hq; ++h)
+        for (int x = 0; x < d; ++x) {
+          const float y = c.from(c.out[((size_t(b) * Lq + i) * Hq + h) * d + x]);
+          if (b == 2 && h / 2 == 1 && i >= 7 && x == 3) {
+            EXPECT_TRUE(std::isinf(y)) << "sequence 2 head " << h << " row " << i << " sees key 7's +inf";
+          } else {
+            EXPECT_TRUE(std::isfinite(y)) << "sequence " << b << " row " << i << " head " << h << " column " << x;
+          }
+        }
+}
+
 // ---------------------------------------------------------------------------------
 // The backward.
 
@@ -465,6 +496,44 @@ TEST_P(CudaBackward, NonFiniteNumbersWhereTheyTakeNoPartNeverReachAGradient) {
   for (int h = 0; h < 2; ++h)
     for (int x = 0; x < d; ++x) EXPECT_EQ(c.from(gpu.dq[(9 * 2 + h) * d + x]), 0.0f) << "row 9 sees no key";
   expect_close_to_cpu(c, gpu, run_cpu_backward(c, o), "non-finite");
+}
+
+// The pre-pass flags K's (dQ kernel) and Q's and dO's (dK/dV kernel) non-finite tiles
+// per (sequence, head): each must be found in its own sequence and head only.
+TEST_P(CudaBackward, NonFiniteNumbersAreFlaggedPerSequenceAndHead) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng = make_rng(1315);
+  const int B = 3, Lq = 70, Lk = 90, Hq = 4, Hkv = 2, d = 64;
+  LowpCall c(GetParam(), B, Lq, Lk, Hq, Hkv, d, d, rng);
+  auto kv_at = [&](std::vector<uint16_t>& t, int b, int j, int hk, int x) -> uint16_t& {
+    return t[((size_t(b) * Lk + j) * Hkv + hk) * d + x];
+  };
+  auto q_at = [&](std::vector<uint16_t>& t, int b, int i, int h, int x) -> uint16_t& {
+    return t[((size_t(b) * Lq + i) * Hq + h) * d + x];
+  };
+  kv_at(c.k, 2, 80, 1, 3) = c.to(NAN);  // keys beyond every row's band (top-left causal)
+  kv_at(c.v, 1, 85, 1, 5) = c.to(INFINITY);
+  kv_at(c.k, 0, 75, 0, 7) = c.to(-INFINITY);
+  // Row 9 sees no key (its mask row is all false): its q and dO may hold anything.
+  std::vector<uint8_t> mask(size_t(Lq) * Lk, 1);
+  for (int j = 0; j < Lk; ++j) mask[9 * Lk + j] = 0;
+  q_at(c.q, 2, 9, 3, 1) = c.to(NAN);
+  q_at(c.dout, 2, 9, 3, 2) = c.to(-INFINITY);
+  q_at(c.dout, 1, 9, 0, 4) = c.to(NAN);
+  AttentionOptions o;
+  o.causal = Causal::TopLeft;
+  o.mask = TensorView(mask.data(), DType::boolean, {Lq, Lk});
+  const GpuGrads gpu = run_gpu_forward_backward(c, o);
+  for (uint16_t x : c.out) ASSERT_TRUE(std::isfinite(c.from(x)));
+  for (const auto* g : {&gpu.dq, &gpu.dk, &gpu.dv}) {
+    for (uint16_t x : *g) ASSERT_TRUE(std::isfinite(c.from(x)));
+  }
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < Hq; ++h)
+      for (int x = 0; x < d; ++x) {
+        EXPECT_EQ(c.from(gpu.dq[((size_t(b) * Lq + 9) * Hq + h) * d + x]), 0.0f) << "row 9 sees no key";
+      }
+  expect_close_to_cpu(c, gpu, run_cpu_backward(c, o), "non-finite, 3 sequences");
 }
 
 TEST_P(CudaBackward, RowsWithHugeLseGetTheirStatisticsRecomputed) {
