@@ -12,12 +12,15 @@
 # A/B in one device call: bundle the current tree as `main`, check out a variant, bundle it
 # under another name, check main out again, and carry .gpu-bundle. A bundle is ~22 MB (the
 # 28 MB fat binary, sm_80 + sm_90a, is in each binary): two fit a call's 64 MiB without
-# .gpu-deps (ATTN_GPU_SKIP_PYTHON=1 there). `main` also carries the argument-error suite.
+# .gpu-deps (ATTN_GPU_SKIP_PYTHON=1 there). `main` also carries the argument-error suite,
+# and every bundle of an sm_90a build the wgmma probe (bench/cuda/wgmma_probe.cu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 name=${1:-main}
 targets=(cuda_attention_test cuda_attention_bench)
 [ "$name" = main ] && targets+=(device_errors_test)
+# The wgmma probe, where the build has it (an sm_90a build).
+cmake --build build/release --target help | grep -q "wgmma_probe" && targets+=(wgmma_probe)
 cmake --build build/release --target "${targets[@]}"
 stage=$(mktemp -d)
 mkdir -p "$stage/bin" "$stage/lib" .gpu-bundle

@@ -6,7 +6,7 @@
 # one dQ launch under Nsight Compute, and the Python GPU tests. Writes to $OUT (or
 # build/gpu-check), at most 8 files as a device call returns:
 #   gpu.txt             the device, driver and clocks (before and after), the bundles' commits
-#   summary.txt         every bundle's test verdicts and times, and the benchmark tables
+#   summary.txt         every bundle's wgmma probe, test verdicts and times, and the benchmark tables
 #   logs.tar.gz         every log: each test's output, compute-sanitizer reruns of crashed
 #                       tests, the Python build and tests, a cuda-gdb backtrace of a crash
 #   ncu.txt             the profiled launches (bundle `main`, or the first)
@@ -78,6 +78,9 @@ check_bundle() {
   if [ -x "$bin/device_errors_test" ]; then
     timeout 60 "$bin/device_errors_test" > "$dir/device_errors_test.txt" 2>&1 || status=1
     echo "[$name] device_errors_test: $(tail -1 "$dir/device_errors_test.txt")" | tee -a "$out/summary.txt"
+  fi
+  if [ -x "$bin/wgmma_probe" ]; then  # which wgmma layouts and descriptors are right (seconds)
+    timeout 60 "$bin/wgmma_probe" 2>&1 | sed "s/^/[$name] wgmma_probe: /" | tee -a "$out/summary.txt"
   fi
   "$bin/cuda_attention_test" --gtest_list_tests | awk '/^[^ ]/ {s = $1} /^  / {print s $1}' > "$dir/tests/list"
   xargs -P 6 -I{} bash -c 'run_one "$1" "$2" "$3"' _ "$bin/cuda_attention_test" {} "$dir/tests" < "$dir/tests/list"
