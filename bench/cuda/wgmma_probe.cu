@@ -29,7 +29,11 @@
 #include <string>
 #include <vector>
 
+#include "cuda/wgmma.cuh"
+
 namespace {
+
+namespace wg = attn::cuda::wgmma;
 
 #define CHECK_CUDA(call)                                                              \
   do {                                                                                \
@@ -59,19 +63,8 @@ __host__ __device__ inline uint32_t element_offset(int layout, int row, int col,
     // one group of 8 rows are adjacent (128 B apart), groups are cols/8·128 B apart.
     return uint32_t((row / 8) * (cols / 8) * 128 + (col / 8) * 128 + (row % 8) * 16 + (col % 8) * 2);
   }
-  // 128-byte swizzle: row r is 128 B at r·128 within its 8-row atom; chunk c of 16 bytes
-  // sits at chunk c ^ (r % 8).
-  return uint32_t((row / 8) * 1024 + (row % 8) * 128 + (((col / 8) ^ (row % 8)) * 16) + (col % 8) * 2);
+  return wg::sw128_offset(row, col);  // the kernel's own layout
 }
-
-__device__ inline uint64_t descriptor(uint32_t smem_addr, uint32_t lbo, uint32_t sbo, int swizzle_mode) {
-  return uint64_t((smem_addr >> 4) & 0x3FFF) | (uint64_t((lbo >> 4) & 0x3FFF) << 16) |
-         (uint64_t((sbo >> 4) & 0x3FFF) << 32) | (uint64_t(swizzle_mode) << 62);
-}
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define ATTN_HAVE_WGMMA 1
-#endif
 
 #ifdef ATTN_HAVE_WGMMA
 /// The dynamic shared memory from its first 1 KiB boundary (the 128-byte swizzle is a
@@ -80,41 +73,6 @@ __device__ inline unsigned char* aligned_shared() {
   extern __shared__ unsigned char smem_raw[];
   const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   return smem_raw + ((1024 - at % 1024) % 1024);
-}
-
-__device__ inline void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ inline void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ inline void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-
-#define WGMMA_D32                                                                                                 \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),     \
-      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),      \
-      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),     \
-      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-
-/// d (m64n64, f32) = A·Bᵀ + (accumulate ? d : 0), both operands from shared memory, K-major.
-__device__ inline void wgmma_ss(float d[32], uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "%32, %33, p, 1, 1, 0, 0;\n}\n"
-      : WGMMA_D32
-      : "l"(da), "l"(db), "r"(accumulate));
-}
-
-/// d (m64n64, f32) = A·B + (accumulate ? d : 0), A from registers (a[4]: the
-/// mma.sync A-fragment layout per warp), B from shared memory, transposed (MN-major).
-__device__ inline void wgmma_rs_trans_b(float d[32], const uint32_t a[4], uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-      : WGMMA_D32
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
 #endif
 
@@ -130,13 +88,13 @@ __global__ void ss_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, int K,
     *reinterpret_cast<__nv_bfloat16*>(sa + element_offset(layout, r, c, K)) = a[x];
     *reinterpret_cast<__nv_bfloat16*>(sb + element_offset(layout, r, c, K)) = b[x];
   }
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // ordinary stores → the async proxy
+  wg::fence_shared_for_async();  // ordinary stores → the async proxy
   __syncthreads();
   const uint32_t base_a = static_cast<uint32_t>(__cvta_generic_to_shared(sa));
   const uint32_t base_b = static_cast<uint32_t>(__cvta_generic_to_shared(sb));
   float d[32];
   for (int i = 0; i < 32; ++i) d[i] = 0.0f;
-  wgmma_fence();
+  wg::fence();
   for (int ks = 0; ks < K / 16; ++ks) {
     uint64_t da, db;
     if (!swz) {
@@ -144,18 +102,20 @@ __global__ void ss_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, int K,
       // of 16 starts two core matrices (256 B) further.
       const uint32_t along_k = 128, along_mn = (K / 8) * 128;
       const uint32_t lbo = layout == kCoreLboK ? along_k : along_mn, sbo = layout == kCoreLboK ? along_mn : along_k;
-      da = descriptor(base_a + ks * 256, lbo, sbo, 0);
-      db = descriptor(base_b + ks * 256, lbo, sbo, 0);
+      da = wg::descriptor(base_a + ks * 256, lbo, sbo, wg::kNoSwizzle);
+      db = wg::descriptor(base_b + ks * 256, lbo, sbo, wg::kNoSwizzle);
     } else {
-      // 8-row atoms 1 KiB apart (SBO); a k-step of 16 elements starts 32 B further in the row.
-      const uint32_t lbo = layout == kSwizzle128 ? 16 : 1024, sbo = layout == kSwizzle128 ? 1024 : 16;
-      da = descriptor(base_a + ks * 32, lbo, sbo, 1);
-      db = descriptor(base_b + ks * 32, lbo, sbo, 1);
+      // The kernel's reading (wgmma.cuh), or the two offsets swapped; a k-step of 16
+      // elements starts 32 B further in the row.
+      const bool own = layout == kSwizzle128;
+      const uint32_t lbo = own ? wg::kSw128Lbo : wg::kSw128Sbo, sbo = own ? wg::kSw128Sbo : wg::kSw128Lbo;
+      da = wg::descriptor(base_a + ks * 32, lbo, sbo, wg::kSwizzle128);
+      db = wg::descriptor(base_b + ks * 32, lbo, sbo, wg::kSwizzle128);
     }
-    wgmma_ss(d, da, db, ks > 0 ? 1 : 0);
+    wg::ss_m64n64k16<false>(d, da, db, ks > 0 ? 1 : 0);
   }
-  wgmma_commit();
-  wgmma_wait0();
+  wg::commit();
+  wg::wait<0>();
   for (int i = 0; i < 32; ++i) raw[threadIdx.x * 32 + i] = d[i];
 #endif
 }
@@ -171,7 +131,7 @@ __global__ void rs_kernel(const __nv_bfloat16* a, const __nv_bfloat16* v, int la
     // MN-major: the 8 contiguous elements of a core matrix run along N; its 8 rows along K.
     *reinterpret_cast<__nv_bfloat16*>(smem + element_offset(layout, k, n, kN)) = v[x];
   }
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  wg::fence_shared_for_async();
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   auto pack = [&](int r, int c) {
@@ -188,15 +148,16 @@ __global__ void rs_kernel(const __nv_bfloat16* a, const __nv_bfloat16* v, int la
     lbo = layout == kCoreLboK ? along_k : along_mn;
     sbo = layout == kCoreLboK ? along_mn : along_k;
   } else {
-    lbo = layout == kSwizzle128 ? 16 : 1024;
-    sbo = layout == kSwizzle128 ? 1024 : 16;
+    const bool own = layout == kSwizzle128;  // the kernel's reading (wgmma.cuh), or swapped
+    lbo = own ? wg::kSw128Lbo : wg::kSw128Sbo;
+    sbo = own ? wg::kSw128Sbo : wg::kSw128Lbo;
   }
   float d[32];
   for (int i = 0; i < 32; ++i) d[i] = 0.0f;
-  wgmma_fence();
-  wgmma_rs_trans_b(d, af, descriptor(base, lbo, sbo, swz ? 1 : 0), 0);
-  wgmma_commit();
-  wgmma_wait0();
+  wg::fence();
+  wg::rs_m64n64k16_tb<false>(d, af, wg::descriptor(base, lbo, sbo, swz ? wg::kSwizzle128 : wg::kNoSwizzle), 0);
+  wg::commit();
+  wg::wait<0>();
   for (int i = 0; i < 32; ++i) raw[threadIdx.x * 32 + i] = d[i];
 #endif
 }
@@ -242,12 +203,12 @@ int main() {
       {"SS K=16 no swizzle, LBO along M/N", true, kCoreLboMN, 16},
       {"SS K=64 no swizzle, LBO along K", true, kCoreLboK, 64},
       {"SS K=64 no swizzle, LBO along M/N", true, kCoreLboMN, 64},
-      {"SS K=64 128B swizzle, SBO 1 KiB", true, kSwizzle128, 64},
-      {"SS K=64 128B swizzle, LBO 1 KiB", true, kSwizzle128Swapped, 64},
+      {"SS K=64 128B swizzle, the kernel's reading", true, kSwizzle128, 64},
+      {"SS K=64 128B swizzle, offsets swapped", true, kSwizzle128Swapped, 64},
       {"RS V MN-major no swizzle, LBO along K", false, kCoreLboK, 16},
       {"RS V MN-major no swizzle, LBO along N", false, kCoreLboMN, 16},
-      {"RS V MN-major 128B swizzle, SBO 1 KiB", false, kSwizzle128, 16},
-      {"RS V MN-major 128B swizzle, LBO 1 KiB", false, kSwizzle128Swapped, 16},
+      {"RS V MN-major 128B swizzle, the kernel's reading", false, kSwizzle128, 16},
+      {"RS V MN-major 128B swizzle, offsets swapped", false, kSwizzle128Swapped, 16},
   };
   bool ss_core = false, ss_swz = false, rs_core = false, rs_swz = false;
   for (const Case& cs : cases) {
