@@ -19,19 +19,9 @@
 #include "attn/attention.hpp"
 #include "tensor/convert.hpp"
 
-namespace {
-
-#define CHECK_CUDA(call)                                                                 \
-  do {                                                                                   \
-    const cudaError_t e = (call);                                                        \
-    if (e != cudaSuccess) {                                                              \
-      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e));                    \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
-
-
-}  // namespace
+// A failing CUDA call ends the benchmark with status 1.
+constexpr int kCheckCudaExit = 1;
+#include "check_cuda.hpp"
 
 // Median milliseconds of `repeats` timed calls of run() (CUDA events on the default
 // stream) after three warm-ups.

@@ -29,20 +29,15 @@
 #include <string>
 #include <vector>
 
+#include "check_cuda.hpp"
 #include "cuda/wgmma.cuh"
 
 namespace {
 
 namespace wg = attn::cuda::wgmma;
 
-#define CHECK_CUDA(call)                                                              \
-  do {                                                                                \
-    const cudaError_t e = (call);                                                     \
-    if (e != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e));                 \
-      std::exit(2);                                                                   \
-    }                                                                                 \
-  } while (0)
+// A failing CUDA call ends the probe with status 2 ("no usable GPU").
+constexpr int kCheckCudaExit = 2;
 
 /// How a case stores its shared-memory operand and fills its descriptor.
 enum Layout : int {

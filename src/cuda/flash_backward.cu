@@ -191,12 +191,7 @@ __global__ void __launch_bounds__(kThreads)
   const T* do_w = do_s + warp * 16 * LD;
 
   // The next key tile from j on that the block mask leaves some key of (−1: none).
-  auto live_tile = [&](int64_t j) -> int64_t {
-    for (; j <= key_hi; j += Bc) {
-      if (!tile_blocked<kThreads>(p, b, h, q0, last_row, j, min(j + Bc, int64_t{s.Lk}) - 1)) return j;
-    }
-    return -1;
-  };
+  auto live_tile = [&](int64_t j) { return first_live_tile<kThreads, Bc>(p, s, b, h, q0, last_row, j, key_hi); };
   // A pipeline as the forward's: V of a tile is needed first (dP = dO·Vᵀ), K after it
   // (S, dQ += dS·K). So the next V comes while S, dS and dQ are computed, and the next K
   // while the next dP is (cp.async where the rows allow 16-byte copies).

@@ -103,12 +103,7 @@ __global__ void __launch_bounds__(kThreads)
   const Band band_first = band_of_row(p, s, q0), band_last = band_of_row(p, s, last_row);
   const bool plain = scores_plain(p);
   // The next key tile from j on that the block mask leaves some key of (−1: none).
-  auto live_tile = [&](int64_t j) -> int64_t {
-    for (; j <= key_hi; j += Bc) {
-      if (!tile_blocked<kThreads>(p, b, h, q0, last_row, j, min(j + Bc, int64_t{s.Lk}) - 1)) return j;
-    }
-    return -1;
-  };
+  auto live_tile = [&](int64_t j) { return first_live_tile<kThreads, Bc>(p, s, b, h, q0, last_row, j, key_hi); };
   // FlashAttention-2's pipeline: V of this tile is in flight during S = Q·Kᵀ, and K of
   // the next during the softmax and P·V (cp.async where the rows allow 16-byte copies).
   const bool k_vec = rows_vectorizable<T>(k, p.k_row), v_vec = rows_vectorizable<T>(v, p.v_row);

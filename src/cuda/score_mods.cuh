@@ -50,6 +50,18 @@ __device__ __forceinline__ bool tile_blocked(const ForwardParams& p, int b, int 
   return !__syncthreads_or(live);
 }
 
+/// The first key tile at or after key j (tiles of Bc keys, up to key_hi) that the
+/// block-sparse mask leaves some key of for rows [i0, i1] of (sequence b, head h), or −1.
+/// Every thread of the block must call it (tile_blocked votes).
+template <int kBlockThreads, int Bc>
+__device__ __forceinline__ int64_t first_live_tile(const ForwardParams& p, const SeqDesc& s, int b, int h, int64_t i0,
+                                                   int64_t i1, int64_t j, int64_t key_hi) {
+  for (; j <= key_hi; j += Bc) {
+    if (!tile_blocked<kBlockThreads>(p, b, h, i0, i1, j, min(j + Bc, int64_t{s.Lk}) - 1)) return j;
+  }
+  return -1;
+}
+
 /// The score of row i and key j from the raw product q_i·k_j, in attention()'s order:
 /// scale, softcap, ALiBi (slope of this head), masks, block mask, band (−∞ outside it).
 /// *cap_grad receives ∂score/∂(scale·q·k): 1 − tanh² under softcap, else 1.
