@@ -348,6 +348,19 @@ size_t WorkspaceBytes(const Problem& p, int threads) {
 
 const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
 
+void SoftmaxExp2(const float* x, float* out, size_t n) {
+  const DF df;
+  size_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) hn::StoreU(Exp2NonPositive(df, hn::LoadU(df, x + i)), df, out + i);
+  if (i < n) {  // the tail through one padded vector, as the kernels see whole vectors
+    alignas(64) float buf[kLanes];
+    std::fill(buf, buf + kLanes, 0.0f);
+    std::copy(x + i, x + n, buf);
+    hn::Store(Exp2NonPositive(df, hn::Load(df, buf)), df, buf);
+    std::copy(buf, buf + (n - i), out + i);
+  }
+}
+
 }  // namespace attn::detail::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
@@ -356,6 +369,7 @@ namespace attn::detail {
 
 HWY_EXPORT(ForwardF32);
 HWY_EXPORT(TargetName);
+HWY_EXPORT(SoftmaxExp2);
 HWY_EXPORT(WorkspaceBytes);
 
 size_t attention_forward_workspace_bytes(const Problem& p, int threads) {
@@ -369,6 +383,8 @@ void attention_forward_cpu(const Problem& p, int threads) {
 }
 
 const char* attention_forward_target() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
+
+void softmax_exp2(const float* x, float* out, size_t n) { HWY_DYNAMIC_DISPATCH(SoftmaxExp2)(x, out, n); }
 
 std::vector<int64_t> simd_targets() {
   std::vector<int64_t> out;

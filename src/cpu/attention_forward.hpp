@@ -24,6 +24,11 @@ size_t attention_forward_workspace_bytes(const Problem& p, int threads);
 /// Name of the SIMD target attention_forward_cpu uses now ("AVX3", "AVX2", ...).
 const char* attention_forward_target();
 
+/// out[i] = 2^x[i] for x[i] ≤ 0 or NaN, i < n, computed as the softmax of the f32
+/// kernels computes it on the current SIMD target (Exp2NonPositive): for tests of
+/// its accuracy and of its edge cases (0, −∞, NaN, subnormal results).
+void softmax_exp2(const float* x, float* out, size_t n);
+
 /// The Highway targets compiled into the library that this CPU supports (one bit
 /// each, HWY_AVX3 etc.), and a switch to make dispatch use only `target` (0 =
 /// back to the best). For tests that run every kernel on every target.

@@ -342,12 +342,14 @@ HWY_INLINE hn::Vec<DI> WholeToInt(DI di, VF n) {
 ///                                  integer, where f rounds up to 1; −∞ gives 0)
 ///   2^f by a degree-6 polynomial   (minimax on [0, 1), 9.0e-8; 2^0 = 1 exactly)
 ///   2^⌊x⌋ by vscalefps             (one rounding, into the subnormals; 2^−∞ = 0)
-/// Elsewhere, 13 ops (AVX2: the f32 softmax was ~18% of the forward's time at d = 64
+/// Elsewhere, 12 ops (AVX2: the f32 softmax was ~18% of the forward's time at d = 64
 /// on a Zen 1 core with the 20 this once took, two scalings by 2^n included):
 ///   x = max(x, −151)              (NaN stays NaN; 2^−151 rounds to 0, as all below)
 ///   n = round(x), f = x − n       (exact; |f| ≤ 1/2)
-///   2^(f+25) by a degree-6 polynomial whose coefficients carry the 2^25 (Taylor in
-///                                 f·ln 2; error ≤ 1.2e-7; scaling by 2^25 is exact)
+///   2^(f+25) by a degree-5 polynomial whose coefficients carry the 2^25 (minimax
+///                                 on [−1/2, 1/2]; error ≤ 1.7e-7 with fused
+///                                 multiply-adds, 1.9e-7 without them (SSE4, scalar);
+///                                 scaling by 2^25 is exact)
 ///   2^(n+f+25) by adding n to its exponent field (an integer add: the value is a
 ///                                 normal number, n + 25 ≥ −126), then × 2^−25: the
 ///                                 one product that can leave the normal range, so
@@ -372,15 +374,18 @@ HWY_INLINE VF Exp2NonPositive(DF df, VF x) {
   x = ClampBelow(df, x, -151.0f);
   const VF n = hn::Round(x);
   const VF f = hn::Sub(x, n);
-  // 2^25 · (ln 2)^k / k!, k = 6 … 0 (Horner): each step's value is the unscaled
-  // one times 2^25 exactly, so e = 2^25 · 2^f bit for bit as without the factor.
+  // 2^25 · c_k, k = 5 … 0 (Horner): c_k minimise the relative error of 2^f on
+  // [−1/2, 1/2] with c_0 = 1 fixed (9.1e-8; 1.6e-7 with f32 rounding, against 2.1e-7
+  // for the degree-6 Taylor series this replaced, which took one more FMA;
+  // tests/softmax_exp_test.cc measures it on every target). Each
+  // step's value is the unscaled one times 2^25 exactly, so e = 2^25 · 2^f bit for
+  // bit as without the factor.
   constexpr float kUp = 33554432.0f;  // 2^25
-  VF e = hn::Set(df, kUp * 1.5403530393381609954e-4f);
-  e = hn::MulAdd(e, f, hn::Set(df, kUp * 1.3333558146428443423e-3f));
-  e = hn::MulAdd(e, f, hn::Set(df, kUp * 9.6181291076284771620e-3f));
-  e = hn::MulAdd(e, f, hn::Set(df, kUp * 5.5504108664821579953e-2f));
-  e = hn::MulAdd(e, f, hn::Set(df, kUp * 0.24022650695910071233f));
-  e = hn::MulAdd(e, f, hn::Set(df, kUp * 0.69314718055994530942f));
+  VF e = hn::Set(df, kUp * 1.3264727224e-3f);
+  e = hn::MulAdd(e, f, hn::Set(df, kUp * 9.6715126711e-3f));
+  e = hn::MulAdd(e, f, hn::Set(df, kUp * 5.5507337435e-2f));
+  e = hn::MulAdd(e, f, hn::Set(df, kUp * 2.4022242085e-1f));
+  e = hn::MulAdd(e, f, hn::Set(df, kUp * 6.9314697760e-1f));
   e = hn::MulAdd(e, f, hn::Set(df, kUp));
   // e ∈ [2^24.5, 2^25.5], n ∈ [−151, 0], and n = −151 only with f ≥ 0 (e ≥ 2^25),
   // so e · 2^n ≥ 2^−126 is normal and adding n to the exponent field multiplies by
