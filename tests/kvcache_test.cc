@@ -25,6 +25,12 @@ namespace {
 
 enum class Rope { none, interleaved, half };
 
+/// options.mask in the cases: none, boolean (true = attend), additive f32, or additive
+/// in q's dtype; laid out [B, Hq, Lq, K], [B, 1, 1, K] (a padding mask) or [Lq, K] (one
+/// tree mask for the batch), K = the longest sequence's keys + 3.
+enum class Mask { none, boolean, f32, q_dtype };
+enum class MaskLayout { full, per_sequence_keys, shared_tree };
+
 std::string seed_note() { return "ATTN_TEST_SEED=" + std::to_string(base_seed()); }
 
 struct KvConfig {
@@ -39,6 +45,8 @@ struct KvConfig {
   Rope rope = Rope::none;
   int rotary_dim = 0;  // 0 = d
   int num_splits = 0;
+  Mask mask = Mask::none;
+  MaskLayout mask_layout = MaskLayout::full;
   std::string name() const {
     std::string s = "B" + std::to_string(B) + " Hq" + std::to_string(Hq) + " Hkv" + std::to_string(Hkv) + " d" +
                     std::to_string(d) + " dv" + std::to_string(dv) + " Lq" + std::to_string(Lq) + " Lnew" +
@@ -46,7 +54,8 @@ struct KvConfig {
                     " q " + dtype_name(q_dtype) + " causal" + std::to_string(int(causal)) + " window " +
                     std::to_string(window.left) + "," + std::to_string(window.right) + " softcap" +
                     std::to_string(softcap) + (alibi ? " alibi" : "") + " rope" + std::to_string(int(rope)) +
-                    " splits" + std::to_string(num_splits) + " cached";
+                    " splits" + std::to_string(num_splits) + " mask" + std::to_string(int(mask)) + "/" +
+                    std::to_string(int(mask_layout)) + " cached";
     for (int c : cached) s += " " + std::to_string(c);
     return s;
   }
@@ -81,6 +90,9 @@ struct KvCase {
   std::vector<int32_t> block_table, seqlens;
   std::vector<uint8_t> q, k_new, v_new;  // q dtype
   std::vector<float> cos_t, sin_t, slopes;
+  std::vector<uint8_t> mask;          // options.mask's bytes, shape mask_shape
+  std::vector<int64_t> mask_shape;
+  int mask_keys = 0;                  // K, its last dimension
 
   explicit KvCase(const KvConfig& cfg, std::mt19937_64& rng) : c(cfg) {
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
@@ -157,6 +169,70 @@ struct KvCase {
       slopes.resize(size_t(c.B) * c.Hq);
       for (float& s : slopes) s = 0.05f + 0.3f * std::fabs(u(rng));
     }
+    if (c.mask != Mask::none) make_mask(cap_needed, rng);
+  }
+
+  DType mask_dtype() const {
+    return c.mask == Mask::boolean ? DType::boolean : c.mask == Mask::f32 ? DType::f32 : c.q_dtype;
+  }
+  /// Element (b, h, i, j) of the mask as broadcast over [B, Hq, Lq, K].
+  int64_t mask_at(int b, int h, int i, int j) const {
+    switch (c.mask_layout) {
+      case MaskLayout::full: return ((int64_t(b) * c.Hq + h) * c.Lq + i) * mask_keys + j;
+      case MaskLayout::per_sequence_keys: return int64_t(b) * mask_keys + j;
+      case MaskLayout::shared_tree: return int64_t(i) * mask_keys + j;
+    }
+    return 0;
+  }
+  /// Random entries over every sequence's keys; the 3 columns past the longest hold
+  /// NaN (additive) or true (boolean), which no result may read. In the full layout,
+  /// query 0 of sequence 0 sees no key at all (defined: output 0, lse −∞).
+  void make_mask(int longest, std::mt19937_64& rng) {
+    mask_keys = longest + 3;
+    mask_shape = c.mask_layout == MaskLayout::full                ? std::vector<int64_t>{c.B, c.Hq, c.Lq, mask_keys}
+                 : c.mask_layout == MaskLayout::per_sequence_keys ? std::vector<int64_t>{c.B, 1, 1, mask_keys}
+                                                                  : std::vector<int64_t>{c.Lq, mask_keys};
+    int64_t n = 1;
+    for (int64_t x : mask_shape) n *= x;
+    const DType dt = mask_dtype();
+    mask.assign(size_t(n) * dtype_size(dt), 0);
+    std::uniform_real_distribution<float> u(0.0f, 1.0f);
+    for (int64_t at = 0; at < n; ++at) {
+      const int j = int(at % mask_keys);
+      const bool past = j >= longest;
+      const float r = u(rng);
+      if (dt == DType::boolean) {
+        mask[size_t(at)] = past || r < 0.7f;
+      } else {
+        // Additive: mostly small, some −∞ (removed keys), NaN past the keys.
+        write_elem(dt, mask.data(), at, past ? NAN : r < 0.2f ? -INFINITY : 4.0f * r - 3.0f);
+      }
+    }
+    if (c.mask_layout == MaskLayout::full) {
+      for (int h = 0; h < c.Hq; ++h)
+        for (int j = 0; j < mask_keys; ++j) {
+          const int64_t at = mask_at(0, h, 0, j);
+          if (dt == DType::boolean) mask[size_t(at)] = 0;
+          else write_elem(dt, mask.data(), at, -INFINITY);
+        }
+    }
+  }
+  /// Sequence b's mask over its lk keys, dense [1, Hq, Lq, lk], for the reference
+  /// (widened exactly to f32 when additive).
+  TensorView mask_of_sequence(int b, int lk, std::vector<uint8_t>& bytes, std::vector<float>& floats) const {
+    const int64_t n = int64_t(c.Hq) * c.Lq * std::max(lk, 1);
+    if (mask_dtype() == DType::boolean) bytes.assign(size_t(n), 1);
+    else floats.assign(size_t(n), 0.0f);
+    for (int h = 0; h < c.Hq; ++h)
+      for (int i = 0; i < c.Lq; ++i)
+        for (int j = 0; j < lk; ++j) {
+          const size_t to = (size_t(h) * c.Lq + i) * lk + j;
+          const int64_t from = mask_at(b, h, i, j);
+          if (mask_dtype() == DType::boolean) bytes[to] = mask[size_t(from)];
+          else floats[to] = read_elem(mask_dtype(), mask.data(), from);
+        }
+    if (mask_dtype() == DType::boolean) return TensorView(bytes.data(), DType::boolean, {1, c.Hq, c.Lq, std::max(lk, 1)});
+    return TensorView(floats.data(), DType::f32, {1, c.Hq, c.Lq, std::max(lk, 1)});
   }
 
   bool quantized() const { return c.cache_dtype == DType::i8 || c.cache_dtype == DType::f8e4m3; }
@@ -206,6 +282,7 @@ struct KvCase {
     o.window = c.window;
     o.softcap = c.softcap;
     if (c.alibi) o.alibi_slopes = TensorView(slopes.data(), DType::f32, {c.B, c.Hq});
+    if (c.mask != Mask::none) o.mask = TensorView(mask.data(), mask_dtype(), mask_shape);
     return o;
   }
   TensorView seqlen_view() const { return TensorView(seqlens.data(), DType::i32, {c.B}); }
@@ -312,6 +389,9 @@ void check_against_reference(const KvCase& kc, const Result& r, const std::strin
       }
     AttentionOptions o = kc.options();
     if (c.alibi) o.alibi_slopes = TensorView(kc.slopes.data() + size_t(b) * c.Hq, DType::f32, {c.Hq});
+    std::vector<uint8_t> mask_bytes;
+    std::vector<float> mask_floats;
+    if (c.mask != Mask::none) o.mask = kc.mask_of_sequence(b, lk, mask_bytes, mask_floats);
     attention_reference(TensorView(q.data(), DType::f32, {1, c.Lq, c.Hq, c.d}),
                         TensorView(k.data(), DType::f32, {1, lk, c.Hkv, c.d}),
                         TensorView(v.data(), DType::f32, {1, lk, c.Hkv, c.dv}),
@@ -414,6 +494,44 @@ TEST(KVCache, OddShapesOptionsAndQueryDtypes) {
       for (int& x : c.cached) x = std::max(x, c.Lq);  // queries' positions are >= 0
     }
     c.num_splits = pick(rng) % 3 == 0 ? 1 + pick(rng) % 9 : 0;
+    run_and_check(c, rng);
+  }
+}
+
+// options.mask over the cache's keys: boolean and additive (f32 and q's dtype), a full
+// [B, Hq, Lq, K] mask with a query that sees no key, a padding mask [B, 1, 1, K] and one
+// tree mask [Lq, K] shared by the batch (speculative decoding), on sequences of
+// different lengths, every cache dtype, contiguous and paged (odd page sizes), split
+// and unsplit, with and without appends; the mask's columns past the longest
+// sequence hold NaN, which no output may read.
+TEST(KVCache, MasksOverTheCacheKeys) {
+  auto rng = make_rng(1301);
+  struct Case {
+    DType cache, q;
+    Mask mask;
+    MaskLayout layout;
+    int page, Lq, Lnew, splits, Hq, Hkv, d;
+    Causal causal;
+  };
+  const Case cases[] = {
+      {DType::f32, DType::f32, Mask::boolean, MaskLayout::full, 0, 1, 1, 0, 8, 2, 64, Causal::BottomRight},
+      {DType::f32, DType::f32, Mask::f32, MaskLayout::full, 16, 4, 4, 3, 8, 2, 17, Causal::BottomRight},
+      {DType::f32, DType::f32, Mask::f32, MaskLayout::full, 0, 1, 1, 2, 4, 4, 32, Causal::None},  // one row per kv head
+      {DType::bf16, DType::bf16, Mask::q_dtype, MaskLayout::shared_tree, 3, 4, 4, 1, 8, 2, 64, Causal::None},
+      {DType::bf16, DType::f32, Mask::boolean, MaskLayout::per_sequence_keys, 0, 1, 0, 2, 8, 2, 128, Causal::None},
+      {DType::i8, DType::f32, Mask::f32, MaskLayout::full, 16, 2, 1, 0, 8, 2, 64, Causal::BottomRight},
+      {DType::f16, DType::f16, Mask::q_dtype, MaskLayout::full, 1, 3, 3, 5, 6, 3, 24, Causal::BottomRight},
+      {DType::f8e4m3, DType::f32, Mask::boolean, MaskLayout::shared_tree, 0, 5, 5, 0, 8, 2, 64, Causal::None},
+      {DType::i8, DType::bf16, Mask::boolean, MaskLayout::per_sequence_keys, 7, 1, 1, 4, 8, 1, 64, Causal::None},
+  };
+  for (const Case& k : cases) {
+    KvConfig c;
+    c.B = 3, c.Hq = k.Hq, c.Hkv = k.Hkv, c.d = k.d, c.dv = k.d;
+    c.cached = {37, 5, 100};
+    c.page = k.page, c.Lq = k.Lq, c.Lnew = k.Lnew, c.num_splits = k.splits;
+    c.cache_dtype = k.cache, c.q_dtype = k.q;
+    c.mask = k.mask, c.mask_layout = k.layout;
+    c.causal = k.causal;
     run_and_check(c, rng);
   }
 }
@@ -665,10 +783,29 @@ TEST(KVCache, ErrorsNameTheArgument) {
   kvn.k_new = TensorView(knan.data(), DType::f32, {2, 1, 2, 8});
   expect_attn_error(call(i8, kc.seqlen_view(), kvn), "an i8 cache holds finite values only");
   // Options the cache path does not take; rotary without new keys; splits.
+  // Masks: K must reach the longest sequence's 9 + 1 keys; other dimensions broadcast.
   AttentionOptions o;
   std::vector<uint8_t> m(100, 1);
-  o.mask = TensorView(m.data(), DType::boolean, {1, 1, 1, 10});
-  expect_attn_error(call(good, kc.seqlen_view(), kv, o), "options.mask is not supported");
+  o.mask = TensorView(m.data(), DType::boolean, {1, 1, 1, 9});
+  expect_attn_error(call(good, kc.seqlen_view(), kv, o), "dimension 3 (K) must be 1 or at least 10");
+  o.mask = TensorView(m.data(), DType::boolean, {2, 3, 1, 10});
+  expect_attn_error(call(good, kc.seqlen_view(), kv, o), "dimension 1 (Hq) must be 1 or 4");
+  o.mask = TensorView(m.data(), DType::boolean, {2, 4, 2, 10});
+  expect_attn_error(call(good, kc.seqlen_view(), kv, o), "dimension 2 (Lq) must be 1 or 1");
+  o.mask = TensorView(m.data(), DType::boolean, {1, 1, 1, 1, 10});
+  expect_attn_error(call(good, kc.seqlen_view(), kv, o), "options.mask must have rank 1 .. 4");
+  o.mask = TensorView(m.data(), DType::i32, {1, 10});
+  expect_attn_error(call(good, kc.seqlen_view(), kv, o), "options.mask must be boolean");
+  o.mask = TensorView(m.data(), DType::bf16, {1, 10});  // q is f32
+  expect_attn_error(call(good, kc.seqlen_view(), kv, o), "additive in f32, got bf16");
+  o.mask = TensorView(m.data(), DType::boolean, {1, 10}, {10, 2});
+  expect_attn_error(call(good, kc.seqlen_view(), kv, o), "options.mask must have a contiguous last dimension");
+  o.mask = TensorView(out.data(), DType::f32, {1, 10});
+  expect_attn_error(call(good, kc.seqlen_view(), kv, o), "out overlaps options.mask");
+  o.mask = {};
+  std::vector<int32_t> blocks(4, 1);
+  o.block_mask.blocks = TensorView(blocks.data(), DType::i32, {1, 1, 2, 2});
+  expect_attn_error(call(good, kc.seqlen_view(), kv, o), "options.block_mask is not supported");
   o = {};
   o.dropout_p = 0.1f;
   expect_attn_error(call(good, kc.seqlen_view(), kv, o), "dropout_p must be 0");

@@ -79,8 +79,13 @@ inline constexpr int kMaxKVSplits = 256;
 /// Appends k_new / v_new (and rotates the keys if kv gives rotary tables) into the
 /// cache, then computes out (and lse if given) for q against each sequence's
 /// cache_seqlens[b] + Lnew keys. options: scale, causal, window, softcap,
-/// alibi_slopes apply as in attention(); masks, cu_seqlens, key_lengths and dropout
-/// are attn::Errors here (precision is ignored: the cache's dtype decides). Throws
+/// alibi_slopes apply as in attention(); options.mask too (boolean, true = attend, or
+/// additive in f32 or q's dtype), broadcast over [B, Hq, Lq, K] where K ≥ the longest
+/// sequence's cache_seqlens[b] + Lnew: key j of sequence b (its position in the cache)
+/// reads column j, and columns past a sequence's keys are not read (tree masks for
+/// speculative decoding, padding masks carried over from a padded batch). block_mask,
+/// cu_seqlens, key_lengths and dropout are attn::Errors here (precision is ignored:
+/// the cache's dtype decides). Throws
 /// attn::Error, naming the argument, before writing anything: shapes, dtypes, a
 /// block_table entry out of range or repeated within a sequence, a page another
 /// sequence uses that this call would write, cache_seqlens + Lnew beyond the

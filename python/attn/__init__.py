@@ -528,7 +528,7 @@ def _kvcache_args(k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                            cache_seqlens=None, block_table=None, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
-                           num_splits=0, return_softmax_lse=False, *, k_scale=None, v_scale=None):
+                           num_splits=0, return_softmax_lse=False, *, k_scale=None, v_scale=None, attn_mask=None):
     """Attention of new queries against a KV cache, FlashAttention's ``flash_attn_with_kvcache``.
 
     Layouts are FlashAttention's (sequence before heads): q [B, Lq, Hq, d]; k_cache, v_cache
@@ -544,7 +544,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     new tokens quantized with scale max|x| / 127) or fp8 E4M3 — torch.float8_e4m3fn, ml_dtypes'
     float8_e4m3fn or NumPy uint8 holding the codes (key = scale · e4m3; new tokens get scale
     max|x| / 448 and the nearest E4M3, ties to even). q, k, v: float32, float16 or bfloat16. ``num_splits``:
-    0 = automatic split-KV, else the splits per sequence. Returns out [B, Lq, Hq, dv] in q's
+    0 = automatic split-KV, else the splits per sequence. ``attn_mask`` (not in FlashAttention):
+    boolean (True = attend) or additive float32 / q's dtype, broadcast over [B, Hq, Lq, K] with
+    K >= the longest cache_seqlens[b] + Lnew; key j of sequence b (its cache position) reads
+    column j, columns past a sequence's keys are not read (a tree mask [Lq, K] for speculative
+    decoding, a padding mask [B, 1, 1, K]). Returns out [B, Lq, Hq, dv] in q's
     dtype, and lse float32 [B, Hq, Lq] if ``return_softmax_lse``. NumPy or CPU torch alike.
     """
     qa = _array(q, "q")
@@ -560,8 +564,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     _attn.kvcache(qa, kc, vc, out=out, lse=lse, scale=softmax_scale, causal=2 if causal else 0,
                   window_left=left, window_right=right, softcap=float(softcap or 0.0),
                   alibi_slopes=_array(alibi_slopes, "alibi_slopes", allow_none=True),
+                  mask=_array(attn_mask, "attn_mask", kinds=("f", "b"), allow_none=True),
                   rotary_interleaved=bool(rotary_interleaved), num_splits=int(num_splits), q_bf16=_is_bf16(q),
-                  **args)
+                  mask_bf16=_is_bf16(attn_mask), **args)
     out = _like(out, q)
     return (out, _like(lse, q)) if return_softmax_lse else out
 

@@ -201,3 +201,61 @@ def test_errors_are_clear(rng):
     ro.flags.writeable = False
     with pytest.raises(ValueError, match="writable"):
         attn.attention_with_kvcache(q, ro, v_cache, cache_seqlens=1, block_table=np.array([[0, 3], [1, 2]], np.int32))
+
+
+@pytest.mark.parametrize("kind", ["numpy bool", "torch float32", "torch bfloat16"])
+def test_tree_and_padding_masks_over_the_cache(rng, kind):
+    """attn_mask over the cache's keys: each sequence's past visible, its 4 new tokens a
+    random tree (each sees itself and some earlier new tokens), columns past the longest
+    sequence never read; against the float64 reference with the same mask."""
+    B, Hq, Hkv, d, cap, Lq = 3, 8, 2, 32, 64, 4
+    seqlens = np.array([10, 3, 40], dtype=np.int32)
+    K = int(seqlens.max()) + Lq + 2
+    k_cache = rng.uniform(-1, 1, (B, cap, Hkv, d)).astype(np.float32)
+    v_cache = rng.uniform(-1, 1, (B, cap, Hkv, d)).astype(np.float32)
+    k_new = rng.uniform(-1, 1, (B, Lq, Hkv, d)).astype(np.float32)
+    v_new = rng.uniform(-1, 1, (B, Lq, Hkv, d)).astype(np.float32)
+    q = rng.uniform(-1, 1, (B, Lq, Hq, d)).astype(np.float32)
+    visible = np.zeros((B, 1, Lq, K), bool)
+    for b in range(B):
+        n = int(seqlens[b])
+        visible[b, 0, :, :n] = True
+        tree = np.tril(rng.random((Lq, Lq)) < 0.5)
+        np.fill_diagonal(tree, True)
+        visible[b, 0, :, n:n + Lq] = tree
+    if kind == "numpy bool":
+        mask = visible
+    else:
+        additive = np.where(visible, rng.uniform(-1, 0.5, visible.shape), -np.inf).astype(np.float32)
+        additive[..., K - 2:] = np.nan  # past every sequence's keys: never read
+        mask = torch.from_numpy(additive)
+        if kind == "torch bfloat16":
+            mask = mask.to(torch.bfloat16)
+    q_in = torch.from_numpy(q).to(torch.bfloat16) if kind == "torch bfloat16" else q
+    out, lse = attn.attention_with_kvcache(q_in, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
+                                           attn_mask=mask, return_softmax_lse=True)
+    total = seqlens + Lq
+    m = mask.float().numpy() if torch.is_tensor(mask) else mask
+    qa = q_in.float().numpy() if torch.is_tensor(q_in) else q_in
+    got = out.float().numpy() if torch.is_tensor(out) else out
+    tol = 1e-2 if kind == "torch bfloat16" else 2e-5
+    for b in range(B):
+        k = _logical(k_cache, total, b)
+        v = _logical(v_cache, total, b)
+        mb = m[b, :, :, :total[b]]
+        ref, ref_lse = reference(qa[b].transpose(1, 0, 2), k.transpose(1, 0, 2), v.transpose(1, 0, 2),
+                                 mask=torch.from_numpy(np.ascontiguousarray(mb)))
+        np.testing.assert_allclose(got[b].transpose(1, 0, 2), ref.numpy(), rtol=tol, atol=tol)
+        np.testing.assert_allclose(np.asarray(lse[b], np.float64), ref_lse.numpy(), rtol=tol, atol=tol)
+
+
+def test_mask_errors_name_the_argument(rng):
+    k_cache = np.zeros((2, 16, 2, 8), np.float32)
+    q = np.zeros((2, 1, 4, 8), np.float32)
+    seqlens = np.array([5, 9], np.int32)
+    with pytest.raises(attn.Error, match=r"options.mask .* dimension 3 \(K\) must be 1 or at least 9"):
+        attn.attention_with_kvcache(q, k_cache, k_cache.copy(), cache_seqlens=seqlens,
+                                    attn_mask=np.ones((2, 1, 1, 8), bool))
+    with pytest.raises(TypeError, match="attn_mask: expected dtype"):
+        attn.attention_with_kvcache(q, k_cache, k_cache.copy(), cache_seqlens=seqlens,
+                                    attn_mask=np.ones((1, 9), np.int32))

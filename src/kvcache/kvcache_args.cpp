@@ -1,5 +1,6 @@
 // Argument checking for attention_with_kvcache() and kvcache_append(): every invalid
 // argument becomes an attn::Error naming it, before the cache or any output is touched.
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <unordered_map>
@@ -259,9 +260,8 @@ void check_append(const Checker& c, const KVCacheOptions& kv, const KVCache& cac
 }
 
 void check_options(const Checker& c, const AttentionOptions& o, DecodeProblem& p) {
-  c.require(o.mask.empty(), "options.mask is not supported with a KV cache (use causal, window or ALiBi)");
   c.require(o.block_mask.empty(),
-            "options.block_mask is not supported with a KV cache (use causal, window or ALiBi)");
+            "options.block_mask is not supported with a KV cache (use options.mask, causal, window or ALiBi)");
   c.require(o.cu_seqlens_q.empty() && o.cu_seqlens_k.empty(),
             "options.cu_seqlens_q/k are not supported with a KV cache (cache_seqlens gives the lengths)");
   c.require(o.key_lengths.empty(), "options.key_lengths is not supported with a KV cache (cache_seqlens gives them)");
@@ -296,6 +296,57 @@ void check_options(const Checker& c, const AttentionOptions& o, DecodeProblem& p
     a.alibi = s.data_as<const float>();
     a.alibi_b = s.rank() == 2 ? s.stride(0) : 0;
     a.alibi_h = s.stride(s.rank() - 1);
+  }
+}
+
+// options.mask over the keys of the cache: broadcast over [B, Hq, Lq, K] by NumPy's
+// rules, where K (the last dimension) reaches at least the longest sequence's keys,
+// cache_seqlens[b] + Lnew; key j of sequence b (its position in the cache) reads
+// column j, so one mask serves a batch whose sequences have different lengths (the
+// columns past a sequence's own keys are never read). Boolean (true = attend) or
+// additive f32, or additive in q's dtype (bf16/f16), which the caller widens to f32
+// before any kernel reads it (mask_dtype says so; add_mask stays null until then).
+void bind_mask(const Checker& c, const TensorView& m, DecodeProblem& p) {
+  if (m.empty()) return;
+  const DType qt = p.q_dtype;
+  c.require(m.dtype() == DType::boolean || m.dtype() == DType::f32 || m.dtype() == qt, [&] {
+    return std::string("options.mask must be boolean (true = attend) or additive in f32") +
+           (qt != DType::f32 ? std::string(" or ") + dtype_name(qt) : std::string()) + ", got " +
+           dtype_name(m.dtype());
+  });
+  c.require(m.rank() >= 1 && m.rank() <= 4, [&] {
+    return "options.mask must have rank 1 .. 4 (broadcast over [B, Hq, Lq, K]), got " + m.describe();
+  });
+  c.require(m.data() != nullptr, "options.mask has a null data pointer");
+  c.nonnegative_strides(m, "options.mask");
+  c.on_device(m, "options.mask");
+  int64_t keys = 0;
+  for (int b = 0; b < p.B; ++b) keys = std::max<int64_t>(keys, int64_t{p.cached[b]} + p.Lnew);
+  const int64_t full[3] = {p.B, p.Hq, p.Lq};
+  const char* names[4] = {"B", "Hq", "Lq", "K"};
+  for (int i = 0; i < m.rank(); ++i) {
+    const int dim = 4 - m.rank() + i;
+    const int64_t sz = m.size(i);
+    const bool ok = sz == 1 || (dim < 3 ? sz == full[dim] : sz >= keys);
+    if (!ok) {
+      c.fail("options.mask " + m.describe() + " is not broadcastable to [B, Hq, Lq, K] = [" + str(p.B) + ", " +
+             str(p.Hq) + ", " + str(p.Lq) + ", K >= " + str(keys) + "]: dimension " + str(i) + " (" + names[dim] +
+             ") must be 1 or " + (dim < 3 ? str(full[dim]) : "at least " + str(keys) + " (max cache_seqlens[b] + Lnew)") +
+             ", got " + str(sz));
+    }
+  }
+  int64_t strides[4];
+  broadcast_strides(m, strides);
+  c.require(strides[3] == 0 || strides[3] == 1, [&] {
+    return "options.mask must have a contiguous last dimension (stride 1) or broadcast it, got " + m.describe();
+  });
+  Problem& a = p.attn;
+  a.mask_b = strides[0], a.mask_h = strides[1], a.mask_i = strides[2], a.mask_j = strides[3];
+  a.mask_dtype = m.dtype();
+  if (m.dtype() == DType::boolean) {
+    a.bool_mask = m.data_as<const uint8_t>();
+  } else if (m.dtype() == DType::f32) {
+    a.add_mask = m.data_as<const float>();
   }
 }
 
@@ -359,7 +410,8 @@ DecodeProblem make_decode_problem(const char* fn, const TensorView& q, const KVC
       {&q, "q"}, {&cache.k, "cache.k"}, {&cache.v, "cache.v"}, {&cache.k_scale, "cache.k_scale"},
       {&cache.v_scale, "cache.v_scale"}, {&cache.block_table, "cache.block_table"}, {&cache_seqlens, "cache_seqlens"},
       {&kv.k_new, "kv.k_new"}, {&kv.v_new, "kv.v_new"}, {&kv.rotary_cos, "kv.rotary_cos"},
-      {&kv.rotary_sin, "kv.rotary_sin"}, {&options.alibi_slopes, "options.alibi_slopes"}};
+      {&kv.rotary_sin, "kv.rotary_sin"}, {&options.alibi_slopes, "options.alibi_slopes"},
+      {&options.mask, "options.mask"}};
   for (const auto& [t, name] : inputs) {
     c.disjoint(out, "out", *t, name);
     c.disjoint(lse, "lse", *t, name);
@@ -410,6 +462,7 @@ DecodeProblem make_decode_problem(const char* fn, const TensorView& q, const KVC
       p.attn.seqs[b].Lk_rows = p.attn.seqs[b].Lk;
       p.attn.seqs[b].align = int64_t{p.attn.seqs[b].Lk} - p.Lq;
     }
+    bind_mask(c, options.mask, p);
   }
   return p;
 }
