@@ -291,18 +291,7 @@ void bind_mask(const Checker& c, const TensorView& m, const Extent& e, Problem* 
              std::to_string(full[dim]) + (e.varlen && dim >= 2 ? " or more" : "") + ", got " + std::to_string(sz));
     }
   }
-  int64_t strides[4];
-  broadcast_strides(m, strides);
-  c.require(strides[3] == 0 || strides[3] == 1, [&] {
-    return "mask must have a contiguous last dimension (stride 1) or broadcast it, got " + m.describe();
-  });
-  p->mask_b = strides[0], p->mask_h = strides[1], p->mask_i = strides[2], p->mask_j = strides[3];
-  p->mask_dtype = m.dtype();
-  if (m.dtype() == DType::boolean) {
-    p->bool_mask = m.data_as<const uint8_t>();
-  } else {
-    p->add_mask = m.data_as<const float>();  // bf16/f16: widened before any kernel reads it
-  }
+  bind_mask_layout(c, m, "mask", p);
 }
 
 // The optional outputs lse ([B, Hq, Lq] or [Hq, total_q]) and probs ([B, Hq, Lq, Lk]
@@ -384,6 +373,22 @@ void broadcast_strides(const TensorView& t, int64_t strides[4]) {
   for (int i = 0; i < t.rank(); ++i) {
     const int dim = 4 - t.rank() + i;  // aligned to the right, as NumPy broadcasting
     strides[dim] = t.size(i) == 1 ? 0 : t.stride(i);
+  }
+}
+
+void bind_mask_layout(const Checker& c, const TensorView& m, const char* name, Problem* p) {
+  int64_t strides[4];
+  broadcast_strides(m, strides);
+  c.require(strides[3] == 0 || strides[3] == 1, [&] {
+    return std::string(name) + " must have a contiguous last dimension (stride 1) or broadcast it, got " +
+           m.describe();
+  });
+  p->mask_b = strides[0], p->mask_h = strides[1], p->mask_i = strides[2], p->mask_j = strides[3];
+  p->mask_dtype = m.dtype();
+  if (m.dtype() == DType::boolean) {
+    p->bool_mask = m.data_as<const uint8_t>();
+  } else {
+    p->add_mask = m.data_as<const float>();  // bf16/f16: widened before any kernel reads it
   }
 }
 

@@ -152,6 +152,15 @@ struct BackwardProblem {
 /// tensor's stride. Shared by the mask and its gradient dbias.
 void broadcast_strides(const TensorView& t, int64_t strides[4]);
 
+class Checker;
+
+/// The mask fields of p from m, whose dtype and shape the caller has checked against
+/// its own extent: strides broadcast over [B, Hq, Lq, Lk] (the last must be 1 or
+/// broadcast, else an attn::Error naming `name`), the dtype, and the pointer (an
+/// additive bf16/f16 mask is widened to f32 before any kernel reads it). Shared by
+/// attention() and attention_with_kvcache().
+void bind_mask_layout(const Checker& c, const TensorView& m, const char* name, Problem* p);
+
 /// Checks every argument (throws attn::Error naming it) and builds the Problem, in
 /// steps of one concern each (attention_args.cpp: bind_qkv, bind_scalars,
 /// bind_sequences, bind_alibi, bind_mask, bind_block_mask, bind_lse_probs,

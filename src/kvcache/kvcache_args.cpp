@@ -304,8 +304,8 @@ void check_options(const Checker& c, const AttentionOptions& o, DecodeProblem& p
 // cache_seqlens[b] + Lnew; key j of sequence b (its position in the cache) reads
 // column j, so one mask serves a batch whose sequences have different lengths (the
 // columns past a sequence's own keys are never read). Boolean (true = attend) or
-// additive f32, or additive in q's dtype (bf16/f16), which the caller widens to f32
-// before any kernel reads it (mask_dtype says so; add_mask stays null until then).
+// additive f32, or additive in q's dtype (bf16/f16), which attention_with_kvcache
+// widens to f32 before the kernel reads it (mask_dtype says so).
 void bind_mask(const Checker& c, const TensorView& m, DecodeProblem& p) {
   if (m.empty()) return;
   const DType qt = p.q_dtype;
@@ -335,19 +335,7 @@ void bind_mask(const Checker& c, const TensorView& m, DecodeProblem& p) {
              ", got " + str(sz));
     }
   }
-  int64_t strides[4];
-  broadcast_strides(m, strides);
-  c.require(strides[3] == 0 || strides[3] == 1, [&] {
-    return "options.mask must have a contiguous last dimension (stride 1) or broadcast it, got " + m.describe();
-  });
-  Problem& a = p.attn;
-  a.mask_b = strides[0], a.mask_h = strides[1], a.mask_i = strides[2], a.mask_j = strides[3];
-  a.mask_dtype = m.dtype();
-  if (m.dtype() == DType::boolean) {
-    a.bool_mask = m.data_as<const uint8_t>();
-  } else if (m.dtype() == DType::f32) {
-    a.add_mask = m.data_as<const float>();
-  }
+  bind_mask_layout(c, m, "options.mask", &p.attn);
 }
 
 }  // namespace
