@@ -103,6 +103,25 @@ TEST_F(FewQueries, MasksTakeTheDecodeKernel) {
   }
 }
 
+// A bf16 model's decoding step passes its additive mask in bf16: widened to f32 first,
+// the step still reads k and v in place and packs nothing.
+TEST(FewQueriesTraffic, MasksInTheInputDtypeTakeTheDecodeKernel) {
+  std::mt19937_64 rng = make_rng(3007);
+  for (DType dt : {DType::bf16, DType::f16}) {
+    const int B = 2, Lk = 300, Hq = 8, Hkv = 2, d = 64;
+    LowpCall c(dt, B, 1, Lk, Hq, Hkv, d, d, rng);
+    std::vector<uint16_t> mask(size_t(B) * Lk);
+    std::uniform_real_distribution<float> u(-3, 3);
+    for (uint16_t& x : mask) x = c.to(rng() % 10 == 0 ? -INFINITY : u(rng));
+    AttentionOptions o;
+    o.mask = TensorView(mask.data(), dt, {B, 1, 1, Lk});
+    detail::traffic().reset();
+    attention(c.view(c.q, 1, Hq, d), c.view(c.k, Lk, Hkv, d), c.view(c.v, Lk, Hkv, d), c.view(c.out, 1, Hq, d), o);
+    EXPECT_EQ(detail::traffic().cache_read_bytes.load(), uint64_t(B) * Lk * Hkv * 2 * d * dtype_size(dt));
+    EXPECT_EQ(detail::traffic().packed_bytes.load(), 0u);
+  }
+}
+
 TEST_F(FewQueries, CallsItDoesNotTakeRunOnTheTiledKernels) {
   auto rng = make_rng(3004);
   auto expect_tiled = [&](Config& s) {

@@ -50,7 +50,7 @@ int few_queries_limit(int max_lk) { return env_override("ATTN_FEW_QUERIES", 0, 6
 
 bool attention_few_queries(const Problem& p, int threads) {
   // Masks go along (the decode kernel applies them as the tiled kernels do), but not a
-  // bf16/f16 one: attention() widens those to f32 only after this route declines.
+  // bf16/f16 one, which the kernels cannot read (attention() widens it, then asks again).
   const bool lowp_mask = p.add_mask != nullptr && p.mask_dtype != DType::f32;
   if (p.B < 1 || p.seqs.empty() || p.probs != nullptr || p.mods != nullptr || lowp_mask ||
       p.bm_blocks != nullptr || p.dropout_p != 0.0f || p.out_f32 || p.q_pos0 != 0 ||
