@@ -317,7 +317,7 @@ void bind_mask(const Checker& c, const TensorView& m, DecodeProblem& p) {
   c.require(m.rank() >= 1 && m.rank() <= 4, [&] {
     return "options.mask must have rank 1 .. 4 (broadcast over [B, Hq, Lq, K]), got " + m.describe();
   });
-  c.require(m.data() != nullptr, "options.mask has a null data pointer");
+  c.require(m.data() != nullptr || m.numel() == 0, "options.mask has a null data pointer");
   c.nonnegative_strides(m, "options.mask");
   c.on_device(m, "options.mask");
   int64_t keys = 0;
