@@ -1,6 +1,7 @@
 // `attn check`: runs the fused forward and backward against the float64 reference on random
 // inputs of many shapes and options, in every dtype (and for f32 inputs, with every
 // Precision) and on every kernel path this machine can run, and says whether it holds.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -22,7 +23,16 @@ struct CheckCase {
   Causal causal;
   Window window;
   float softcap;
+  bool left_padding = false;  // a boolean mask [1, 1, 1, Lk] hiding the first Lk / 8 keys
 };
+
+/// The case's boolean padding mask in `storage` (true = attend), or none.
+TensorView padding_mask(const CheckCase& c, std::vector<uint8_t>& storage) {
+  if (!c.left_padding) return {};
+  storage.assign(size_t(c.Lk), 1);
+  std::fill(storage.begin(), storage.begin() + c.Lk / 8, 0);
+  return TensorView(storage.data(), DType::boolean, {1, 1, 1, c.Lk});
+}
 
 // Relative error ‖a − b‖ / ‖b‖.
 double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
@@ -127,7 +137,8 @@ bool run_case(const CheckCase& c, const Variant& var, std::mt19937& rng) {
   // opt: the oracle's options (the reference honours a precision, so it has none);
   // run: the fused call's.
   AttentionOptions opt;
-  opt.causal = c.causal, opt.window = c.window, opt.softcap = c.softcap;
+  std::vector<uint8_t> mask;
+  opt.causal = c.causal, opt.window = c.window, opt.softcap = c.softcap, opt.mask = padding_mask(c, mask);
   AttentionOptions run = opt;
   run.precision = var.precision;
   attention_reference(q.view32(), k.view32(), v.view32(), TensorView(ref.data(), DType::f32, q.shape), opt);
@@ -178,7 +189,8 @@ bool run_backward_case(const CheckCase& c, const Variant& var, std::mt19937& rng
   // opt: the oracle's options (the reference honours a precision, so it has none);
   // run: the fused calls'.
   AttentionOptions opt;
-  opt.causal = c.causal, opt.window = c.window, opt.softcap = c.softcap;
+  std::vector<uint8_t> mask;
+  opt.causal = c.causal, opt.window = c.window, opt.softcap = c.softcap, opt.mask = padding_mask(c, mask);
   AttentionOptions run = opt;
   run.precision = var.precision;
   if (var.isa[0] != '\0') setenv("ATTN_ISA", var.isa, 1);
@@ -272,6 +284,9 @@ Command add_check_command(CLI::App& app) {
         // A decoding step without a cache: the forward runs on the decode kernel on
         // every path (kvcache/few_queries.hpp), the backward on the path's kernel.
         {"one query, 300 keys (decode kernel)", 1, 300, 8, 2, 128, Causal::BottomRight, {-1, -1}, 0},
+        // The same step with a padding mask, as models pass one to SDPA (the decode
+        // kernel applies it).
+        {"one query, padding mask (decode)", 1, 300, 8, 2, 128, Causal::None, {-1, -1}, 0, true},
     };
     std::mt19937 rng(*seed);
     int failures = 0;
