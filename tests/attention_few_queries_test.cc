@@ -1,7 +1,7 @@
 // attention() with a few queries per sequence runs on the decode kernel, which reads k
 // and v where they lie (kvcache/few_queries.hpp). Checked here: which calls take it
 // (the traffic counters tell the decode kernel's reads from the tiled kernels'
-// packing), every option it takes (masks too) against the float64 reference in f32, bf16 and f16,
+// packing), every option it takes (boolean masks too) against the float64 reference in f32, bf16 and f16,
 // results that do not depend on the thread count, and the ATTN_FEW_QUERIES override.
 // The harness's run_case also runs every short case of the other forward suites on
 // both kernels.
@@ -80,19 +80,19 @@ TEST_F(FewQueries, PackedBatchesOfEqualQueryLengths) {
   }
 }
 
-// Boolean and additive f32 masks of every broadcast shape, with GQA, causality, key
-// lengths and BHSD views: the decode kernel applies them (decoding steps that carry a
-// padding mask, as Hugging Face models pass one to SDPA on every step).
-TEST_F(FewQueries, MasksTakeTheDecodeKernel) {
+// Boolean masks of every broadcast shape, with GQA, causality, key lengths and BHSD
+// views: the decode kernel applies them (decoding steps that carry a padding mask, as
+// models pass one to SDPA on every step). Additive masks keep the tiled kernels (see
+// attention_few_queries: a finite mask near −FLT_MAX leaves visible keys with p = 0).
+TEST_F(FewQueries, BooleanMasksTakeTheDecodeKernel) {
   auto rng = make_rng(3006);
   const std::vector<std::vector<int64_t>> shapes = {{2, 6, 2, 300}, {2, 1, 1, 300}, {2, 300}, {300}, {6, 1, 300}};
   int n = 0;
   for (const auto& shape : shapes) {
-    for (bool boolean : {true, false}) {
+    for (int variant = 0; variant < 2; ++variant) {
       Config s;
       s.B = 2, s.Lq = 2, s.Lk = 300, s.Hq = 6, s.Hkv = 2, s.d = 40, s.dv = 24;
-      if (boolean) s.set_bool_mask(shape, rng);
-      else s.set_add_mask(shape, rng);
+      s.set_bool_mask(shape, rng);
       s.opt.causal = n % 3 == 0 ? Causal::BottomRight : Causal::None;
       if (n % 4 == 1) s.set_key_lengths(rng, 1);
       s.bhsd = n % 2 == 1;
@@ -103,22 +103,31 @@ TEST_F(FewQueries, MasksTakeTheDecodeKernel) {
   }
 }
 
-// A bf16 model's decoding step passes its additive mask in bf16: widened to f32 first,
-// the step still reads k and v in place and packs nothing.
-TEST(FewQueriesTraffic, MasksInTheInputDtypeTakeTheDecodeKernel) {
+// bf16 and f16 inputs with a boolean mask take the decode kernel (k and v read in
+// place, nothing packed); an additive mask in the input dtype keeps the tiled kernels.
+TEST(FewQueriesTraffic, BooleanMasksWithLowPrecisionInputsTakeTheDecodeKernel) {
   std::mt19937_64 rng = make_rng(3007);
   for (DType dt : {DType::bf16, DType::f16}) {
     const int B = 2, Lk = 300, Hq = 8, Hkv = 2, d = 64;
     LowpCall c(dt, B, 1, Lk, Hq, Hkv, d, d, rng);
-    std::vector<uint16_t> mask(size_t(B) * Lk);
-    std::uniform_real_distribution<float> u(-3, 3);
-    for (uint16_t& x : mask) x = c.to(rng() % 10 == 0 ? -INFINITY : u(rng));
+    std::vector<uint8_t> keep(size_t(B) * Lk);
+    for (uint8_t& x : keep) x = rng() % 10 != 0;
     AttentionOptions o;
-    o.mask = TensorView(mask.data(), dt, {B, 1, 1, Lk});
+    o.mask = TensorView(keep.data(), DType::boolean, {B, 1, 1, Lk});
+    auto call = [&] {
+      attention(c.view(c.q, 1, Hq, d), c.view(c.k, Lk, Hkv, d), c.view(c.v, Lk, Hkv, d), c.view(c.out, 1, Hq, d), o);
+    };
     detail::traffic().reset();
-    attention(c.view(c.q, 1, Hq, d), c.view(c.k, Lk, Hkv, d), c.view(c.v, Lk, Hkv, d), c.view(c.out, 1, Hq, d), o);
+    call();
     EXPECT_EQ(detail::traffic().cache_read_bytes.load(), uint64_t(B) * Lk * Hkv * 2 * d * dtype_size(dt));
     EXPECT_EQ(detail::traffic().packed_bytes.load(), 0u);
+    std::vector<uint16_t> additive(size_t(B) * Lk);
+    for (size_t i = 0; i < additive.size(); ++i) additive[i] = c.to(keep[i] ? 0.0f : -INFINITY);
+    o.mask = TensorView(additive.data(), dt, {B, 1, 1, Lk});
+    detail::traffic().reset();
+    call();
+    EXPECT_EQ(detail::traffic().cache_read_bytes.load(), 0u);
+    EXPECT_GT(detail::traffic().packed_bytes.load(), 0u);
   }
 }
 
@@ -128,6 +137,12 @@ TEST_F(FewQueries, CallsItDoesNotTakeRunOnTheTiledKernels) {
     SCOPED_TRACE(s.describe());
     EXPECT_FALSE(took_the_decode_kernel(s, rng, ledger));
   };
+  {
+    Config s;
+    s.Lq = 2, s.Lk = 50;
+    s.set_add_mask({1, 1, 2, 50}, rng);
+    expect_tiled(s);
+  }
   {
     Config s;  // more queries than the limit: 8 from 256 keys, else 4
     s.Lq = 9, s.Lk = 300;

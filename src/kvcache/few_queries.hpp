@@ -20,8 +20,8 @@ int few_queries_limit(int max_lk);
 /// Computes the forward of p (checked by make_problem) on the decode kernel and
 /// returns true, or returns false without touching an output when the call is not
 /// one the decode kernel computes: more queries than few_queries_limit(), sequences
-/// of unequal query lengths, a bf16/f16 mask (attention() then widens it to f32 and asks
-/// again; boolean and f32 masks go along), block masks, user modifiers, dropout, explicit
+/// of unequal query lengths, an additive mask (boolean masks go along), block masks,
+/// user modifiers, dropout, explicit
 /// probabilities, a placed call, or f32 inputs with Precision::bf16 (which asks for
 /// rounded inputs). The decode kernel's arithmetic is f32 throughout (bf16/f16 inputs
 /// widened exactly, P kept in f32), at least as accurate as the tiled kernels'.
