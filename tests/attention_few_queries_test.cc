@@ -1,13 +1,17 @@
 // attention() with a few queries per sequence runs on the decode kernel, which reads k
 // and v where they lie (kvcache/few_queries.hpp). Checked here: which calls take it
 // (the traffic counters tell the decode kernel's reads from the tiled kernels'
-// packing), every option it takes (boolean masks too) against the float64 reference in f32, bf16 and f16,
+// packing), every option it takes (masks too) against the float64 reference in f32, bf16 and f16,
 // results that do not depend on the thread count, and the ATTN_FEW_QUERIES override.
 // The harness's run_case also runs every short case of the other forward suites on
 // both kernels.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -80,19 +84,22 @@ TEST_F(FewQueries, PackedBatchesOfEqualQueryLengths) {
   }
 }
 
-// Boolean masks of every broadcast shape, with GQA, causality, key lengths and BHSD
-// views: the decode kernel applies them (decoding steps that carry a padding mask, as
-// models pass one to SDPA on every step). Additive masks keep the tiled kernels (see
-// attention_few_queries: a finite mask near −FLT_MAX leaves visible keys with p = 0).
-TEST_F(FewQueries, BooleanMasksTakeTheDecodeKernel) {
+// Boolean and additive masks of every broadcast shape, with GQA, causality, key
+// lengths and BHSD views: the decode kernel applies them (decoding steps that carry a
+// padding mask, as models pass one to SDPA on every step).
+TEST_F(FewQueries, MasksTakeTheDecodeKernel) {
   auto rng = make_rng(3006);
   const std::vector<std::vector<int64_t>> shapes = {{2, 6, 2, 300}, {2, 1, 1, 300}, {2, 300}, {300}, {6, 1, 300}};
   int n = 0;
   for (const auto& shape : shapes) {
-    for (int variant = 0; variant < 2; ++variant) {
+    for (int variant = 0; variant < 4; ++variant) {
       Config s;
       s.B = 2, s.Lq = 2, s.Lk = 300, s.Hq = 6, s.Hkv = 2, s.d = 40, s.dv = 24;
-      s.set_bool_mask(shape, rng);
+      if (variant < 2) {
+        s.set_bool_mask(shape, rng);
+      } else {
+        s.set_add_mask(shape, rng);
+      }
       s.opt.causal = n % 3 == 0 ? Causal::BottomRight : Causal::None;
       if (n % 4 == 1) s.set_key_lengths(rng, 1);
       s.bhsd = n % 2 == 1;
@@ -103,9 +110,9 @@ TEST_F(FewQueries, BooleanMasksTakeTheDecodeKernel) {
   }
 }
 
-// bf16 and f16 inputs with a boolean mask take the decode kernel (k and v read in
-// place, nothing packed); an additive mask in the input dtype keeps the tiled kernels.
-TEST(FewQueriesTraffic, BooleanMasksWithLowPrecisionInputsTakeTheDecodeKernel) {
+// bf16 and f16 inputs with a boolean mask, or an additive one in the input dtype,
+// take the decode kernel (k and v read in place, nothing packed).
+TEST(FewQueriesTraffic, MasksWithLowPrecisionInputsTakeTheDecodeKernel) {
   std::mt19937_64 rng = make_rng(3007);
   for (DType dt : {DType::bf16, DType::f16}) {
     const int B = 2, Lk = 300, Hq = 8, Hkv = 2, d = 64;
@@ -126,8 +133,8 @@ TEST(FewQueriesTraffic, BooleanMasksWithLowPrecisionInputsTakeTheDecodeKernel) {
     o.mask = TensorView(additive.data(), dt, {B, 1, 1, Lk});
     detail::traffic().reset();
     call();
-    EXPECT_EQ(detail::traffic().cache_read_bytes.load(), 0u);
-    EXPECT_GT(detail::traffic().packed_bytes.load(), 0u);
+    EXPECT_EQ(detail::traffic().cache_read_bytes.load(), uint64_t(B) * Lk * Hkv * 2 * d * dtype_size(dt));
+    EXPECT_EQ(detail::traffic().packed_bytes.load(), 0u);
   }
 }
 
@@ -137,12 +144,6 @@ TEST_F(FewQueries, CallsItDoesNotTakeRunOnTheTiledKernels) {
     SCOPED_TRACE(s.describe());
     EXPECT_FALSE(took_the_decode_kernel(s, rng, ledger));
   };
-  {
-    Config s;
-    s.Lq = 2, s.Lk = 50;
-    s.set_add_mask({1, 1, 2, 50}, rng);
-    expect_tiled(s);
-  }
   {
     Config s;  // more queries than the limit: 8 from 256 keys, else 4
     s.Lq = 9, s.Lk = 300;
@@ -197,6 +198,42 @@ TEST(FewQueriesTraffic, OneQueryReadsTheKeysOnceAndPacksNothing) {
     attention(q, k, v, out);
     EXPECT_EQ(detail::traffic().cache_read_bytes.load(), 0u);
     EXPECT_GT(detail::traffic().packed_bytes.load(), 0u);
+  }
+}
+
+// A −FLT_MAX mask entry leaves its key seen with p = 0: a NaN in its value makes that
+// column NaN on both kernels, as in the float64 reference; a NaN value under a −∞
+// entry (removed) reaches nothing. Scores ~100 apart underflow the same way.
+TEST(FewQueriesNonFinite, SeenKeysWhosePUnderflowsPassNaNValuesOn) {
+  std::mt19937_64 rng = make_rng(3008);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  const int Lk = 300, Hq = 4, Hkv = 2, d = 24;
+  std::vector<float> q(size_t(Hq) * d), k(size_t(Lk) * Hkv * d), v(k.size()), out(q.size()), mask(Lk, 0.0f);
+  for (float& x : q) x = u(rng);
+  for (float& x : k) x = u(rng);
+  for (float& x : v) x = u(rng);
+  std::copy(q.begin(), q.begin() + d, q.begin() + d);  // heads 0 and 1 (kv head 0) alike
+  mask[77] = -FLT_MAX;
+  mask[130] = -INFINITY;
+  v[(size_t(77) * Hkv + 1) * d + 9] = NAN;        // kv head 1, seen: column 9 of heads 2, 3
+  v[(size_t(130) * Hkv + 0) * d + 3] = NAN;       // removed
+  v[(size_t(200) * Hkv + 0) * d + 5] = INFINITY;  // kv head 0, key 200's score ~2000 below the rest
+  for (int x = 0; x < d; ++x) k[(size_t(200) * Hkv + 0) * d + x] = q[x] < 0 ? 1e3f : -1e3f;
+  AttentionOptions o;
+  o.mask = TensorView(mask.data(), DType::f32, {Lk});
+  for (bool decode_kernel : {true, false}) {
+    SCOPED_TRACE(decode_kernel ? "decode kernel" : "tiled kernels");
+    std::unique_ptr<FewQueriesOff> off(decode_kernel ? nullptr : new FewQueriesOff);
+    detail::traffic().reset();
+    attention(TensorView(q.data(), DType::f32, {1, 1, Hq, d}), TensorView(k.data(), DType::f32, {1, Lk, Hkv, d}),
+              TensorView(v.data(), DType::f32, {1, Lk, Hkv, d}), TensorView(out.data(), DType::f32, {1, 1, Hq, d}), o);
+    EXPECT_EQ(detail::traffic().cache_read_bytes.load() > 0, decode_kernel);
+    for (int h = 0; h < Hq; ++h) {
+      for (int x = 0; x < d; ++x) {
+        const bool want_nan = (h >= 2 && x == 9) || (h < 2 && x == 5);
+        ASSERT_EQ(std::isnan(out[size_t(h) * d + x]), want_nan) << "head " << h << " x " << x;
+      }
+    }
   }
 }
 

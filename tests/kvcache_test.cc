@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -690,6 +691,52 @@ TEST(KVCache, E4m3NanCodeInAVisibleKeyOrValueGivesNaN) {
           ASSERT_TRUE(std::isnan(got)) << (which ? "v" : "k") << " head " << h << " x " << x;
         } else {
           ASSERT_FALSE(std::isnan(got)) << (which ? "v" : "k") << " head " << h << " x " << x;
+        }
+      }
+    }
+  }
+}
+
+// Only a −∞ score removes a key. Under a −FLT_MAX mask entry a key is seen, and its p
+// underflows to 0: a NaN or ∞ in its value still reaches the output as 0·NaN = NaN,
+// as in the float64 reference and attention()'s tiled kernels. A NaN value under a
+// −∞ entry does not. Every cache dtype with a non-finite value (E4M3: its NaN code;
+// i8: a NaN value scale), contiguous and paged, one split and several.
+TEST(KVCache, ASeenKeyWhosePUnderflowsStillPassesANonFiniteValueOn) {
+  auto rng = make_rng(1209);
+  for (DType dt : {DType::f32, DType::bf16, DType::f16, DType::f8e4m3, DType::i8}) {
+    for (int splits : {1, 3}) {
+      KvConfig c;
+      c.B = 1, c.Hq = 8, c.Hkv = 2, c.d = 48, c.dv = 40;
+      c.cached = {200};
+      c.Lnew = 0;
+      c.page = splits == 1 ? 0 : 16;
+      c.num_splits = splits;
+      c.cache_dtype = dt;
+      c.mask = Mask::f32, c.mask_layout = MaskLayout::per_sequence_keys;
+      KvCase kc(c, rng);
+      for (int j = 0; j < kc.mask_keys; ++j) write_elem(DType::f32, kc.mask.data(), kc.mask_at(0, 0, 0, j), 0.0f);
+      write_elem(DType::f32, kc.mask.data(), kc.mask_at(0, 0, 0, 77), -FLT_MAX);
+      write_elem(DType::f32, kc.mask.data(), kc.mask_at(0, 0, 0, 130), -INFINITY);
+      auto poison = [&](int t, int h, int x) {
+        if (dt == DType::i8) {  // the whole dequantized row: code × NaN
+          kc.v_scale[size_t(kc.v_at(0, t, h) / c.dv)] = NAN;
+        } else if (dt == DType::f8e4m3) {
+          static_cast<uint8_t*>(static_cast<void*>(kc.v_cache.data()))[kc.v_at(0, t, h) + x] = 0xFF;
+        } else {
+          write_elem(dt, kc.v_cache.data(), kc.v_at(0, t, h) + x, dt == DType::f32 ? INFINITY : NAN);
+        }
+      };
+      poison(77, 1, 9);   // seen, p = 0: NaN in column 9 of kv head 1's rows
+      poison(130, 0, 3);  // removed: never read into the output
+      poison(130, 1, 5);
+      const Result r = run(kc);
+      for (int h = 0; h < c.Hq; ++h) {
+        const bool poisoned_head = h / (c.Hq / c.Hkv) == 1;
+        for (int x = 0; x < c.dv; ++x) {
+          const float got = read_elem(c.q_dtype, r.out.data(), int64_t(h) * c.dv + x);
+          const bool want_nan = poisoned_head && (x == 9 || dt == DType::i8);
+          ASSERT_EQ(std::isnan(got), want_nan) << dtype_name(dt) << " splits " << splits << " head " << h << " x " << x;
         }
       }
     }

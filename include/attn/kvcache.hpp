@@ -83,10 +83,10 @@ inline constexpr int kMaxKVSplits = 256;
 /// additive in f32 or q's dtype), broadcast over [B, Hq, Lq, K] where K ≥ the longest
 /// sequence's cache_seqlens[b] + Lnew: key j of sequence b (its position in the cache)
 /// reads column j, and columns past a sequence's keys are not read (tree masks for
-/// speculative decoding, padding masks carried over from a padded batch). One
-/// difference from attention()'s tiled kernels: a key whose probability underflows to
-/// 0 (a score ~104 or more below its row's max, e.g. under a −FLT_MAX mask entry) is
-/// skipped as removed, so a NaN or ±∞ in its value does not reach the output. block_mask,
+/// speculative decoding, padding masks carried over from a padded batch). NaN and ±∞
+/// as in attention(): only a −∞ score (or `false`) removes a key, whose cached values
+/// are then never read into the output; a seen key whose probability underflows to 0
+/// (e.g. under a −FLT_MAX mask entry) still passes a NaN or ±∞ value on. block_mask,
 /// cu_seqlens, key_lengths and dropout are attn::Errors here (precision is ignored:
 /// the cache's dtype decides). Throws
 /// attn::Error, naming the argument, before writing anything: shapes, dtypes, a

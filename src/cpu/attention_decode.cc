@@ -18,8 +18,9 @@
 //                           per chunk of dv
 // Splits are combined in split order as merge_attention_states does. The automatic
 // split count depends on the key count only, so no result depends on the threads.
-// Removed keys never contribute, even where the cache holds NaN or ±∞ there: P·V
-// skips every p = 0.
+// Removed keys (score −∞) never contribute, even where the cache holds NaN or ±∞
+// there: P·V skips them by their score. A seen key whose p underflows to 0 adds 0·v,
+// NaN for a non-finite v, as in the float64 reference.
 #include <omp.h>
 
 #include <algorithm>
@@ -369,20 +370,33 @@ HWY_INLINE void DotRowGroups(const float* q, size_t dp, int rows, const T* const
   }
 }
 
-/// True when none of the NK floats at p is 0 (a NaN is not 0). Masked loads: p may
-/// be the last NK floats of its buffer.
-template <int NK>
-HWY_INLINE bool NoZeroAmong(const float* HWY_RESTRICT p) {
+static_assert(kBk <= 64, "a row's removed keys are the bits of one uint64_t");
+
+/// Bit c set when score c of a row of kBk scores is −∞ (a removed key; a NaN is
+/// not). Kept beside the row, since the softmax overwrites the scores with p, and
+/// p = 0 does not tell a removed key from a seen one whose p underflowed.
+HWY_INLINE uint64_t RemovedKeys(const float* HWY_RESTRICT s) {
   const DF df;
-  bool none = true;
-  for (int k = 0; k < NK; k += kLanes) {
-    const auto lanes = hn::FirstN(df, std::min(kLanes, NK - k));
-    none &= hn::AllFalse(df, hn::And(lanes, hn::Eq(hn::MaskedLoad(lanes, df, p + k), hn::Zero(df))));
+  uint64_t bits = 0;
+  for (int n = 0; n < kKeyVectors; ++n) {
+    uint8_t bytes[8] = {};
+    hn::StoreMaskBits(df, hn::Eq(hn::Load(df, s + n * kLanes), hn::Set(df, -HUGE_VALF)), bytes);
+    uint64_t v;
+    std::memcpy(&v, bytes, sizeof v);
+    bits |= v << (n * kLanes);
   }
-  return none;
+  return bits;
 }
 
-/// o[r] += Σ_k p[r][k]·v_k for NK consecutive keys and NR rows, no p = 0 among them:
+/// The lanes of the vector of keys c … c + kLanes − 1 whose bit in `removed` is clear.
+HWY_INLINE hn::Mask<DF> SeenLanes(uint64_t removed, int c) {
+  const uint64_t seen = ~removed >> c;
+  uint8_t bytes[8];
+  std::memcpy(bytes, &seen, sizeof seen);
+  return hn::LoadMaskBits(DF(), bytes);
+}
+
+/// o[r] += Σ_k p[r][k]·v_k for NK consecutive keys and NR rows, no removed key among them:
 /// each value chunk converted once and used by every row. Every row's accumulators
 /// stay in registers across the NK keys (NR × 2 vectors), so the FMA units see 2·NR
 /// independent chains: with one row's chains at a time (the old loop) they waited on
@@ -455,29 +469,28 @@ HWY_INLINE void PvRowsDense(const float* HWY_RESTRICT p, size_t ld, const T* con
 constexpr int kPvKeysMax = 16;
 
 /// o[r] += Σ_k p[r][k]·v_k for nk ≤ kPvKeysMax keys and every row, one row and one
-/// vector of dv at a time, each key's p = 0 skipped: the path for passes with removed
-/// keys, and for the short passes at a block's end (one instance for every key count,
-/// where templates on the count multiplied the file's compile time). Each column adds
-/// the keys in order, as PvRowsDense does, so the two agree bitwise.
+/// vector of dv at a time, each removed key (bit c + k of removed[r], RemovedKeys)
+/// skipped: the path for passes with removed keys, and for the short passes at a
+/// block's end (one instance for every key count, where templates on the count
+/// multiplied the file's compile time). Each column adds the keys in order, as
+/// PvRowsDense does, so the two agree bitwise.
 template <typename T>
-HWY_INLINE void PvKeysSkippingZeros(const float* HWY_RESTRICT p, size_t ld, int rows, const T* const* vals, int nk,
-                                    int dv, float* HWY_RESTRICT o, size_t o_ld) {
+HWY_INLINE void PvKeysSkippingRemoved(const float* HWY_RESTRICT p, size_t ld, const uint64_t* removed, int c,
+                                      int rows, const T* const* vals, int nk, int dv, float* HWY_RESTRICT o,
+                                      size_t o_ld) {
   const DF df;
   for (int r = 0; r < rows; ++r) {
+    const uint64_t gone = removed[r] >> c;
+    const uint64_t keys = nk == 64 ? ~uint64_t{0} : (uint64_t{1} << nk) - 1;
+    if ((gone & keys) == keys) continue;  // every key removed
     float coef[kPvKeysMax];
-    bool all = true, any = false;
-    for (int k = 0; k < nk; ++k) {
-      coef[k] = p[r * ld + k];
-      all &= coef[k] != 0.0f;
-      any |= coef[k] != 0.0f;
-    }
-    if (!any) continue;
+    for (int k = 0; k < nk; ++k) coef[k] = p[r * ld + k];
     float* orow = o + r * o_ld;
     for (int x = 0; x < dv; x += kLanes) {
       const int width = std::min(kLanes, dv - x);
       VF acc = hn::Load(df, orow + x);
       for (int k = 0; k < nk; ++k) {
-        if (!all && coef[k] == 0.0f) continue;
+        if ((gone >> k) & 1) continue;
         acc = hn::MulAdd(hn::Set(df, coef[k]), LoadColumnsF32(df, vals[k], x, width), acc);
       }
       hn::Store(acc, df, orow + x);
@@ -485,15 +498,20 @@ HWY_INLINE void PvKeysSkippingZeros(const float* HWY_RESTRICT p, size_t ld, int 
   }
 }
 
-/// o[r] += Σ_k p[r][k]·v_k for NK consecutive keys (p: row stride ld) and every
-/// row, the cache read in token order. A p of exactly 0 — a removed key — is
-/// skipped, so a NaN or ±∞ the cache holds there never reaches o (0·NaN would).
+/// o[r] += Σ_k p[r][k]·v_k for NK consecutive keys, from key c of the block (p:
+/// row stride ld; removed: the block's RemovedKeys per row), and every row, the
+/// cache read in token order. A removed key (score −∞) is skipped, so a NaN or ±∞
+/// the cache holds there never reaches o (0·NaN would). A key that is seen but whose
+/// p underflowed to 0 (a score ~104 below its row's max, e.g. under a −FLT_MAX mask)
+/// is not removed: it adds 0·v, which is NaN for a non-finite v, as in the float64
+/// reference.
 template <typename T, int NK>
-HWY_INLINE void PvKeys(const float* HWY_RESTRICT p, size_t ld, int rows, const T* const* vals, int dv,
-                       float* HWY_RESTRICT o, size_t o_ld) {
-  bool dense = true;  // no p = 0 among these keys and rows: the plain loop
-  for (int r = 0; r < rows && dense; ++r) dense = NoZeroAmong<NK>(p + r * ld);
-  if (dense) {
+HWY_INLINE void PvKeys(const float* HWY_RESTRICT p, size_t ld, const uint64_t* removed, int c, int rows,
+                       const T* const* vals, int dv, float* HWY_RESTRICT o, size_t o_ld) {
+  constexpr uint64_t kKeys = (uint64_t{1} << NK) - 1;
+  uint64_t any_removed = 0;  // among these keys and rows; none: the plain loop
+  for (int r = 0; r < rows; ++r) any_removed |= (removed[r] >> c) & kKeys;
+  if (any_removed == 0) {
     int r = 0;
     for (; r + 4 <= rows; r += 4) PvRowsDense<T, NK, 4>(p + r * ld, ld, vals, dv, o + r * o_ld, o_ld);
     switch (rows - r) {
@@ -504,7 +522,7 @@ HWY_INLINE void PvKeys(const float* HWY_RESTRICT p, size_t ld, int rows, const T
     }
     return;
   }
-  PvKeysSkippingZeros(p, ld, rows, vals, NK, dv, o, o_ld);
+  PvKeysSkippingRemoved(p, ld, removed, c, rows, vals, NK, dv, o, o_ld);
 }
 
 /// The query rows of one work item: query heads g0 … g0+heads−1 of the kv head's
@@ -532,14 +550,15 @@ std::vector<RowChunk> RowChunks(int group, int lq) {
 constexpr int kMaxItemRows = 256;
 
 /// One thread's scratch, carved from its reusable buffer (workspace.hpp, kSlotDecode):
-/// a work item's running state, per kv head its rows' queries, O, m, l and a score
-/// tile, sized for the call's largest item (item_rows rows, item_pad_rows once each
+/// a work item's running state, per kv head its rows' queries, O, m, l, a score
+/// tile and which of its keys are removed (RemovedKeys), sized for the call's largest item (item_rows rows, item_pad_rows once each
 /// head's rows are rounded up to whole vectors); FinishRow's row buffers. Allocated
 /// per call, sized for any item (1.3 MiB), these were ~20% of a one-token call.
 struct Scratch {
   float *q, *s, *o, *m, *l, *alpha, *row_max, *row;
   double* acc;
   int lo[kMaxRows], hi[kMaxRows];
+  uint64_t removed[kMaxItemRows];  // kv head hh's row r at hh·rows + r
   Scratch(int dp, int dvp, int item_rows, int item_pad_rows) {
     auto whole = [](size_t floats) { return (floats + 15) / 16 * 16; };  // 64-byte pieces
     const size_t fq = whole(static_cast<size_t>(item_rows) * dp), fs = whole(static_cast<size_t>(item_pad_rows) * kBk),
@@ -822,6 +841,10 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
         ApplyScoreMods(p.attn, seq, t, s + static_cast<size_t>(g) * rc.count * kBk, kBk,
                        cols < kBk || TileNeedsBand(t));
       }
+      // P·V skips a key by its score (−∞ = removed), not by p = 0, which a seen key
+      // far below its row's max also gets.
+      uint64_t* removed = &w.removed[hh * rows];
+      for (int r = 0; r < rows; ++r) removed[r] = RemovedKeys(s + r * kBk);
       active[hh] = SoftmaxTile(s, kBk, rows, m, l, alpha, w.row_max);
       if (!active[hh]) continue;
       for (int r = 0; r < rows; ++r) {  // O = α·O before this block's P·V
@@ -835,7 +858,7 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
           for (int x = 0; x < kBk; x += kLanes) {
             const VF pv = hn::Load(DF(), s + r * kBk + x);
             const VF scaled = hn::Mul(pv, hn::Load(DF(), scales + x));
-            hn::Store(hn::IfThenElseZero(hn::Ne(pv, hn::Zero(DF())), scaled), DF(), s + r * kBk + x);
+            hn::Store(hn::IfThenElseZero(SeenLanes(removed[r], x), scaled), DF(), s + r * kBk + x);
           }
         }
       }
@@ -886,16 +909,17 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
             if (active[hh]) {
               for (int k = 0; k < nk; ++k) vv[k] = vals0[c + k] + hh * p.v.head_stride;
               const float* s = &w.s[static_cast<size_t>(hh) * rows_pad * kBk] + c;
+              const uint64_t* removed = &w.removed[hh * rows];
               float* o = &w.o[static_cast<size_t>(hh) * rows * dvp];
               // Whole passes of 16 or 8 on the register-blocked loops, a block's
-              // shorter last pass on PvKeysSkippingZeros: each column still sums its
+              // shorter last pass on PvKeysSkippingRemoved: each column still sums its
               // keys in order, so the result does not depend on the pieces.
               if (nk == 16) {
-                PvKeys<U, 16>(s, kBk, rows, vu, p.dv, o, dvp);
+                PvKeys<U, 16>(s, kBk, removed, c, rows, vu, p.dv, o, dvp);
               } else if (nk == 8) {
-                PvKeys<U, 8>(s, kBk, rows, vu, p.dv, o, dvp);
+                PvKeys<U, 8>(s, kBk, removed, c, rows, vu, p.dv, o, dvp);
               } else {
-                PvKeysSkippingZeros(s, kBk, rows, vu, nk, p.dv, o, dvp);
+                PvKeysSkippingRemoved(s, kBk, removed, c, rows, vu, nk, p.dv, o, dvp);
               }
             }
             if (request_values && nk > 8) prefetch_head(p.v, vals0, v_scale_at, hh, p.dv, c + 8, nk - 8);

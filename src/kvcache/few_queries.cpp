@@ -49,12 +49,11 @@ bool bind_pages(const Problem& p, DecodeProblem& d) {
 int few_queries_limit(int max_lk) { return env_override("ATTN_FEW_QUERIES", 0, 64, max_lk >= 256 ? 8 : 4); }
 
 bool attention_few_queries(const Problem& p, int threads) {
-  // Boolean masks go along (the decode kernel applies them as the tiled kernels do).
-  // Additive ones do not: a finite mask as large as −FLT_MAX leaves a visible key with
-  // p = 0 exactly, which the decode kernel skips as removed, so a NaN in its value
-  // would not reach the output as it does in the reference and the tiled kernels
-  // (which skip only keys whose score is −∞).
-  if (p.B < 1 || p.seqs.empty() || p.probs != nullptr || p.mods != nullptr || p.add_mask != nullptr ||
+  // Masks go along, boolean and additive: the decode kernel applies them as the tiled
+  // kernels do, and like them skips a key by its score (−∞), not by p = 0. A bf16/f16
+  // additive mask comes back here once attention() has widened it to f32.
+  if (p.B < 1 || p.seqs.empty() || p.probs != nullptr || p.mods != nullptr ||
+      (p.add_mask != nullptr && p.mask_dtype != DType::f32) ||
       p.bm_blocks != nullptr || p.dropout_p != 0.0f || p.out_f32 || p.q_pos0 != 0 ||
       p.k_pos0 != 0 || p.h0 != 0 || (p.dtype == DType::f32 && p.precision == Precision::bf16)) {
     return false;

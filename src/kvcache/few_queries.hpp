@@ -20,7 +20,7 @@ int few_queries_limit(int max_lk);
 /// Computes the forward of p (checked by make_problem) on the decode kernel and
 /// returns true, or returns false without touching an output when the call is not
 /// one the decode kernel computes: more queries than few_queries_limit(), sequences
-/// of unequal query lengths, an additive mask (boolean masks go along), block masks,
+/// of unequal query lengths, block masks (boolean and additive masks go along),
 /// user modifiers, dropout, explicit
 /// probabilities, a placed call, or f32 inputs with Precision::bf16 (which asks for
 /// rounded inputs). The decode kernel's arithmetic is f32 throughout (bf16/f16 inputs
