@@ -6,6 +6,8 @@
 // (each step reads the cache once and packs nothing); and the errors.
 #include <gtest/gtest.h>
 
+#include <cfloat>
+#include <cmath>
 #include <cstring>
 
 #include "attn/error.hpp"
@@ -134,6 +136,74 @@ TEST(Decoding, TransformerDecoderEqualsItsFullCausalForward) {
       }
 }
 
+// A padded batch: key_padding_mask on the cached calls equals the same mask on the
+// full forward, boolean (true = ignore) and f32 (−∞ or Hugging Face's −FLT_MAX on the
+// pads, small values elsewhere). Sequence b has pads[b] leading pad positions; with
+// causality a pad query sees only pads (boolean: none, so out_proj.bias).
+TEST(Decoding, PaddingMasksEqualTheFullForwardsMasks) {
+  nn::Rng rng = nn_rng(95);
+  const int64_t B = 3, L = 17, pads[B] = {0, 4, 9};
+  for (const Storage& st : {storages()[0], storages()[2], storages()[4]})
+    for (int kind = 0; kind < 3; ++kind) {  // boolean, f32 with −∞, f32 with −FLT_MAX
+      nn::MultiheadAttentionConfig cfg;
+      cfg.embed_dim = 36;
+      cfg.num_heads = 6;
+      cfg.num_kv_heads = 2;
+      cfg.batch_first = kind != 1;
+      cfg.rope = nn::RopeStyle::half;
+      nn::MultiheadAttention mha(cfg, rng);
+      randomize(mha, rng);
+      mha.eval();
+      Tensor kpm(kind == 0 ? DType::boolean : DType::f32, {B, L});
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < L; ++t) {
+          const bool pad = t < pads[b];
+          if (kind == 0) kpm.data_as<uint8_t>()[b * L + t] = pad;
+          else kpm.data_as<float>()[b * L + t] = pad ? (kind == 1 ? -INFINITY : -FLT_MAX) : rng.uniform(-0.5f, 0.5f);
+        }
+      Tensor x = random_tensor(cfg.batch_first ? std::vector<int64_t>{B, L, 36} : std::vector<int64_t>{L, B, 36}, rng);
+      Tensor full = mha.forward(x, x, x, kpm, false, {}, true, /*is_causal=*/true).output;
+      nn::KVCache cache = mha.make_cache(B, 20, st.config);
+      Tensor y = decode_in_chunks(x, cfg.batch_first, {5, 1, 1, 3, 7},
+                                  [&](const Tensor& chunk) { return mha.forward_cached(chunk, cache, kpm); });
+      EXPECT_LT(max_rel_diff(y.data_as<float>(), full.data_as<float>(), y.numel()), st.tol)
+          << st.name() << " kind " << kind << " " << seed_note();
+      // Without the mask the pads would be seen: the comparison can fail.
+      nn::KVCache bare = mha.make_cache(B, 20, st.config);
+      Tensor unmasked = decode_in_chunks(x, cfg.batch_first, {L}, [&](const Tensor& chunk) { return mha.forward_cached(chunk, bare); });
+      EXPECT_GT(max_rel_diff(unmasked.data_as<float>(), full.data_as<float>(), y.numel()), 10 * st.tol);
+    }
+}
+
+TEST(Decoding, TransformerDecoderPaddingMasksEqualTheFullForwards) {
+  nn::Rng rng = nn_rng(96);
+  for (const Storage& st : {storages()[0], storages()[1], storages()[3]})
+    for (bool norm_first : {false, true}) {
+      nn::TransformerLayerConfig c;
+      c.d_model = 16;
+      c.nhead = 4;
+      c.num_kv_heads = 2;
+      c.dim_feedforward = 24;
+      c.batch_first = true;
+      c.norm_first = norm_first;
+      nn::TransformerDecoder dec(c, 2, /*final_norm=*/true, rng);
+      randomize(dec, rng);
+      dec.eval();
+      const int64_t B = 2, T = 11, S = 13;
+      Tensor tgt = random_tensor({B, T, 16}, rng), memory = random_tensor({B, S, 16}, rng);
+      // Target: sequence 0 left-padded by 3. Memory (the source): sequence 1 right-padded by 5.
+      Tensor tgt_kpm(DType::boolean, {B, T}), mem_kpm(DType::f32, {B, S});
+      for (int64_t t = 0; t < T; ++t) tgt_kpm.data_as<uint8_t>()[t] = t < 3, tgt_kpm.data_as<uint8_t>()[T + t] = 0;
+      for (int64_t j = 0; j < S; ++j) mem_kpm.data_as<float>()[j] = 0.0f, mem_kpm.data_as<float>()[S + j] = j >= S - 5 ? -INFINITY : 0.0f;
+      Tensor full = dec.forward(tgt, memory, {}, {}, tgt_kpm, mem_kpm, /*tgt_is_causal=*/true);
+      std::vector<nn::DecoderLayerCache> caches = dec.make_cache(memory, T, st.config);
+      Tensor y = decode_in_chunks(tgt, true, {1, 3, 1, 6},
+                                  [&](const Tensor& chunk) { return dec.forward_cached(chunk, caches, tgt_kpm, mem_kpm); });
+      EXPECT_LT(max_rel_diff(y.data_as<float>(), full.data_as<float>(), y.numel()), 2 * st.tol)
+          << st.name() << " norm_first " << norm_first << " " << seed_note();
+    }
+}
+
 // Decoding N positions one at a time: step t reads exactly the t + 1 cached rows of
 // every sequence and kv head once, appends one, and packs nothing — O(N·L) traffic
 // in all. attention() on the same cache (what forward_cached ran before) packs every
@@ -203,6 +273,23 @@ TEST(Decoding, ErrorsNameTheArgument) {
   nn::KVCache stranger;
   throws_with([&] { mha.forward_cached(random_tensor({2, 1, 16}, rng), stranger); }, "make_cache");
   throws_with([&] { mha.forward_memory_cached(random_tensor({2, 1, 16}, rng), cache, -1); }, "position");
+  {  // key_padding_mask: [B, K ≥ positions], boolean or f32, contiguous; nothing appended first
+    Tensor none(DType::boolean, {2, 0}), short_mask(DType::boolean, {2, 3}), wrong_batch(DType::boolean, {3, 8});
+    Tensor ints(DType::i32, {2, 8});
+    Tensor strided(DType::f32, {8, 2});
+    const int64_t before = cache.length;
+    nn::KVCache room = mha.make_cache(2, 8);
+    throws_with([&] { mha.forward_cached(random_tensor({2, 1, 16}, rng), room, none.view()); }, "key_padding_mask must be [2, K] with K ≥ 1");
+    room.set_length(3);
+    throws_with([&] { mha.forward_cached(random_tensor({2, 1, 16}, rng), room, short_mask.view()); }, "K ≥ 4");
+    throws_with([&] { mha.forward_cached(random_tensor({2, 1, 16}, rng), room, wrong_batch.view()); }, "key_padding_mask");
+    throws_with([&] { mha.forward_cached(random_tensor({2, 1, 16}, rng), room, ints.view()); }, "boolean or f32");
+    const TensorView transposed(strided.data(), DType::f32, {2, 8}, {1, 2});
+    throws_with([&] { mha.forward_cached(random_tensor({2, 1, 16}, rng), room, transposed); }, "contiguous");
+    throws_with([&] { mha.forward_memory_cached(random_tensor({2, 1, 16}, rng), cache, 0, none.view()); }, "forward_memory_cached: key_padding_mask must be [2, K] with K ≥ 3");
+    EXPECT_EQ(room.length, 3);
+    EXPECT_EQ(cache.length, before);
+  }
 
   nn::TransformerLayerConfig c;
   c.d_model = 16;
@@ -214,6 +301,13 @@ TEST(Decoding, ErrorsNameTheArgument) {
   auto caches = dec.make_cache(memory, 4);
   throws_with([&] { dec.forward_cached(random_tensor({2, 1, 16}, rng), caches); }, "eval()");  // still training
   dec.eval();
+  {  // a bad memory mask is found before any layer appends
+    Tensor mem_short(DType::boolean, {2, 4});
+    throws_with([&] { dec.forward_cached(random_tensor({2, 1, 16}, rng), caches, {}, mem_short.view()); }, "memory_key_padding_mask must be [2, K] with K ≥ 5");
+    Tensor tgt_short(DType::boolean, {2, 0});
+    throws_with([&] { dec.forward_cached(random_tensor({2, 2, 16}, rng), caches, tgt_short.view()); }, "tgt_key_padding_mask");
+    EXPECT_EQ(caches[0].self_attn.length, 0);
+  }
   caches.pop_back();
   throws_with([&] { dec.forward_cached(random_tensor({2, 1, 16}, rng), caches); }, "one cache per layer");
 }

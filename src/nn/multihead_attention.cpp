@@ -345,7 +345,29 @@ void check_cache_heads(const KVCache& cache, int64_t B, int64_t Hkv, int64_t hd,
 
 }  // namespace
 
-Tensor MultiheadAttention::forward_cached(const TensorView& x, KVCache& cache) {
+TensorView cached_padding_mask(const TensorView& kpm, int64_t batch, int64_t positions, const std::string& name,
+                               Tensor& storage) {
+  if (kpm.empty()) return {};
+  if (kpm.dtype() != DType::boolean && kpm.dtype() != DType::f32)
+    throw Error(name + " must be boolean or f32, got " + kpm.describe());
+  if (kpm.rank() != 2 || kpm.size(0) != batch || kpm.size(1) < positions)
+    throw Error(name + " must be [" + str(batch) + ", K] with K ≥ " + str(positions) +
+                " ([batch, positions], every position this call attends to), got " + kpm.describe());
+  if (!kpm.is_contiguous()) throw Error(name + " must be contiguous, got " + kpm.describe());
+  const int64_t K = kpm.size(1);
+  if (kpm.dtype() == DType::f32) return TensorView(kpm.data(), DType::f32, {batch, 1, 1, K});
+  storage = Tensor(DType::boolean, {batch, 1, 1, K});
+  const uint8_t* from = kpm.data_as<uint8_t>();
+  uint8_t* to = storage.data_as<uint8_t>();
+  for (int64_t n = 0; n < batch * K; ++n) to[n] = from[n] == 0;  // attn: true = may attend
+  return storage.view();
+}
+
+namespace {
+
+}  // namespace
+
+Tensor MultiheadAttention::forward_cached(const TensorView& x, KVCache& cache, const TensorView& key_padding_mask) {
   if (kdim_ != E_ || vdim_ != E_)
     throw Error("MultiheadAttention.forward_cached: self-attention only (kdim and vdim must equal embed_dim)");
   const Shapes s = cached_shapes(x, "forward_cached");
@@ -356,6 +378,9 @@ Tensor MultiheadAttention::forward_cached(const TensorView& x, KVCache& cache) {
   AttentionOptions opt;
   opt.causal = Causal::BottomRight;
   opt.window = cfg_.window;
+  Tensor mask;
+  opt.mask = cached_padding_mask(key_padding_mask, s.B, cache.length + s.L,
+                                 "MultiheadAttention.forward_cached: key_padding_mask", mask);
   Tensor y = attend_cached(x, s, cache.view(), cache.seqlens, cache.length, /*append=*/true, opt);
   cache.set_length(cache.length + s.L);
   return y;
@@ -386,12 +411,16 @@ KVCache MultiheadAttention::make_memory_cache(const TensorView& key, const Tenso
   return cache;
 }
 
-Tensor MultiheadAttention::forward_memory_cached(const TensorView& x, const KVCache& memory, int64_t position) {
+Tensor MultiheadAttention::forward_memory_cached(const TensorView& x, const KVCache& memory, int64_t position,
+                                                 const TensorView& key_padding_mask) {
   const Shapes s = cached_shapes(x, "forward_memory_cached");
   check_cache_heads(memory, s.B, Hkv_, hd_, "forward_memory_cached");
   if (position < 0) throw Error("MultiheadAttention.forward_memory_cached: position must be ≥ 0, got " + str(position));
   AttentionOptions opt;
   opt.causal = Causal::None;
+  Tensor mask;
+  opt.mask = cached_padding_mask(key_padding_mask, s.B, memory.length,
+                                 "MultiheadAttention.forward_memory_cached: key_padding_mask", mask);
   return attend_cached(x, s, memory.view(), memory.seqlens, position, /*append=*/false, opt);
 }
 

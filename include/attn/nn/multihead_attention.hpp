@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 #include "attn/attention.hpp"
 #include "attn/kvcache.hpp"
@@ -63,6 +64,14 @@ struct KVCache {
 /// Hkv heads of hd features each.
 KVCache allocate_kv_cache(int64_t batch, int64_t capacity, int64_t Hkv, int64_t hd, const KVCacheConfig& config);
 
+/// The mask attn::attention_with_kvcache takes ([batch, 1, 1, K]) for a cached
+/// call's key_padding_mask [batch, K] with K ≥ positions (PyTorch's convention:
+/// boolean true = ignore that position, f32 added); an empty view for an empty
+/// mask. A boolean mask is inverted into `storage` (attn: true = may attend); an f32
+/// one is read in place. Throws attn::Error starting with `name` for a bad mask.
+TensorView cached_padding_mask(const TensorView& key_padding_mask, int64_t batch, int64_t positions,
+                               const std::string& name, Tensor& storage);
+
 struct MultiheadAttentionOutput {
   Tensor output;   ///< like query: [B, L, E] / [L, B, E] / unbatched [L, E]
   Tensor weights;  ///< when need_weights: [B, L, S] averaged over heads, or [B, H, L, S]
@@ -107,17 +116,23 @@ class MultiheadAttention : public Module {
   /// causal bottom-right alignment and the window, through
   /// attn::attention_with_kvcache: each step reads the cache once and re-packs
   /// nothing, so decoding N positions after a prompt of P reads O(N·(P + N)) cache
-  /// rows. Returns [B, T, E] / [T, B, E].
-  Tensor forward_cached(const TensorView& x, KVCache& cache);
+  /// rows. key_padding_mask [B, K], K ≥ cache.length + T, column j = position j (a
+  /// padded batch's pad positions, e.g. left padding): boolean, true = *ignore* that
+  /// position (as in forward()); or f32, added to the scores. A mask of the final
+  /// length serves every step. A query that sees no position outputs out_proj.bias.
+  /// Returns [B, T, E] / [T, B, E].
+  Tensor forward_cached(const TensorView& x, KVCache& cache, const TensorView& key_padding_mask = {});
 
   /// Cross-attention for decoding, step 1: the keys and values of key [B, S, kdim]
   /// and value [B, S, vdim] (or [S, B, ·]; RoPE at positions 0 … S−1), projected once
   /// into a cache of length S.
   KVCache make_memory_cache(const TensorView& key, const TensorView& value, const KVCacheConfig& storage = {}) const;
   /// Cross-attention for decoding, step 2: x [B, T, E] (or [T, B, E]) attends to
-  /// every position of `memory` (no mask); its queries rotate at positions
-  /// `position` … position+T−1. Nothing is appended. Returns x's shape.
-  Tensor forward_memory_cached(const TensorView& x, const KVCache& memory, int64_t position);
+  /// every position of `memory` but those key_padding_mask removes ([B, K], K ≥ S,
+  /// as in forward_cached: the source sentences' padding); its queries rotate at
+  /// positions `position` … position+T−1. Nothing is appended. Returns x's shape.
+  Tensor forward_memory_cached(const TensorView& x, const KVCache& memory, int64_t position,
+                               const TensorView& key_padding_mask = {});
 
   const MultiheadAttentionConfig& config() const { return cfg_; }
   int64_t head_dim() const { return hd_; }

@@ -78,13 +78,16 @@ class TransformerDecoderLayer : public Module {
   /// Incremental decoding, step 1: the caches for `memory` [B, S, E] ([S, B, E]
   /// unless batch_first) and up to `capacity` target positions.
   DecoderLayerCache make_cache(const TensorView& memory, int64_t capacity, const KVCacheConfig& storage = {}) const;
-  /// Incremental decoding, step 2 (inference: eval mode; no masks): the next T target
+  /// Incremental decoding, step 2 (inference: eval mode): the next T target
   /// positions tgt [B, T, E] ([T, B, E]). Equals the last T rows of forward(all
-  /// positions so far, memory, tgt_is_causal = true) up to rounding, at O(T·length)
-  /// attention cost instead of O(length²): the self-attention appends to
-  /// cache.self_attn and reads it in place, the cross-attention reads
-  /// cache.cross_attn (see MultiheadAttention::forward_cached).
-  Tensor forward_cached(const TensorView& tgt, DecoderLayerCache& cache);
+  /// positions so far, memory, tgt_is_causal = true, with the same padding masks)
+  /// up to rounding, at O(T·length) attention cost instead of O(length²): the
+  /// self-attention appends to cache.self_attn and reads it in place, the
+  /// cross-attention reads cache.cross_attn (see MultiheadAttention::forward_cached).
+  /// tgt_key_padding_mask [B, K ≥ positions so far + T] and memory_key_padding_mask
+  /// [B, K ≥ S]: boolean, true = ignore that position, or f32, added (as forward()'s).
+  Tensor forward_cached(const TensorView& tgt, DecoderLayerCache& cache, const TensorView& tgt_key_padding_mask = {},
+                        const TensorView& memory_key_padding_mask = {});
 
   /// The cross-attention weights of the last forward, averaged over heads [B, T, S],
   /// or per head [B, H, T, S] when set_keep_cross_weights(true, false) was called.
@@ -130,8 +133,10 @@ class TransformerDecoder : public Module {
   std::vector<DecoderLayerCache> make_cache(const TensorView& memory, int64_t capacity,
                                             const KVCacheConfig& storage = {}) const;
   /// The next T target positions through every layer and the final norm
-  /// (TransformerDecoderLayer::forward_cached); caches.size() must be the layer count.
-  Tensor forward_cached(const TensorView& tgt, std::vector<DecoderLayerCache>& caches);
+  /// (TransformerDecoderLayer::forward_cached, with the same padding masks);
+  /// caches.size() must be the layer count.
+  Tensor forward_cached(const TensorView& tgt, std::vector<DecoderLayerCache>& caches,
+                        const TensorView& tgt_key_padding_mask = {}, const TensorView& memory_key_padding_mask = {});
 
   std::vector<std::unique_ptr<TransformerDecoderLayer>> layers;
   std::unique_ptr<LayerNorm> norm;
