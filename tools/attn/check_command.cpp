@@ -2,9 +2,11 @@
 // inputs of many shapes and options, in every dtype (and for f32 inputs, with every
 // Precision) and on every kernel path this machine can run, and says whether it holds.
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <initializer_list>
 #include <random>
 #include <string>
@@ -23,15 +25,29 @@ struct CheckCase {
   Causal causal;
   Window window;
   float softcap;
-  bool left_padding = false;  // a boolean mask [1, 1, 1, Lk] hiding the first Lk / 8 keys
+  /// A mask [1, 1, 1, Lk] over the first Lk / 8 keys (left padding): boolean, or
+  /// additive with Hugging Face's −FLT_MAX (those keys stay seen, with p = 0).
+  enum class Padding { none, boolean, additive } left_padding = Padding::none;
 };
 
-/// The case's boolean padding mask in `storage` (true = attend), or none.
+/// The case's padding mask in `storage`, or none.
 TensorView padding_mask(const CheckCase& c, std::vector<uint8_t>& storage) {
-  if (!c.left_padding) return {};
-  storage.assign(size_t(c.Lk), 1);
-  std::fill(storage.begin(), storage.begin() + c.Lk / 8, 0);
-  return TensorView(storage.data(), DType::boolean, {1, 1, 1, c.Lk});
+  const size_t pads = size_t(c.Lk) / 8;
+  switch (c.left_padding) {
+    case CheckCase::Padding::none: return {};
+    case CheckCase::Padding::boolean:
+      storage.assign(size_t(c.Lk), 1);  // true = attend
+      std::fill(storage.begin(), storage.begin() + pads, 0);
+      return TensorView(storage.data(), DType::boolean, {1, 1, 1, c.Lk});
+    case CheckCase::Padding::additive: {
+      std::vector<float> add(size_t(c.Lk), 0.0f);
+      std::fill(add.begin(), add.begin() + pads, -FLT_MAX);
+      storage.resize(add.size() * sizeof(float));
+      std::memcpy(storage.data(), add.data(), storage.size());
+      return TensorView(storage.data(), DType::f32, {1, 1, 1, c.Lk});
+    }
+  }
+  return {};
 }
 
 // Relative error ‖a − b‖ / ‖b‖.
@@ -286,7 +302,10 @@ Command add_check_command(CLI::App& app) {
         {"one query, 300 keys (decode kernel)", 1, 300, 8, 2, 128, Causal::BottomRight, {-1, -1}, 0},
         // The same step with a padding mask, as models pass one to SDPA (the decode
         // kernel applies it).
-        {"one query, padding mask (decode)", 1, 300, 8, 2, 128, Causal::None, {-1, -1}, 0, true},
+        {"one query, padding mask (decode)", 1, 300, 8, 2, 128, Causal::None, {-1, -1}, 0,
+         CheckCase::Padding::boolean},
+        {"one query, -FLT_MAX padding (decode)", 1, 300, 8, 2, 128, Causal::None, {-1, -1}, 0,
+         CheckCase::Padding::additive},
     };
     std::mt19937 rng(*seed);
     int failures = 0;
