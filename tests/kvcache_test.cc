@@ -802,7 +802,10 @@ TEST(KVCache, ErrorsNameTheArgument) {
   expect_attn_error(call(good, TensorView(neg.data(), DType::i32, {2}), kv), "cache_seqlens[0] must be >= 0");
   // Page size and dtype mismatches.
   KVCache mism = good;
-  mism.v = TensorView(kc.v_cache.data(), DType::f32, {kc.pages_total, 8, c.Hkv, c.dv});
+  // Its own buffer: a view of v_cache with pages of 8 would reach past it, and could
+  // overlap cache.k (then that is the error reported), depending on the heap.
+  std::vector<float> v_pages8(size_t(kc.pages_total) * 8 * c.Hkv * c.dv);
+  mism.v = TensorView(v_pages8.data(), DType::f32, {kc.pages_total, 8, c.Hkv, c.dv});
   expect_attn_error(call(mism, kc.seqlen_view(), kv), "page size mismatch");
   mism = good;
   mism.v = TensorView(kc.v_cache.data(), DType::bf16, {kc.pages_total, 4, c.Hkv, c.dv});
@@ -832,7 +835,7 @@ TEST(KVCache, ErrorsNameTheArgument) {
   // Options the cache path does not take; rotary without new keys; splits.
   // Masks: K must reach the longest sequence's 9 + 1 keys; other dimensions broadcast.
   AttentionOptions o;
-  std::vector<uint8_t> m(100, 1);
+  std::vector<uint8_t> m(160, 1);  // the largest view below: a view past its buffer could overlap another input
   o.mask = TensorView(m.data(), DType::boolean, {1, 1, 1, 9});
   expect_attn_error(call(good, kc.seqlen_view(), kv, o), "dimension 3 (K) must be 1 or at least 10");
   o.mask = TensorView(m.data(), DType::boolean, {2, 3, 1, 10});
