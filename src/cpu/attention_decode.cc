@@ -222,6 +222,9 @@ HWY_INLINE void PrefetchRow(const T* p, int n) {
 /// nothing (Hq = Hkv = 32: 0.94–1.05x), so they go without. Other targets:
 /// unmeasured, so off.
 constexpr int kPvAheadBytes = HWY_TARGET == HWY_AVX2 ? 512 : 0;
+/// Where a head's values lie in a run of their own (RunAhead), P·V asks for the lines
+/// this many tokens further along the run instead, on the targets that ask at all.
+constexpr int kHeadRunAheadTokens = 16;
 
 #if HWY_TARGET != HWY_SCALAR
 #if HWY_ARCH_X86
@@ -405,7 +408,7 @@ HWY_INLINE hn::Mask<DF> SeenLanes(uint64_t removed, int c) {
 /// one-key-at-a-time result.
 template <typename T, int NK, int NR>
 HWY_INLINE void PvRowsDense(const float* HWY_RESTRICT p, size_t ld, const T* const* vals, int dv,
-                            float* HWY_RESTRICT o, size_t o_ld) {
+                            float* HWY_RESTRICT o, size_t o_ld, int64_t ahead_bytes) {
   const DF df;
   int x = 0;
   // One or two rows (multi-head decoding, few queries): more vectors of each row, so
@@ -440,7 +443,7 @@ HWY_INLINE void PvRowsDense(const float* HWY_RESTRICT p, size_t ld, const T* con
       acc1[r] = hn::Load(df, o + r * o_ld + x + kLanes);
     }
     for (int k = 0; k < NK; ++k) {
-      if constexpr (kPvAheadBytes > 0) PrefetchLineL2(reinterpret_cast<const char*>(vals[k] + x) + kPvAheadBytes);
+      if constexpr (kPvAheadBytes > 0) PrefetchLineL2(reinterpret_cast<const char*>(vals[k] + x) + ahead_bytes);
       const VF v0 = LoadHalfF32<0>(df, vals[k] + x), v1 = LoadHalfF32<1>(df, vals[k] + x);
       for (int r = 0; r < NR; ++r) {
         const VF pk = hn::Set(df, p[r * ld + k]);
@@ -500,24 +503,25 @@ HWY_INLINE void PvKeysSkippingRemoved(const float* HWY_RESTRICT p, size_t ld, co
 
 /// o[r] += Σ_k p[r][k]·v_k for NK consecutive keys, from key c of the block (p:
 /// row stride ld; removed: the block's RemovedKeys per row), and every row, the
-/// cache read in token order. A removed key (score −∞) is skipped, so a NaN or ±∞
+/// cache read in token order; value lines asked for ahead_bytes ahead (see
+/// kPvAheadBytes). A removed key (score −∞) is skipped, so a NaN or ±∞
 /// the cache holds there never reaches o (0·NaN would). A key that is seen but whose
 /// p underflowed to 0 (a score ~104 below its row's max, e.g. under a −FLT_MAX mask)
 /// is not removed: it adds 0·v, which is NaN for a non-finite v, as in the float64
 /// reference.
 template <typename T, int NK>
 HWY_INLINE void PvKeys(const float* HWY_RESTRICT p, size_t ld, const uint64_t* removed, int c, int rows,
-                       const T* const* vals, int dv, float* HWY_RESTRICT o, size_t o_ld) {
+                       const T* const* vals, int dv, float* HWY_RESTRICT o, size_t o_ld, int64_t ahead_bytes) {
   constexpr uint64_t kKeys = (uint64_t{1} << NK) - 1;
   uint64_t any_removed = 0;  // among these keys and rows; none: the plain loop
   for (int r = 0; r < rows; ++r) any_removed |= (removed[r] >> c) & kKeys;
   if (any_removed == 0) {
     int r = 0;
-    for (; r + 4 <= rows; r += 4) PvRowsDense<T, NK, 4>(p + r * ld, ld, vals, dv, o + r * o_ld, o_ld);
+    for (; r + 4 <= rows; r += 4) PvRowsDense<T, NK, 4>(p + r * ld, ld, vals, dv, o + r * o_ld, o_ld, ahead_bytes);
     switch (rows - r) {
-      case 3: PvRowsDense<T, NK, 3>(p + r * ld, ld, vals, dv, o + r * o_ld, o_ld); break;
-      case 2: PvRowsDense<T, NK, 2>(p + r * ld, ld, vals, dv, o + r * o_ld, o_ld); break;
-      case 1: PvRowsDense<T, NK, 1>(p + r * ld, ld, vals, dv, o + r * o_ld, o_ld); break;
+      case 3: PvRowsDense<T, NK, 3>(p + r * ld, ld, vals, dv, o + r * o_ld, o_ld, ahead_bytes); break;
+      case 2: PvRowsDense<T, NK, 2>(p + r * ld, ld, vals, dv, o + r * o_ld, o_ld, ahead_bytes); break;
+      case 1: PvRowsDense<T, NK, 1>(p + r * ld, ld, vals, dv, o + r * o_ld, o_ld, ahead_bytes); break;
       default: break;
     }
     return;
@@ -592,6 +596,24 @@ struct Item {
   int b, hk0, heads, chunk, t0, t1;
   size_t part;  // offset of the partial result
 };
+
+/// Whether a token's kv heads lie apart (the [B, Hkv, L, d] tensors PyTorch passes to
+/// SDPA: each head's keys and values a run of their own) rather than side by side in
+/// token rows (a [B, L, Hkv, d] cache).
+bool SplitHeads(const DecodeProblem& p) { return p.k.head_stride != p.d || p.v.head_stride != p.dv; }
+
+/// How far ahead P·V asks for value lines, in bytes (kPvAheadBytes). In token rows,
+/// 512 bytes ahead are the next heads' values of the same token, which the pass reads
+/// next. Where each head's values are a run (split heads, or one kv head) that pages
+/// do not cut short, 512 bytes are the next token, so the request goes
+/// kHeadRunAheadTokens tokens along the run. Zen 1, f32, Hkv = 8, d = 128, 4k keys
+/// from DRAM: 16 tokens (8 KiB) took 0.85x the time of 512 bytes, 32 tokens no less;
+/// asking for the keys 16 or 32 tokens ahead in the score pass gained nothing.
+template <typename T>
+int64_t PvAheadBytes(const DecodeProblem& p) {
+  const bool runs = (SplitHeads(p) || p.Hkv == 1) && p.page_size >= 4 * kHeadRunAheadTokens;
+  return runs ? kHeadRunAheadTokens * p.v.row_stride * static_cast<int64_t>(sizeof(T)) : kPvAheadBytes;
+}
 
 template <typename T>
 void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const Item& it, const RowChunk& rc,
@@ -898,6 +920,7 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       // 8k and 32k tokens: 0.91–0.93x the time without them), so they stay off. bf16
       // values keep them (1.01–1.04x without).
       const bool request_values = !(kPvAheadBytes > 0 && std::is_same_v<T, float> && rows >= 3);
+      const int64_t pv_ahead = PvAheadBytes<T>(p);
       const T* vv[kPvKeysMax];
       for (int c = 0; c < cols; c += pv_keys) {
         const int nk = std::min(pv_keys, cols - c);
@@ -915,9 +938,9 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
               // shorter last pass on PvKeysSkippingRemoved: each column still sums its
               // keys in order, so the result does not depend on the pieces.
               if (nk == 16) {
-                PvKeys<U, 16>(s, kBk, removed, c, rows, vu, p.dv, o, dvp);
+                PvKeys<U, 16>(s, kBk, removed, c, rows, vu, p.dv, o, dvp, pv_ahead);
               } else if (nk == 8) {
-                PvKeys<U, 8>(s, kBk, removed, c, rows, vu, p.dv, o, dvp);
+                PvKeys<U, 8>(s, kBk, removed, c, rows, vu, p.dv, o, dvp, pv_ahead);
               } else {
                 PvKeysSkippingRemoved(s, kBk, removed, c, rows, vu, nk, p.dv, o, dvp);
               }
@@ -1027,6 +1050,16 @@ int SplitsOf(const DecodeProblem& p, int lk) {
   return std::clamp((lk + kAutoSplitKeys - 1) / kAutoSplitKeys, 1, kAutoMaxSplits);
 }
 
+/// The kv heads one work item takes, for row chunks of `rows` rows. Where a token's
+/// heads lie side by side (a [B, L, Hkv, d] cache), every head of a token at once,
+/// so the cache is read in whole token rows. Where they lie apart (SplitHeads), one
+/// head per item, which reads two runs, its keys and its values, where every head at
+/// once read 2·Hkv runs side by side (Zen 1, f32, Hkv = 8, 4k keys from DRAM: 0.87x
+/// the time).
+int ItemHeads(const DecodeProblem& p, int rows) {
+  return SplitHeads(p) ? 1 : std::max(1, std::min(p.Hkv, kMaxItemRows / rows));
+}
+
 template <typename T>
 void Decode(const DecodeProblem& p, int threads) {
   const int dp = RoundUp(p.d, kLanes), dvp = RoundUp(p.dv, kLanes);
@@ -1045,7 +1078,7 @@ void Decode(const DecodeProblem& p, int threads) {
     const int per = std::max(1, (blocks + nsplit - 1) / nsplit);
     for (int ch = 0; ch < static_cast<int>(chunks.size()); ++ch) {
       const int rows = chunks[ch].rows();
-      const int heads = std::max(1, std::min(p.Hkv, kMaxItemRows / rows));
+      const int heads = ItemHeads(p, rows);
       for (int hk0 = 0; hk0 < p.Hkv; hk0 += heads) {
         const int nh = std::min(heads, p.Hkv - hk0);
         groups.push_back({static_cast<int>(items.size()), nsplit});
@@ -1077,7 +1110,7 @@ void Decode(const DecodeProblem& p, int threads) {
 #endif
   int item_rows = 0, item_pad_rows = 0;  // the largest item's (see Scratch)
   for (const RowChunk& rc : chunks) {
-    const int heads = std::max(1, std::min(p.Hkv, kMaxItemRows / rc.rows()));
+    const int heads = ItemHeads(p, rc.rows());
     item_rows = std::max(item_rows, heads * rc.rows());
     item_pad_rows = std::max(item_pad_rows, heads * RoundUp(rc.rows(), kLanes));
   }
