@@ -2,12 +2,13 @@
 // online softmax, reading the cache in place in its own dtype (f32, bf16, f16, i8,
 // f8e4m3), with Highway SIMD and OpenMP threads.
 //
-// Work item = (sequence b, every kv head of a token range, row chunk, split). A row
+// Work item = (sequence b, the kv heads of a token range, row chunk, split). A row
 // chunk is every query row that reads a kv head — the Lq queries of each of the
 // group's query heads — up to kMaxRows, so each cached key and value row is read once
-// for all of them (GQA/MQA decoding is bound by reading the cache, not by arithmetic),
-// and taking all kv heads reads whole token rows. A split is a range of whole key
-// blocks; for each block of kBk keys:
+// for all of them (GQA/MQA decoding is bound by reading the cache, not by arithmetic).
+// An item takes every kv head where a token's heads lie side by side, so it reads
+// whole token rows, and one where they lie apart (ItemHeads). A split is a range of
+// whole key blocks; for each block of kBk keys:
 //   S = (scale·Q)·Kᵀ        4 rows × 4 keys per pass (2 keys where a vector has 8
 //                           lanes), the key rows converted to f32 once for all rows
 //                           (i8, f8e4m3: times the key's scale; bf16: two elements
@@ -607,8 +608,9 @@ bool SplitHeads(const DecodeProblem& p) { return p.k.head_stride != p.d || p.v.h
 /// next. Where each head's values are a run (split heads, or one kv head) that pages
 /// do not cut short, 512 bytes are the next token, so the request goes
 /// kHeadRunAheadTokens tokens along the run. Zen 1, f32, Hkv = 8, d = 128, 4k keys
-/// from DRAM: 16 tokens (8 KiB) took 0.85x the time of 512 bytes, 32 tokens no less;
-/// asking for the keys 16 or 32 tokens ahead in the score pass gained nothing.
+/// from DRAM: 16 tokens (8 KiB) took 0.78–0.82x the time of 512 bytes, 8 tokens
+/// 0.96x, 32 tokens no less than 16; asking for the keys 16 or 32 tokens ahead in the
+/// score pass gained nothing.
 template <typename T>
 int64_t PvAheadBytes(const DecodeProblem& p) {
   const bool runs = (SplitHeads(p) || p.Hkv == 1) && p.page_size >= 4 * kHeadRunAheadTokens;
@@ -1054,7 +1056,7 @@ int SplitsOf(const DecodeProblem& p, int lk) {
 /// heads lie side by side (a [B, L, Hkv, d] cache), every head of a token at once,
 /// so the cache is read in whole token rows. Where they lie apart (SplitHeads), one
 /// head per item, which reads two runs, its keys and its values, where every head at
-/// once read 2·Hkv runs side by side (Zen 1, f32, Hkv = 8, 4k keys from DRAM: 0.87x
+/// once read 2·Hkv runs side by side (Zen 1, f32, Hkv = 8, 4k keys from DRAM: 0.85x
 /// the time).
 int ItemHeads(const DecodeProblem& p, int rows) {
   return SplitHeads(p) ? 1 : std::max(1, std::min(p.Hkv, kMaxItemRows / rows));
