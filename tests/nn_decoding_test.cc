@@ -9,6 +9,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <memory>
 
 #include "attn/error.hpp"
 #include "attn/nn/multihead_attention.hpp"
@@ -74,6 +75,24 @@ Tensor decode_in_chunks(const Tensor& x, bool batch_first, const std::vector<int
   return y;
 }
 
+// Two decoder layers (d_model 16, 4 query heads over 2 kv heads) and a final norm,
+// random weights, in eval mode.
+std::unique_ptr<nn::TransformerDecoder> small_decoder(nn::Rng& rng, bool batch_first, bool norm_first,
+                                                      nn::RopeStyle rope) {
+  nn::TransformerLayerConfig c;
+  c.d_model = 16;
+  c.nhead = 4;
+  c.num_kv_heads = 2;
+  c.rope = rope;
+  c.dim_feedforward = 24;
+  c.batch_first = batch_first;
+  c.norm_first = norm_first;
+  auto dec = std::make_unique<nn::TransformerDecoder>(c, 2, /*final_norm=*/true, rng);
+  randomize(*dec, rng);
+  dec->eval();
+  return dec;
+}
+
 TEST(Decoding, MultiheadAttentionEveryStorageEqualsTheFullCausalForward) {
   nn::Rng rng = nn_rng(91);
   for (const Storage& st : storages())
@@ -107,28 +126,18 @@ TEST(Decoding, TransformerDecoderEqualsItsFullCausalForward) {
   for (const Storage& st : {storages()[0], storages()[1], storages()[2], storages()[4]})
     for (bool norm_first : {false, true})
       for (bool batch_first : {true, false}) {
-        nn::TransformerLayerConfig c;
-        c.d_model = 16;
-        c.nhead = 4;
-        c.num_kv_heads = 2;
-        c.rope = nn::RopeStyle::interleaved;
-        c.dim_feedforward = 24;
-        c.batch_first = batch_first;
-        c.norm_first = norm_first;
-        nn::TransformerDecoder dec(c, 2, /*final_norm=*/true, rng);
-        randomize(dec, rng);
-        dec.eval();
+        auto dec = small_decoder(rng, batch_first, norm_first, nn::RopeStyle::interleaved);
         const int64_t B = 2, T = 11, S = 13;
         auto shape = [&](int64_t n) {
           return batch_first ? std::vector<int64_t>{B, n, 16} : std::vector<int64_t>{n, B, 16};
         };
         Tensor tgt = random_tensor(shape(T), rng), memory = random_tensor(shape(S), rng);
-        Tensor full = dec.forward(tgt, memory, {}, {}, {}, {}, /*tgt_is_causal=*/true);
-        std::vector<nn::DecoderLayerCache> caches = dec.make_cache(memory, T, st.config);
+        Tensor full = dec->forward(tgt, memory, {}, {}, {}, {}, /*tgt_is_causal=*/true);
+        std::vector<nn::DecoderLayerCache> caches = dec->make_cache(memory, T, st.config);
         ASSERT_EQ(caches.size(), 2u);
         EXPECT_EQ(caches[1].cross_attn.length, S);
         Tensor y = decode_in_chunks(tgt, batch_first, {1, 3, 1, 6},
-                                    [&](const Tensor& chunk) { return dec.forward_cached(chunk, caches); });
+                                    [&](const Tensor& chunk) { return dec->forward_cached(chunk, caches); });
         // The decoder's LayerNorms may amplify the cache's rounding a little.
         EXPECT_LT(max_rel_diff(y.data_as<float>(), full.data_as<float>(), y.numel()), 2 * st.tol)
             << st.name() << " norm_first " << norm_first << " batch_first " << batch_first << " " << seed_note();
@@ -179,26 +188,17 @@ TEST(Decoding, TransformerDecoderPaddingMasksEqualTheFullForwards) {
   nn::Rng rng = nn_rng(96);
   for (const Storage& st : {storages()[0], storages()[1], storages()[3]})
     for (bool norm_first : {false, true}) {
-      nn::TransformerLayerConfig c;
-      c.d_model = 16;
-      c.nhead = 4;
-      c.num_kv_heads = 2;
-      c.dim_feedforward = 24;
-      c.batch_first = true;
-      c.norm_first = norm_first;
-      nn::TransformerDecoder dec(c, 2, /*final_norm=*/true, rng);
-      randomize(dec, rng);
-      dec.eval();
+      auto dec = small_decoder(rng, /*batch_first=*/true, norm_first, nn::RopeStyle::none);
       const int64_t B = 2, T = 11, S = 13;
       Tensor tgt = random_tensor({B, T, 16}, rng), memory = random_tensor({B, S, 16}, rng);
       // Target: sequence 0 left-padded by 3. Memory (the source): sequence 1 right-padded by 5.
       Tensor tgt_kpm(DType::boolean, {B, T}), mem_kpm(DType::f32, {B, S});
       for (int64_t t = 0; t < T; ++t) tgt_kpm.data_as<uint8_t>()[t] = t < 3, tgt_kpm.data_as<uint8_t>()[T + t] = 0;
       for (int64_t j = 0; j < S; ++j) mem_kpm.data_as<float>()[j] = 0.0f, mem_kpm.data_as<float>()[S + j] = j >= S - 5 ? -INFINITY : 0.0f;
-      Tensor full = dec.forward(tgt, memory, {}, {}, tgt_kpm, mem_kpm, /*tgt_is_causal=*/true);
-      std::vector<nn::DecoderLayerCache> caches = dec.make_cache(memory, T, st.config);
+      Tensor full = dec->forward(tgt, memory, {}, {}, tgt_kpm, mem_kpm, /*tgt_is_causal=*/true);
+      std::vector<nn::DecoderLayerCache> caches = dec->make_cache(memory, T, st.config);
       Tensor y = decode_in_chunks(tgt, true, {1, 3, 1, 6},
-                                  [&](const Tensor& chunk) { return dec.forward_cached(chunk, caches, tgt_kpm, mem_kpm); });
+                                  [&](const Tensor& chunk) { return dec->forward_cached(chunk, caches, tgt_kpm, mem_kpm); });
       EXPECT_LT(max_rel_diff(y.data_as<float>(), full.data_as<float>(), y.numel()), 2 * st.tol)
           << st.name() << " norm_first " << norm_first << " " << seed_note();
     }
