@@ -223,8 +223,8 @@ HWY_INLINE void PrefetchRow(const T* p, int n) {
 /// nothing (Hq = Hkv = 32: 0.94–1.05x), so they go without. Other targets:
 /// unmeasured, so off.
 constexpr int kPvAheadBytes = HWY_TARGET == HWY_AVX2 ? 512 : 0;
-/// Where a head's values lie in a run of their own (RunAhead), P·V asks for the lines
-/// this many tokens further along the run instead, on the targets that ask at all.
+/// Where a head's values lie in a run of their own (PvAheadBytes), P·V asks for the
+/// lines this many tokens further along the run instead, on the targets that ask at all.
 constexpr int kHeadRunAheadTokens = 16;
 
 #if HWY_TARGET != HWY_SCALAR
@@ -485,7 +485,7 @@ HWY_INLINE void PvKeysSkippingRemoved(const float* HWY_RESTRICT p, size_t ld, co
   const DF df;
   for (int r = 0; r < rows; ++r) {
     const uint64_t gone = removed[r] >> c;
-    const uint64_t keys = nk == 64 ? ~uint64_t{0} : (uint64_t{1} << nk) - 1;
+    const uint64_t keys = (uint64_t{1} << nk) - 1;  // nk ≤ kPvKeysMax
     if ((gone & keys) == keys) continue;  // every key removed
     float coef[kPvKeysMax];
     for (int k = 0; k < nk; ++k) coef[k] = p[r * ld + k];
@@ -505,9 +505,9 @@ HWY_INLINE void PvKeysSkippingRemoved(const float* HWY_RESTRICT p, size_t ld, co
 /// o[r] += Σ_k p[r][k]·v_k for NK consecutive keys, from key c of the block (p:
 /// row stride ld; removed: the block's RemovedKeys per row), and every row, the
 /// cache read in token order; value lines asked for ahead_bytes ahead (see
-/// kPvAheadBytes). A removed key (score −∞) is skipped, so a NaN or ±∞
-/// the cache holds there never reaches o (0·NaN would). A key that is seen but whose
-/// p underflowed to 0 (a score ~104 below its row's max, e.g. under a −FLT_MAX mask)
+/// kPvAheadBytes). A removed key (score −∞) is skipped, so a NaN or ±∞ the cache
+/// holds there never reaches o (0·NaN would). A key that is seen but whose p
+/// underflowed to 0 (a score ~104 below its row's max, e.g. under a −FLT_MAX mask)
 /// is not removed: it adds 0·v, which is NaN for a non-finite v, as in the float64
 /// reference.
 template <typename T, int NK>
@@ -556,8 +556,9 @@ constexpr int kMaxItemRows = 256;
 
 /// One thread's scratch, carved from its reusable buffer (workspace.hpp, kSlotDecode):
 /// a work item's running state, per kv head its rows' queries, O, m, l, a score
-/// tile and which of its keys are removed (RemovedKeys), sized for the call's largest item (item_rows rows, item_pad_rows once each
-/// head's rows are rounded up to whole vectors); FinishRow's row buffers. Allocated
+/// tile and which of its keys are removed (RemovedKeys), sized for the call's largest
+/// item (item_rows rows, item_pad_rows once each head's rows are rounded up to whole
+/// vectors); FinishRow's row buffers. Allocated
 /// per call, sized for any item (1.3 MiB), these were ~20% of a one-token call.
 struct Scratch {
   float *q, *s, *o, *m, *l, *alpha, *row_max, *row;
