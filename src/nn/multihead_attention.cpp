@@ -363,10 +363,6 @@ TensorView cached_padding_mask(const TensorView& kpm, int64_t batch, int64_t pos
   return storage.view();
 }
 
-namespace {
-
-}  // namespace
-
 Tensor MultiheadAttention::forward_cached(const TensorView& x, KVCache& cache, const TensorView& key_padding_mask) {
   if (kdim_ != E_ || vdim_ != E_)
     throw Error("MultiheadAttention.forward_cached: self-attention only (kdim and vdim must equal embed_dim)");
