@@ -220,9 +220,10 @@ HWY_INLINE void PrefetchRow(const T* p, int n) {
 /// chunks are half and a quarter of one) was slower. Past a head's slice the lines are
 /// those of the next heads of the same token, which the pass reads next. The wider
 /// chunks of one- and two-row passes (8 keys, 2–4 lines of a row each) gained
-/// nothing (Hq = Hkv = 32: 0.94–1.05x), so they go without. Other targets:
-/// unmeasured, so off.
-constexpr int kPvAheadBytes = HWY_TARGET == HWY_AVX2 ? 512 : 0;
+/// nothing (Hq = Hkv = 32: 0.94–1.05x), so they go without. Zen 4 (AVX3), B = 1,
+/// 8k and 32k keys from DRAM: bf16 0.82–0.96x, i8 0.93–1.02x, f32 0.97–1.06x.
+/// Intel's AVX-512 cores: unmeasured, so off there (AskValuesAhead).
+constexpr int kPvAheadBytes = HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 ? 512 : 0;
 /// Where a head's values lie in a run of their own (PvAheadBytes), P·V asks for the
 /// lines this many tokens further along the run instead, on the targets that ask at all.
 constexpr int kHeadRunAheadTokens = 16;
@@ -444,7 +445,9 @@ HWY_INLINE void PvRowsDense(const float* HWY_RESTRICT p, size_t ld, const T* con
       acc1[r] = hn::Load(df, o + r * o_ld + x + kLanes);
     }
     for (int k = 0; k < NK; ++k) {
-      if constexpr (kPvAheadBytes > 0) PrefetchLineL2(reinterpret_cast<const char*>(vals[k] + x) + ahead_bytes);
+      if constexpr (kPvAheadBytes > 0) {
+        if (ahead_bytes > 0) PrefetchLineL2(reinterpret_cast<const char*>(vals[k] + x) + ahead_bytes);
+      }
       const VF v0 = LoadHalfF32<0>(df, vals[k] + x), v1 = LoadHalfF32<1>(df, vals[k] + x);
       for (int r = 0; r < NR; ++r) {
         const VF pk = hn::Set(df, p[r * ld + k]);
@@ -604,6 +607,13 @@ struct Item {
 /// token rows (a [B, L, Hkv, d] cache).
 bool SplitHeads(const DecodeProblem& p) { return p.k.head_stride != p.d || p.v.head_stride != p.dv; }
 
+/// Whether P·V asks for value lines ahead on this CPU: on the targets that may
+/// (kPvAheadBytes), except on Intel's cores, where it was never measured.
+bool AskValuesAhead() {
+  if constexpr (kPvAheadBytes == 0) return false;
+  return HWY_TARGET == HWY_AVX2 || !cpu_features().intel;
+}
+
 /// How far ahead P·V asks for value lines, in bytes (kPvAheadBytes). In token rows,
 /// 512 bytes ahead are the next heads' values of the same token, which the pass reads
 /// next. Where each head's values are a run (split heads, or one kv head) that pages
@@ -614,6 +624,7 @@ bool SplitHeads(const DecodeProblem& p) { return p.k.head_stride != p.d || p.v.h
 /// score pass gained nothing.
 template <typename T>
 int64_t PvAheadBytes(const DecodeProblem& p) {
+  if (!AskValuesAhead()) return 0;
   const bool runs = (SplitHeads(p) || p.Hkv == 1) && p.page_size >= 4 * kHeadRunAheadTokens;
   return runs ? kHeadRunAheadTokens * p.v.row_stride * static_cast<int64_t>(sizeof(T)) : kPvAheadBytes;
 }
@@ -922,8 +933,8 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       // more rows): the head-by-head requests only competed with those (Zen 1, B = 1,
       // 8k and 32k tokens: 0.91–0.93x the time without them), so they stay off. bf16
       // values keep them (1.01–1.04x without).
-      const bool request_values = !(kPvAheadBytes > 0 && std::is_same_v<T, float> && rows >= 3);
       const int64_t pv_ahead = PvAheadBytes<T>(p);
+      const bool request_values = !(pv_ahead > 0 && std::is_same_v<T, float> && rows >= 3);
       const T* vv[kPvKeysMax];
       for (int c = 0; c < cols; c += pv_keys) {
         const int nk = std::min(pv_keys, cols - c);
