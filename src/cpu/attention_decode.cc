@@ -220,9 +220,10 @@ HWY_INLINE void PrefetchRow(const T* p, int n) {
 /// chunks are half and a quarter of one) was slower. Past a head's slice the lines are
 /// those of the next heads of the same token, which the pass reads next. The wider
 /// chunks of one- and two-row passes (8 keys, 2–4 lines of a row each) gained
-/// nothing (Hq = Hkv = 32: 0.94–1.05x), so they go without. Zen 4 (AVX3), B = 1,
-/// 8k and 32k keys from DRAM: bf16 0.82–0.96x, i8 0.93–1.02x, f32 0.97–1.06x.
-/// Intel's AVX-512 cores: unmeasured, so off there (AskValuesAhead).
+/// nothing (Hq = Hkv = 32: 0.94–1.05x), so they go without. Zen 4 (AVX3), B = 1 and
+/// 8, 8k and 32k keys, pages of 16 and 256: bf16 0.85–0.96x the time; i8 and f32
+/// (at the read bandwidth already) within the noise. Intel's AVX-512 cores:
+/// unmeasured, so off there (AskValuesAhead).
 constexpr int kPvAheadBytes = HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 ? 512 : 0;
 /// Where a head's values lie in a run of their own (PvAheadBytes), P·V asks for the
 /// lines this many tokens further along the run instead, on the targets that ask at all.
