@@ -224,7 +224,7 @@ HWY_INLINE void PrefetchRow(const T* p, int n) {
 /// 8, 8k and 32k keys, pages of 16 and 256: bf16 0.85–0.96x the time; i8 and f32
 /// (at the read bandwidth already) within the noise. Intel's AVX-512 cores:
 /// unmeasured, so off there (AskValuesAhead).
-constexpr int kPvAheadBytes = HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 ? 512 : 0;
+constexpr int kPvAheadBytes = HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL ? 512 : 0;
 /// Where a head's values lie in a run of their own (PvAheadBytes), P·V asks for the
 /// lines this many tokens further along the run instead, on the targets that ask at all.
 constexpr int kHeadRunAheadTokens = 16;
@@ -1054,11 +1054,17 @@ void FinishRow(const DecodeProblem& p, int b, int i, int h, const Partial* parts
 /// a line-fill buffer through L3's latency. On Zen 1 (8 MiB of L3) an 8k bf16 cache
 /// (34 MB) comes from DRAM, and the requests made it 0.94x the time (i8: 0.89x); f32
 /// caches of 16–32 MiB there were 1.0–1.08x (4 rows per kv head) and 1.25x (1 row)
-/// the time with them, so f32 keeps the 48 MiB rule.
+/// the time with them, so f32 keeps the 48 MiB rule. On Zen 4 (AVX-512, 32 MiB of L3
+/// shared with other tenants' cores) caches of half the L3 and more are read from
+/// DRAM in good part, and the requests pay from there: B = 1, 1 and 2 threads, 3–5
+/// alternating rounds, f32 16 MiB 0.73–0.96x the time, 32 MiB 0.71–0.75x; bf16 16 MiB
+/// 0.54–0.90x; i8 16 MiB 0.76–0.81x; 8 MiB (bf16, i8) 0.92–1.02x; 4 MiB 0.92–1.23x. So
+/// AMD's AVX-512 cores ask from half the L3 on, whatever the dtype.
 constexpr double kPrefetchMinBytes = 48.0 * (1 << 20);
 
 double PrefetchMinBytes(size_t element_bytes) {
   const double l3 = static_cast<double>(l3_cache_bytes());
+  if ((HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL) && !cpu_features().intel && l3 > 0) return l3 / 2;
   if (element_bytes >= 4 || l3 <= 0) return kPrefetchMinBytes;
   return std::min(kPrefetchMinBytes, std::max(l3, 4.0 * (1 << 20)));
 }
