@@ -499,6 +499,51 @@ TEST(KVCache, OddShapesOptionsAndQueryDtypes) {
   }
 }
 
+// bf16 caches read by queries whose values are all bf16 take the bf16 score pass where
+// vdpbf16ps has the FMA's rate (AMD Zen 4/5: Q·Kᵀ on vdpbf16ps, S scaled afterwards);
+// ATTN_ISA=f32 forces the f32 pass. Both against float64 at f32's tolerance: f32
+// queries rounded to bf16 values (so the output is f32, not rounded to bf16), d a
+// multiple of 32 (the pass's unit) and not, 1 to 9 rows per kv head, every score
+// option, masks, splits; rotated queries are not bf16 and take the f32 pass.
+TEST(KVCache, Bf16ScorePassOnBf16ValuedQueries) {
+  const char* saved = std::getenv("ATTN_ISA");
+  const std::string restore = saved != nullptr ? saved : "";
+  auto rng = make_rng(1211);
+  struct Shape {
+    int Hq, Hkv, Lq, d, dv, page;
+  };
+  const Shape shapes[] = {{32, 8, 1, 128, 128, 0}, {8, 2, 1, 64, 64, 16}, {4, 4, 1, 32, 96, 256},
+                          {18, 2, 1, 96, 64, 7},   {2, 1, 3, 256, 32, 1}, {4, 2, 2, 48, 48, 0}};
+  for (const char* isa : {"", "f32"}) {
+    if (*isa != '\0') {
+      setenv("ATTN_ISA", isa, 1);
+    } else {
+      unsetenv("ATTN_ISA");
+    }
+    for (const Shape& sh : shapes) {
+      for (int variant = 0; variant < 4; ++variant) {
+        KvConfig c;
+        c.B = 2, c.Hq = sh.Hq, c.Hkv = sh.Hkv, c.Lq = c.Lnew = sh.Lq, c.d = sh.d, c.dv = sh.dv, c.page = sh.page;
+        c.cached = {700, 93};
+        c.cache_dtype = DType::bf16;
+        if (variant == 1) c.softcap = 5.0f, c.alibi = true, c.window = {200, -1}, c.num_splits = 3;
+        if (variant == 2) c.mask = Mask::f32, c.causal = Causal::None;
+        if (variant == 3) c.rope = Rope::half, c.rotary_dim = sh.d;
+        KvCase kc(c, rng);
+        float* q = reinterpret_cast<float*>(kc.q.data());
+        for (size_t n = 0; n < kc.q.size() / sizeof(float); ++n) q[n] = detail::bf16_to_f32(detail::f32_to_bf16(q[n]));
+        const Result r = run(kc);
+        check_against_reference(kc, r, c.name() + " bf16-valued q, ATTN_ISA=" + isa);
+      }
+    }
+  }
+  if (saved != nullptr) {
+    setenv("ATTN_ISA", restore.c_str(), 1);
+  } else {
+    unsetenv("ATTN_ISA");
+  }
+}
+
 // options.mask over the cache's keys: boolean and additive (f32 and q's dtype), a full
 // [B, Hq, Lq, K] mask with a query that sees no key, a padding mask [B, 1, 1, K] and one
 // tree mask [Lq, K] shared by the batch (speculative decoding), on sequences of

@@ -376,6 +376,68 @@ HWY_INLINE void DotRowGroups(const float* q, size_t dp, int rows, const T* const
   }
 }
 
+#if HWY_ARCH_X86 && (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL)
+/// Whether this target has the bf16 score pass (DotRowsBf16): AVX-512, where a CPU
+/// with AVX512-BF16 runs vdpbf16ps.
+constexpr bool kBf16DotTarget = true;
+#define ATTN_BF16_DOT __attribute__((target("avx512bf16")))
+
+/// s[r·ld + c] = Σ_x q[r][x]·k_c[x] for NR rows of bf16 queries (qb: rows of dp bf16
+/// in their own order, zero past d) and NK bf16 key rows, d a multiple of 32, on
+/// vdpbf16ps: 32 products per instruction where the f32 pass widens each key vector
+/// and takes 2 FMAs for them. The products of bf16 values are exact in f32 and are
+/// summed in f32, in pairs first: the f32 pass's sums in another order. (vdpbf16ps
+/// reads subnormal bf16 inputs as zero, terms below 1.2e-38 the f32 pass keeps.)
+template <int NR, int NK>
+HWY_INLINE ATTN_BF16_DOT void DotRowsBf16(const uint16_t* HWY_RESTRICT qb, size_t dp, const uint16_t* const* keys,
+                                          int d, float* HWY_RESTRICT s, size_t ld) {
+  VF acc[NR * NK];  // [r][c]
+#pragma GCC unroll 16
+  for (int i = 0; i < NR * NK; ++i) acc[i] = hn::Zero(DF());
+  for (int x = 0; x < d; x += 32) {
+    __m512bh kv[NK];
+#pragma GCC unroll 16
+    for (int c = 0; c < NK; ++c) kv[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(keys[c] + x));
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) {
+      const __m512bh qv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qb + r * dp + x));
+#pragma GCC unroll 16
+      for (int c = 0; c < NK; ++c) acc[r * NK + c] = VF{_mm512_dpbf16_ps(acc[r * NK + c].raw, qv, kv[c])};
+    }
+  }
+  if constexpr (NR * NK == kLanes) {
+    HWY_ALIGN float sums[kLanes];
+    hn::Store(TransposedSums(DF(), acc), DF(), sums);
+    for (int r = 0; r < NR; ++r) std::memcpy(s + r * ld, sums + r * NK, NK * sizeof(float));
+  } else {
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < NK; ++c) s[r * ld + c] = hn::GetLane(hn::SumOfLanes(DF(), acc[r * NK + c]));
+  }
+}
+
+/// DotRowGroups for bf16 queries and keys (DotRowsBf16), 4 rows at a time. Not
+/// always_inline: its target (avx512bf16) is more than its callers'.
+template <int NK>
+inline ATTN_BF16_DOT void DotRowGroupsBf16(const uint16_t* qb, size_t dp, int rows, const uint16_t* const* keys,
+                                               int d, float* s, size_t ld) {
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) DotRowsBf16<4, NK>(qb + r * dp, dp, keys, d, s + r * ld, ld);
+  switch (rows - r) {
+    case 3: DotRowsBf16<3, NK>(qb + r * dp, dp, keys, d, s + r * ld, ld); break;
+    case 2: DotRowsBf16<2, NK>(qb + r * dp, dp, keys, d, s + r * ld, ld); break;
+    case 1: DotRowsBf16<1, NK>(qb + r * dp, dp, keys, d, s + r * ld, ld); break;
+    default: break;
+  }
+}
+#else
+constexpr bool kBf16DotTarget = false;
+// Never called (kBf16DotTarget): declared so that the callers' discarded branches compile.
+template <int NR, int NK>
+void DotRowsBf16(const uint16_t*, size_t, const uint16_t* const*, int, float*, size_t) {}
+template <int NK>
+void DotRowGroupsBf16(const uint16_t*, size_t, int, const uint16_t* const*, int, float*, size_t) {}
+#endif
+
 static_assert(kBk <= 64, "a row's removed keys are the bits of one uint64_t");
 
 /// Bit c set when score c of a row of kBk scores is −∞ (a removed key; a NaN is
@@ -635,7 +697,7 @@ int64_t PvAheadBytes(const DecodeProblem& p) {
 
 template <typename T>
 void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const Item& it, const RowChunk& rc,
-                 Scratch& w, Partial out, bool prefetch, DecodeTilesScratch* tiles) {
+                 Scratch& w, Partial out, bool prefetch, DecodeTilesScratch* tiles, bool bf16_dot) {
   const Sequence& seq = p.attn.seqs[it.b];
   const int b = it.b, t0 = it.t0, t1 = it.t1;
   const int rows = rc.rows(), rows_pad = RoundUp(rows, kLanes);
@@ -654,7 +716,14 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       const int h = (it.hk0 + hh) * group + rc.g0 + r / rc.count, i = rc.i0 + r % rc.count;
       float* to = &w.q[(static_cast<size_t>(hh) * rows + r) * dp];
       const float* from = qs + ((static_cast<size_t>(b) * p.Hq + h) * p.Lq + i) * dp;
-      if constexpr (kPairs<T>) {  // pair order (see Bf16Pairs): evens, then odds
+      if (bf16_dot) {  // bf16 rows in their own order, unscaled (see UseBf16Dot)
+        uint16_t* qb = reinterpret_cast<uint16_t*>(w.q) + (static_cast<size_t>(hh) * rows + r) * dp;
+        for (int x = 0; x < dp; ++x) {
+          uint32_t bits;
+          std::memcpy(&bits, &from[x], sizeof bits);
+          qb[x] = static_cast<uint16_t>(bits >> 16);
+        }
+      } else if constexpr (kPairs<T>) {  // pair order (see Bf16Pairs): evens, then odds
         for (int x = 0; x < dp; x += 2 * kLanes) {
           for (int j = 0; j < kLanes; ++j) to[x + j] = from[x + 2 * j], to[x + kLanes + j] = from[x + 2 * j + 1];
         }
@@ -784,6 +853,14 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
           for (int hh = 0; hh < it.heads; ++hh) {
             prefetch_head(p.k, keys0, k_scale_at, hh, p.d, c, nk);
             head_keys(c, hh, nk, kk);
+            if constexpr (kPairs<T> && kBf16DotTarget) {
+              if (bf16_dot) {
+                DotRowGroupsBf16<nk>(reinterpret_cast<const uint16_t*>(w.q) + static_cast<size_t>(hh) * rows * dp, dp,
+                                     rows, reinterpret_cast<const uint16_t* const*>(kk), p.d,
+                                     &w.s[static_cast<size_t>(hh) * rows_pad * kBk] + c, kBk);
+                continue;
+              }
+            }
             DotRowGroups<U, nk>(&w.q[static_cast<size_t>(hh) * rows * dp], dp, rows,
                                 reinterpret_cast<const U* const*>(kk), p.d,
                                 &w.s[static_cast<size_t>(hh) * rows_pad * kBk] + c, kBk);
@@ -807,6 +884,14 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
               const float* q1 = &w.q[static_cast<size_t>(hh) * dp];
               float* s1 = &w.s[static_cast<size_t>(hh) * rows_pad * kBk] + c;
               const U* const* ku = reinterpret_cast<const U* const*>(wide);
+              if constexpr (kPairs<T> && kBf16DotTarget) {
+                if (bf16_dot) {
+                  DotRowGroupsBf16<kLanes>(reinterpret_cast<const uint16_t*>(w.q) + static_cast<size_t>(hh) * dp, dp, 1,
+                                           reinterpret_cast<const uint16_t* const*>(wide), p.d, s1, kBk);
+                  prefetch_head(p.k, keys0, k_scale_at, hh, p.d, c + kLanes / 2, kLanes / 2);
+                  continue;
+                }
+              }
               if (p.d % kLanes == 0) {
                 DotRows<U, 1, kLanes, false>(q1, dp, ku, p.d, s1, kBk);
               } else {
@@ -867,6 +952,12 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       float* l = &w.l[static_cast<size_t>(hh) * rows_pad * kLanes];
       float* alpha = &w.alpha[static_cast<size_t>(hh) * rows_pad];
       float* o = obase + static_cast<size_t>(hh) * rows * ldo;
+      if (bf16_dot) {  // the scale the f32 pass folds into q (prepare_queries)
+        const VF scale = hn::Set(DF(), p.attn.scale);
+        for (int r = 0; r < rows; ++r) {
+          for (int x = 0; x < kBk; x += kLanes) hn::Store(hn::Mul(hn::Load(DF(), s + r * kBk + x), scale), DF(), s + r * kBk + x);
+        }
+      }
       if (quantized) {  // S · the keys' scales, a row of vectors at a time
         gather_scales(p.k, k_scale_at, k_idx, hk);
         for (int r = 0; r < rows; ++r) {
@@ -1084,10 +1175,30 @@ int ItemHeads(const DecodeProblem& p, int rows) {
   return SplitHeads(p) ? 1 : std::max(1, std::min(p.Hkv, kMaxItemRows / rows));
 }
 
+/// True when every value of q (the rotated, unscaled queries) is a bf16: f32 whose
+/// low 16 bits are zero. Then DotRowsBf16 takes them as they are, exactly. bf16
+/// queries without rotary embedding always are; f32 queries widened from bf16 too.
+bool AllBf16(const std::vector<float>& q) {
+  uint32_t low = 0;
+  for (const float x : q) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    low |= bits & 0xFFFFu;
+  }
+  return low == 0;
+}
+
 template <typename T>
 void Decode(const DecodeProblem& p, int threads) {
   const int dp = RoundUp(p.d, kLanes), dvp = RoundUp(p.dv, kLanes);
-  const std::vector<float> qs = prepare_queries(p, kLanes);
+  // bf16 caches on CPUs whose vdpbf16ps has the FMA's rate take the bf16 score pass
+  // when every query value is a bf16 (UseBf16Dot); it scales S, not q.
+  bool bf16_dot = kPairs<T> && kBf16DotTarget && lowp_path() == LowpPath::avx512bf16;
+  std::vector<float> qs = prepare_queries(p, kLanes, /*scaled=*/!bf16_dot);
+  if (bf16_dot && !AllBf16(qs)) {
+    bf16_dot = false;
+    for (float& x : qs) x *= p.attn.scale;  // as prepare_queries would have
+  }
   const std::vector<RowChunk> chunks = RowChunks(p.group(), p.Lq);
   struct Group {  // the items of one (b, kv heads, chunk), in split order
     int first, count;
@@ -1152,7 +1263,7 @@ void Decode(const DecodeProblem& p, int threads) {
 #pragma omp for schedule(dynamic, 1)
     for (int n = 0; n < nitems; ++n) {
       ComputeItem<T>(p, qs.data(), dp, dvp, items[n], chunks[items[n].chunk], w, partial(items[n]), prefetch,
-                     tiles.get());
+                     tiles.get(), bf16_dot);
     }
 #if ATTN_DECODE_AMX_I8
     if (on_tiles) ReleaseTiles();

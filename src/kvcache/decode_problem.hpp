@@ -87,9 +87,10 @@ DecodeProblem make_decode_problem(const char* fn, const TensorView& q, const KVC
 /// Writes the new keys and values into the cache (rotated, rounded or quantized).
 void append_to_cache(const DecodeProblem& p);
 
-/// The queries as f32 [B][Hq][Lq][d_padded], multiplied by the scale and rotated
-/// like the new keys; d_padded = d rounded up to `multiple`, zero-filled.
-std::vector<float> prepare_queries(const DecodeProblem& p, int multiple);
+/// The queries as f32 [B][Hq][Lq][d_padded], rotated like the new keys and, when
+/// `scaled`, multiplied by the scale (after the rotation); d_padded = d rounded up to
+/// `multiple`, zero-filled.
+std::vector<float> prepare_queries(const DecodeProblem& p, int multiple, bool scaled = true);
 
 /// Computes out and lse (cpu/attention_decode.cc) with `threads` threads.
 void attention_decode_cpu(const DecodeProblem& p, int threads);

@@ -81,7 +81,7 @@ void append_to_cache(const DecodeProblem& p) {
                            ((p.d + p.dv) * dtype_size(p.cache_dtype) + (quantized ? 2 * sizeof(float) : 0)));
 }
 
-std::vector<float> prepare_queries(const DecodeProblem& p, int multiple) {
+std::vector<float> prepare_queries(const DecodeProblem& p, int multiple, bool scaled) {
   const int dp = (p.d + multiple - 1) / multiple * multiple;
   std::vector<float> qs(static_cast<size_t>(p.B) * p.Hq * p.Lq * dp, 0.0f);
   for (int b = 0; b < p.B; ++b) {
@@ -91,7 +91,7 @@ std::vector<float> prepare_queries(const DecodeProblem& p, int multiple) {
         const int64_t at = b * p.q_b + i * p.q_row + h * p.q_head;
         load_f32_row(p.q_dtype, p.q, at, dst, p.d);
         rotate(p, dst, int64_t{p.cached[b]} + p.Lnew - p.Lq + i);
-        for (int x = 0; x < p.d; ++x) dst[x] *= p.attn.scale;
+        if (scaled) for (int x = 0; x < p.d; ++x) dst[x] *= p.attn.scale;
       }
     }
   }
