@@ -28,7 +28,12 @@
 // x / scale rounded to the nearest E4M3, ties to even — a token of zeros gets scale
 // 0). The kernel reads the cache in its own dtype, with f32 scores, softmax and
 // accumulation; nothing is re-packed per call. An E4M3 NaN code the kernel reads
-// gives NaN, as a NaN in a float cache does.
+// gives NaN, as a NaN in a float cache does. On CPUs whose vdpbf16ps runs at the
+// FMA's rate (AMD Zen 4/5; ATTN_ISA=avx512bf16 forces it, ATTN_ISA=f32 forbids it), a
+// bf16 cache read by queries whose values are all bf16 (bf16 queries without rotary
+// embedding, for instance) gets Q·Kᵀ on vdpbf16ps: the same exact products, summed
+// in f32 in another order, scaled after the sum rather than before, and bf16
+// subnormals (below 1.2e-38) read as zero.
 //
 // Rotary embeddings on append (FlashAttention's rotary_cos/rotary_sin): f32
 // [max_position, rotary_dim / 2]; the first rotary_dim dimensions of each new key

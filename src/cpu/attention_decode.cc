@@ -12,7 +12,9 @@
 //   S = (scale·Q)·Kᵀ        4 rows × 4 keys per pass (2 keys where a vector has 8
 //                           lanes), the key rows converted to f32 once for all rows
 //                           (i8, f8e4m3: times the key's scale; bf16: two elements
-//                           per 32-bit lane, see Bf16Pairs)
+//                           per 32-bit lane, see Bf16Pairs); bf16 keys and queries
+//                           whose values are all bf16, where vdpbf16ps has the FMA's
+//                           rate: S = scale·(Q·Kᵀ) on vdpbf16ps (DotRowsBf16)
 //   S = modifiers (S)       ApplyScoreMods, shared with attention()
 //   P = e^(S − m_new) …     SoftmaxTile, shared with attention()
 //   O = α·O + P·V           16 keys per pass (8 below 4 rows), V rows converted once
