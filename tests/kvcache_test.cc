@@ -506,8 +506,6 @@ TEST(KVCache, OddShapesOptionsAndQueryDtypes) {
 // multiple of 32 (the pass's unit) and not, 1 to 9 rows per kv head, every score
 // option, masks, splits; rotated queries are not bf16 and take the f32 pass.
 TEST(KVCache, Bf16ScorePassOnBf16ValuedQueries) {
-  const char* saved = std::getenv("ATTN_ISA");
-  const std::string restore = saved != nullptr ? saved : "";
   auto rng = make_rng(1211);
   struct Shape {
     int Hq, Hkv, Lq, d, dv, page;
@@ -515,11 +513,7 @@ TEST(KVCache, Bf16ScorePassOnBf16ValuedQueries) {
   const Shape shapes[] = {{32, 8, 1, 128, 128, 0}, {8, 2, 1, 64, 64, 16}, {4, 4, 1, 32, 96, 256},
                           {18, 2, 1, 96, 64, 7},   {2, 1, 3, 256, 32, 1}, {4, 2, 2, 48, 48, 0}};
   for (const char* isa : {"", "f32"}) {
-    if (*isa != '\0') {
-      setenv("ATTN_ISA", isa, 1);
-    } else {
-      unsetenv("ATTN_ISA");
-    }
+    const ScopedEnv forced("ATTN_ISA", *isa != '\0' ? isa : nullptr);
     for (const Shape& sh : shapes) {
       for (int variant = 0; variant < 4; ++variant) {
         KvConfig c;
@@ -536,11 +530,6 @@ TEST(KVCache, Bf16ScorePassOnBf16ValuedQueries) {
         check_against_reference(kc, r, c.name() + " bf16-valued q, ATTN_ISA=" + isa);
       }
     }
-  }
-  if (saved != nullptr) {
-    setenv("ATTN_ISA", restore.c_str(), 1);
-  } else {
-    unsetenv("ATTN_ISA");
   }
 }
 
@@ -640,8 +629,6 @@ TEST(KVCache, BitwiseIdenticalForAnyThreadCount) {
 // block's last keys), dv under and over 64, and negative value scales (which the
 // append never writes: the tile path adds those blocks in f32).
 TEST(KVCache, I8CachesOnTilesAndOnTheVectorKernel) {
-  const char* saved = std::getenv("ATTN_ISA");
-  const std::string restore = saved != nullptr ? saved : "";
   auto rng = make_rng(1210);
   struct Shape {
     int Hq, Hkv, Lq, d, dv, page;
@@ -650,11 +637,7 @@ TEST(KVCache, I8CachesOnTilesAndOnTheVectorKernel) {
                           {6, 2, 1, 80, 48, 7},    {8, 2, 1, 17, 130, 1},  {4, 1, 2, 64, 64, 16},
                           {2, 1, 3, 32, 32, 3},    {16, 2, 1, 64, 64, 64}, {8, 8, 1, 256, 96, 0}};
   for (const char* isa : {"", "f32"}) {
-    if (*isa != '\0') {
-      setenv("ATTN_ISA", isa, 1);
-    } else {
-      unsetenv("ATTN_ISA");
-    }
+    const ScopedEnv forced("ATTN_ISA", *isa != '\0' ? isa : nullptr);
     for (const Shape& sh : shapes) {
       for (bool negative_scales : {false, true}) {
         KvConfig c;
@@ -668,11 +651,6 @@ TEST(KVCache, I8CachesOnTilesAndOnTheVectorKernel) {
         check_against_reference(kc, r, c.name() + " ATTN_ISA=" + isa + (negative_scales ? " negative v scales" : ""));
       }
     }
-  }
-  if (saved != nullptr) {
-    setenv("ATTN_ISA", restore.c_str(), 1);
-  } else {
-    unsetenv("ATTN_ISA");
   }
 }
 
