@@ -417,18 +417,23 @@ HWY_INLINE ATTN_BF16_DOT void DotRowsBf16(const uint16_t* HWY_RESTRICT qb, size_
   }
 }
 
-/// DotRowGroups for bf16 queries and keys (DotRowsBf16), 4 rows at a time. Not
-/// always_inline: its target (avx512bf16) is more than its callers'.
+/// DotRowGroups for bf16 queries and keys (DotRowsBf16), 4 rows at a time, or one
+/// where NK is a vector's lane count (the one-row pass). Not always_inline: its
+/// target (avx512bf16) is more than its callers'.
 template <int NK>
 inline ATTN_BF16_DOT void DotRowGroupsBf16(const uint16_t* qb, size_t dp, int rows, const uint16_t* const* keys,
-                                               int d, float* s, size_t ld) {
-  int r = 0;
-  for (; r + 4 <= rows; r += 4) DotRowsBf16<4, NK>(qb + r * dp, dp, keys, d, s + r * ld, ld);
-  switch (rows - r) {
-    case 3: DotRowsBf16<3, NK>(qb + r * dp, dp, keys, d, s + r * ld, ld); break;
-    case 2: DotRowsBf16<2, NK>(qb + r * dp, dp, keys, d, s + r * ld, ld); break;
-    case 1: DotRowsBf16<1, NK>(qb + r * dp, dp, keys, d, s + r * ld, ld); break;
-    default: break;
+                                           int d, float* s, size_t ld) {
+  if constexpr (NK > 4) {
+    for (int r = 0; r < rows; ++r) DotRowsBf16<1, NK>(qb + r * dp, dp, keys, d, s + r * ld, ld);
+  } else {
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) DotRowsBf16<4, NK>(qb + r * dp, dp, keys, d, s + r * ld, ld);
+    switch (rows - r) {
+      case 3: DotRowsBf16<3, NK>(qb + r * dp, dp, keys, d, s + r * ld, ld); break;
+      case 2: DotRowsBf16<2, NK>(qb + r * dp, dp, keys, d, s + r * ld, ld); break;
+      case 1: DotRowsBf16<1, NK>(qb + r * dp, dp, keys, d, s + r * ld, ld); break;
+      default: break;
+    }
   }
 }
 #else
@@ -718,7 +723,7 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       const int h = (it.hk0 + hh) * group + rc.g0 + r / rc.count, i = rc.i0 + r % rc.count;
       float* to = &w.q[(static_cast<size_t>(hh) * rows + r) * dp];
       const float* from = qs + ((static_cast<size_t>(b) * p.Hq + h) * p.Lq + i) * dp;
-      if (bf16_dot) {  // bf16 rows in their own order, unscaled (see UseBf16Dot)
+      if (bf16_dot) {  // bf16 rows in their own order, unscaled (see AllBf16)
         uint16_t* qb = reinterpret_cast<uint16_t*>(w.q) + (static_cast<size_t>(hh) * rows + r) * dp;
         for (int x = 0; x < dp; ++x) {
           uint32_t bits;
@@ -1194,7 +1199,7 @@ template <typename T>
 void Decode(const DecodeProblem& p, int threads) {
   const int dp = RoundUp(p.d, kLanes), dvp = RoundUp(p.dv, kLanes);
   // bf16 caches on CPUs whose vdpbf16ps has the FMA's rate take the bf16 score pass
-  // when every query value is a bf16 (UseBf16Dot); it scales S, not q.
+  // when every query value is a bf16 (AllBf16); it scales S, not q.
   bool bf16_dot = kPairs<T> && kBf16DotTarget && lowp_path() == LowpPath::avx512bf16;
   std::vector<float> qs = prepare_queries(p, kLanes, /*scaled=*/!bf16_dot);
   if (bf16_dot && !AllBf16(qs)) {
