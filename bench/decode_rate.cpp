@@ -10,7 +10,7 @@
 // contiguous cache, one split, 1 thread. Flops: 4·Hq·L·d per call (Q·Kᵀ and P·V).
 // Fresh random keys, values, scales and queries (never constants).
 //
-// usage: decode_rate [f32|bf16|f16|i8 ...] [--lengths L ...] [--hkv H] [--calls N]
+// usage: decode_rate [f32|bf16|f16|i8 ...] [--lengths L ...] [--hkv H] [--calls N] [--precision f32|bf16]
 //        --hkv: kv heads (default 8, 4 query rows per kv head; 32 = multi-head, 1 row)
 #include <cstdio>
 #include <cstdlib>
@@ -34,7 +34,7 @@ struct Rate {
 };
 
 /// Median over 7 rounds of `calls` decoding calls each (after 10 warm-up calls).
-Rate time_decode(DType cache_dtype, int L, int Hkv, int calls, std::mt19937& rng) {
+Rate time_decode(DType cache_dtype, int L, int Hkv, int calls, attn::Precision precision, std::mt19937& rng) {
   constexpr int B = 1, Hq = 32, d = 128;
   const size_t n = static_cast<size_t>(B) * L * Hkv * d;
   const size_t bytes = cache_dtype == DType::f32 ? 4 : cache_dtype == DType::i8 ? 1 : 2;
@@ -77,11 +77,13 @@ Rate time_decode(DType cache_dtype, int L, int Hkv, int calls, std::mt19937& rng
   const attn::TensorView lens(seqlens.data(), DType::i32, {B});
   attn::KVCacheOptions kv;
   kv.num_splits = 1;
-  for (int i = 0; i < 10; ++i) attn::attention_with_kvcache(qv, cache, lens, ov, {}, kv);
+  attn::AttentionOptions opt;
+  opt.precision = precision;
+  for (int i = 0; i < 10; ++i) attn::attention_with_kvcache(qv, cache, lens, ov, opt, kv);
   std::vector<double> per_call;
   for (int round = 0; round < 7; ++round) {
     const double t0 = attn::bench::now_s();
-    for (int i = 0; i < calls; ++i) attn::attention_with_kvcache(qv, cache, lens, ov, {}, kv);
+    for (int i = 0; i < calls; ++i) attn::attention_with_kvcache(qv, cache, lens, ov, opt, kv);
     per_call.push_back((attn::bench::now_s() - t0) / calls);
   }
   const double t = attn::bench::median(per_call);
@@ -94,6 +96,7 @@ int main(int argc, char** argv) {
   std::vector<DType> dtypes;
   std::vector<int> lengths;
   int calls = 0, hkv = 8;
+  attn::Precision precision = attn::Precision::f32;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--lengths") {
@@ -104,12 +107,19 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "decode_rate: --hkv must divide 32\n");
         return 2;
       }
+    } else if (a == "--precision" && i + 1 < argc) {
+      const std::string want = argv[++i];
+      if (want != "f32" && want != "bf16") {
+        std::fprintf(stderr, "decode_rate: --precision must be f32 or bf16\n");
+        return 2;
+      }
+      precision = want == "bf16" ? attn::Precision::bf16 : attn::Precision::f32;
     } else if (a == "--calls" && i + 1 < argc) {
       calls = std::atoi(argv[++i]);
     } else if (a == "f32" || a == "bf16" || a == "f16" || a == "i8") {
       dtypes.push_back(a == "f32" ? DType::f32 : a == "bf16" ? DType::bf16 : a == "f16" ? DType::f16 : DType::i8);
     } else {
-      std::fprintf(stderr, "usage: decode_rate [f32|bf16|f16|i8 ...] [--lengths L ...] [--hkv H] [--calls N]\n");
+      std::fprintf(stderr, "usage: decode_rate [f32|bf16|f16|i8 ...] [--lengths L ...] [--hkv H] [--calls N] [--precision f32|bf16]\n");
       return a == "--help" || a == "-h" ? 0 : 2;
     }
   }
@@ -117,14 +127,14 @@ int main(int argc, char** argv) {
   if (lengths.empty()) lengths = {512, 8192};
   attn::set_num_threads(1);
   const attn::bench::Peak peak = attn::bench::measure_peak(1);
-  std::printf("decode_rate: B=1 Lq=1 Hq=32 Hkv=%d d=128, 1 thread, one split; FMA peak %.1f GFLOP/s (%s)\n", hkv,
-              peak.f32_gflops, peak.isa);
+  std::printf("decode_rate: B=1 Lq=1 Hq=32 Hkv=%d d=128, 1 thread, one split, precision %s; FMA peak %.1f GFLOP/s (%s)\n",
+              hkv, precision == attn::Precision::bf16 ? "bf16" : "f32", peak.f32_gflops, peak.isa);
   std::printf("| cache | L | us/call | GFLOP/s | of FMA peak |\n|---|---:|---:|---:|---:|\n");
   std::mt19937 rng(2026);
   for (DType dt : dtypes) {
     for (int L : lengths) {
       const int n = calls > 0 ? calls : std::max(3, 200 * 512 / L);
-      const Rate r = time_decode(dt, L, hkv, n, rng);
+      const Rate r = time_decode(dt, L, hkv, n, precision, rng);
       std::printf("| %s | %d | %.1f | %.1f | %.0f%% |\n", attn::dtype_name(dt), L, r.us_per_call, r.gflops,
                   100.0 * r.gflops / peak.f32_gflops);
     }

@@ -40,6 +40,11 @@ void fill_random(void* base, int64_t n, DType dt, uint64_t salt) {
 
 void fill_random(Tensor& t, uint64_t salt) { fill_random(t.data(), t.numel(), t.dtype(), salt); }
 
+// A row's label beside its cache dtype: nothing for the default precision.
+const char* precision_note(Precision p) {
+  return p == Precision::bf16 ? " (precision bf16)" : p == Precision::bf16x3 ? " (precision bf16x3)" : "";
+}
+
 }  // namespace
 
 double measure_read_bandwidth(int threads, size_t bytes, bool huge_pages) {
@@ -126,6 +131,7 @@ DecodeRow time_decode(const DecodeConfig& c, const DecodeOptions& o) {
   kv.num_splits = c.splits;
   AttentionOptions opt;
   opt.causal = Causal::BottomRight;
+  opt.precision = c.precision;
 
   const int before = num_threads();
   set_num_threads(c.threads);
@@ -156,6 +162,7 @@ std::vector<DecodeRow> run_decode_table(const DecodeOptions& o, std::ostream& lo
         for (int page : o.pages) {
           DecodeConfig c;
           c.B = B, c.L = L, c.page = page, c.cache = dt, c.pages_in_order = o.pages_in_order;
+          c.precision = o.precision;
           const double gb = 2.0 * B * L * c.Hkv * c.d * dtype_size(dt) / 1e9;
           if (gb > o.max_cache_gb) {
             log << "  skip B=" << B << " L=" << L << " " << dtype_name(dt) << ": cache " << gb << " GB > "
@@ -167,8 +174,8 @@ std::vector<DecodeRow> run_decode_table(const DecodeOptions& o, std::ostream& lo
             rows.push_back(time_decode(c, o));
             const DecodeRow& r = rows.back();
             char line[200];
-            std::snprintf(line, sizeof line, "  %-4s B=%d L=%-6d page=%-3d threads=%d: %8.3f ms  %6.1f GB/s\n",
-                          dtype_name(dt), B, L, page, t, r.ms, r.gbps());
+            std::snprintf(line, sizeof line, "  %-4s%s B=%d L=%-6d page=%-3d threads=%d: %8.3f ms  %6.1f GB/s\n",
+                          dtype_name(dt), precision_note(c.precision), B, L, page, t, r.ms, r.gbps());
             log << line << std::flush;
           }
         }
@@ -185,7 +192,8 @@ std::string format_decode_table(const std::vector<DecodeRow>& rows, const std::v
     const std::string page =
         c.page == 0 ? "contiguous" : std::to_string(c.page) + (c.pages_in_order ? " in order" : "");
     char line[200];
-    std::snprintf(line, sizeof line, "| %s | %d | %d | %s | %d | %.3f | %.1f | %s |\n", dtype_name(c.cache), c.B, c.L,
+    std::snprintf(line, sizeof line, "| %s%s | %d | %d | %s | %d | %.3f | %.1f | %s |\n", dtype_name(c.cache),
+                  precision_note(c.precision), c.B, c.L,
                   page.c_str(), c.threads, r.ms, r.gbps(),
                   bw > 0 ? (std::to_string(static_cast<int>(100 * r.gbps() / bw + 0.5)) + "%").c_str() : "-");
     s << line;

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "attn/attention.hpp"
 #include "attn/tensor.hpp"
 
 namespace attn::bench {
@@ -29,6 +30,8 @@ struct DecodeConfig {
   /// or in order, which lays the cache out as a contiguous one: the two differ only in
   /// where the pages lie, so their gap is the memory system's, not the kernel's.
   bool pages_in_order = false;
+  /// AttentionOptions::precision of the calls (bf16: i8 caches on integer products).
+  Precision precision = Precision::f32;
 };
 
 struct DecodeRow {
@@ -46,6 +49,7 @@ struct DecodeOptions {
   std::vector<int> threads = {1, 2};
   double max_cache_gb = 6.0;  // rows whose cache is larger are skipped (and said so)
   bool pages_in_order = false;  // DecodeConfig::pages_in_order of every row
+  Precision precision = Precision::f32;  // DecodeConfig::precision of every row
   int min_reps = 5;
   double min_seconds = 0.5;
 };

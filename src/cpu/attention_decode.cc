@@ -445,6 +445,169 @@ template <int NK>
 void DotRowGroupsBf16(const uint16_t*, size_t, int, const uint16_t* const*, int, float*, size_t) {}
 #endif
 
+// Precision::bf16 on i8 caches: both products on 16-bit integer multiply-adds
+// (vpmaddwd: 2·kLanes products per instruction, where the f32 pass widens each key
+// and value vector twice, to int32 and to f32, and takes 2 FMAs for them). The f32
+// operands — a row's scaled query, a row's 16 or 8 probabilities (times the values'
+// scales) of one P·V pass — enter as integers of 15 bits and a sign, relative to
+// their largest magnitude: x ≈ unit·n, unit = max|x| / 32767, |x − unit·n| ≤ unit/2,
+// an absolute error of at most 2⁻¹⁶ of the largest (bf16's rounding is 2⁻⁹ of each
+// element). The integer sums are exact; one f32 multiply by the unit scales them.
+// On AVX2 and AVX-512 only: there ReorderWidenMulAccumulate is vpmaddwd, whose lane i
+// is a[2i]·b[2i] + a[2i+1]·b[2i+1] (the P·V pass's column order relies on it), and a
+// block (kBk) holds a whole P·V pass.
+#undef ATTN_DECODE_FIXED16
+#if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+#define ATTN_DECODE_FIXED16 1
+#else
+#define ATTN_DECODE_FIXED16 0
+#endif
+constexpr bool kFixed16Target = ATTN_DECODE_FIXED16;
+/// Whether this target's fixed-point passes can take vpdpwssd (MulPairsAdd).
+constexpr bool kFixed16Vnni = HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL;
+/// The pass's unit of d and dv: one int16 vector of elements, for every target.
+constexpr int kFixedUnit = 32;
+/// The fixed-point integers' largest magnitude.
+constexpr float kFixedMax = 32767.0f;
+/// Keys per fixed-point P·V pass: their integers share a unit per row, and the pass
+/// adds its sums to O once (at most 32·32767·128 in magnitude, well inside int32).
+/// With 16 keys a pass, half its time went to converting the weights and adding to
+/// O (perf annotate, Zen 4).
+constexpr int kFixedPvKeys = 32;
+#if ATTN_DECODE_FIXED16
+using DI32 = hn::RebindToSigned<DF>;
+using DI16 = hn::Repartition<int16_t, DF>;  // 2·kLanes lanes
+
+/// acc + the pair sums of a·b (lane i: a[2i]·b[2i] + a[2i+1]·b[2i+1]), exact in
+/// int32 for our operands (|a| ≤ 32767, |b| ≤ 128). kVnni (AVX-512 cores with VNNI:
+/// Zen 4/5, Intel's since Ice Lake): one vpdpwssd, as an asm statement, which adds
+/// in place. vpmaddwd + vpaddd (ReorderWidenMulAccumulate) leave GCC 12 a product
+/// per accumulator to hold: with 16 accumulators it hoisted every product first,
+/// spilled two and copied the rest at each iteration (perf annotate, Zen 4).
+template <bool kVnni>
+HWY_INLINE hn::Vec<DI32> MulPairsAdd(hn::Vec<DI16> a, hn::Vec<DI16> b, hn::Vec<DI32> acc) {
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  if constexpr (kVnni) {
+    asm("vpdpwssd %2, %1, %0" : "+v"(acc.raw) : "v"(a.raw), "v"(b.raw));
+    return acc;
+  }
+#endif
+  hn::Vec<DI32> unused = hn::Zero(DI32());
+  return hn::ReorderWidenMulAccumulate(DI32(), a, b, acc, unused);
+}
+
+/// n (a multiple of kLanes, ≥ 1 vector) floats x as integers n_i = round(x_i / unit),
+/// |n_i| ≤ 32767, unit = max|x| / 32767, into to (int32 lanes); returns unit, 0 when
+/// every x is 0 (then every n_i is 0). x must be finite.
+HWY_INLINE float ToFixed16(const float* HWY_RESTRICT x, int n, int32_t* HWY_RESTRICT to) {
+  const DF df;
+  const DI32 di;
+  VF top = hn::Zero(df);
+  for (int i = 0; i < n; i += kLanes) top = hn::Max(top, hn::Abs(hn::LoadU(df, x + i)));
+  const float largest = hn::GetLane(hn::MaxOfLanes(df, top));
+  if (largest == 0.0f) {
+    std::fill(to, to + n, 0);
+    return 0.0f;
+  }
+  const VF inv = hn::Set(df, kFixedMax / largest), lim = hn::Set(df, kFixedMax);
+  for (int i = 0; i < n; i += kLanes) {
+    const VF v = hn::Clamp(hn::Mul(hn::LoadU(df, x + i), inv), hn::Neg(lim), lim);
+    hn::StoreU(hn::NearestInt(v), di, to + i);
+  }
+  return largest / kFixedMax;
+}
+
+/// TransposedSums for int32 vectors: lane i of the result is the sum of x[i]'s lanes.
+template <int N>
+HWY_INLINE hn::Vec<DI32> TransposedSumsI32(hn::Vec<DI32>* x) {
+  const DI32 di;
+  if constexpr (N == 1) {
+    return x[0];
+  } else {
+#pragma GCC unroll 16
+    for (int i = 0; i < N / 2; ++i)
+      x[i] = hn::Add(hn::ConcatEven(di, x[2 * i + 1], x[2 * i]), hn::ConcatOdd(di, x[2 * i + 1], x[2 * i]));
+    return TransposedSumsI32<N / 2>(x);
+  }
+}
+
+/// s[r·ld + c] = Σ_x q[r][x]·k_c[x] in integers, for NR rows of fixed-point queries
+/// (q: rows of dq int16, ToFixed16's integers) and NK i8 key rows, d a multiple of
+/// kFixedUnit; the caller multiplies row r by its unit. The sums are exact integers
+/// (at most 128·32767·d in magnitude); converted to f32 once, then summed across lanes.
+template <int NR, int NK, bool kVnni>
+HWY_INLINE void DotRowsFixed16(const int16_t* HWY_RESTRICT q, size_t dq, const int8_t* const* keys, int d,
+                               float* HWY_RESTRICT s, size_t ld) {
+  const DF df;
+  const DI32 di;
+  const DI16 dw;
+  const hn::Rebind<int8_t, DI16> d8;
+  hn::Vec<DI32> acc[NR * NK];  // [r][c]
+  for (int i = 0; i < NR * NK; ++i) acc[i] = hn::Zero(di);
+  for (int x = 0; x < d; x += static_cast<int>(hn::Lanes(dw))) {
+    hn::Vec<DI16> kv[NK];
+    for (int c = 0; c < NK; ++c) kv[c] = hn::PromoteTo(dw, hn::LoadU(d8, keys[c] + x));
+    for (int r = 0; r < NR; ++r) {
+      const auto qv = hn::LoadU(dw, q + r * dq + x);
+      for (int c = 0; c < NK; ++c) acc[r * NK + c] = MulPairsAdd<kVnni>(qv, kv[c], acc[r * NK + c]);
+    }
+  }
+  if constexpr (NR * NK == kLanes && kLanes == 16) {
+    // The 16 sums in integers (exact; at most 2³¹ − 1 in magnitude for d ≤ 512),
+    // then one conversion, where converting each accumulator first took 16 (AVX2
+    // keeps the f32 path: its TransposedSums has an in-half schedule).
+    HWY_ALIGN float out[kLanes];
+    hn::Store(hn::ConvertTo(df, TransposedSumsI32<NR * NK>(acc)), df, out);
+    for (int r = 0; r < NR; ++r) std::memcpy(s + r * ld, out + r * NK, NK * sizeof(float));
+    return;
+  }
+  VF sums[NR * NK];
+  for (int i = 0; i < NR * NK; ++i) sums[i] = hn::ConvertTo(df, acc[i]);
+  if constexpr (NR * NK == kLanes) {
+    HWY_ALIGN float out[kLanes];
+    hn::Store(TransposedSums(df, sums), df, out);
+    for (int r = 0; r < NR; ++r) std::memcpy(s + r * ld, out + r * NK, NK * sizeof(float));
+    return;
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NK; ++c) s[r * ld + c] = hn::GetLane(hn::SumOfLanes(df, sums[r * NK + c]));
+}
+
+/// DotRowsFixed16 over `rows` rows: 4 at a time, or one where NK is a vector's lane
+/// count (the one-row pass).
+template <int NK, bool kVnni>
+HWY_INLINE void DotRowGroupsFixed16Of(const int16_t* q, size_t dq, int rows, const int8_t* const* keys, int d,
+                                      float* s, size_t ld) {
+  if constexpr (NK > 4) {
+    for (int r = 0; r < rows; ++r) DotRowsFixed16<1, NK, kVnni>(q + r * dq, dq, keys, d, s + r * ld, ld);
+  } else {
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) DotRowsFixed16<4, NK, kVnni>(q + r * dq, dq, keys, d, s + r * ld, ld);
+    switch (rows - r) {
+      case 3: DotRowsFixed16<3, NK, kVnni>(q + r * dq, dq, keys, d, s + r * ld, ld); break;
+      case 2: DotRowsFixed16<2, NK, kVnni>(q + r * dq, dq, keys, d, s + r * ld, ld); break;
+      case 1: DotRowsFixed16<1, NK, kVnni>(q + r * dq, dq, keys, d, s + r * ld, ld); break;
+      default: break;
+    }
+  }
+}
+
+/// kVnni: vpdpwssd (where the target has AVX-512 and the CPU VNNI; see MulPairsAdd).
+template <int NK>
+HWY_INLINE void DotRowGroupsFixed16(bool vnni, const int16_t* q, size_t dq, int rows, const int8_t* const* keys,
+                                    int d, float* s, size_t ld) {
+  if (kFixed16Vnni && vnni) {
+    DotRowGroupsFixed16Of<NK, kFixed16Vnni>(q, dq, rows, keys, d, s, ld);
+  } else {
+    DotRowGroupsFixed16Of<NK, false>(q, dq, rows, keys, d, s, ld);
+  }
+}
+#else
+// Never called (kFixed16Target): declared so that the callers' discarded branches compile.
+template <int NK>
+void DotRowGroupsFixed16(bool, const int16_t*, size_t, int, const int8_t* const*, int, float*, size_t) {}
+#endif
+
 static_assert(kBk <= 64, "a row's removed keys are the bits of one uint64_t");
 
 /// Bit c set when score c of a row of kBk scores is −∞ (a removed key; a NaN is
@@ -603,6 +766,166 @@ HWY_INLINE void PvKeys(const float* HWY_RESTRICT p, size_t ld, const uint64_t* r
   PvKeysSkippingRemoved(p, ld, removed, c, rows, vals, NK, dv, o, o_ld);
 }
 
+#if ATTN_DECODE_FIXED16
+static_assert(kFixedPvKeys <= kBk, "a pass lies within a block");
+
+/// The column of O's row buffer that holds output column u of a kFixedUnit chunk on
+/// the fixed-point P·V pass (PvRowsFixed16): a chunk's two keys' value vectors,
+/// interleaved element by element (InterleaveLower/Upper, within each 128-bit
+/// block β of 8 columns), give vpmaddwd pairs whose sums land in lanes 4β + i for
+/// columns 8β + i of the lower interleave and 8β + 4 + i of the upper, i < 4; the
+/// lower's lanes fill the chunk's first kLanes floats, the upper's the next.
+/// Un-permuted once per item, when its partial result is written.
+HWY_INLINE int Fixed16Column(int u) {
+  const int block = u / 8, i = u % 8;
+  return i < 4 ? 4 * block + i : kLanes + 4 * block + i - 4;
+}
+
+/// o[r] += unit_r·Σ_k n[r][k]·v_k for NR rows over the value rows vals[0 … 2·npairs)
+/// (the keys of one pass in pairs), dv a multiple of kFixedUnit, o in Fixed16Column
+/// order. pairs[r·kFixedPvKeys/2 + j]: row r's integers for keys 2j and 2j+1 in the
+/// low and high 16 bits. Each pair of keys is one vpmaddwd per row and 16 columns.
+/// The integer sums are exact (at most 16·32767·128 in magnitude); one conversion
+/// and FMA per vector adds them to O.
+template <int NR, int kChunks, bool kVnni>
+HWY_INLINE void PvRowsFixed16Chunks(const int32_t* HWY_RESTRICT pairs, const float* HWY_RESTRICT unit, int npairs,
+                                    const int8_t* const* vals, int x, float* HWY_RESTRICT o, size_t o_ld,
+                                    int64_t ahead_bytes) {
+  const DF df;
+  const DI32 di;
+  const DI16 dw;
+  const hn::Rebind<int8_t, DI16> d8;
+  constexpr int kW = static_cast<int>(kFixedUnit);
+  hn::Vec<DI32> acc[NR][2 * kChunks];
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < 2 * kChunks; ++j) acc[r][j] = hn::Zero(di);
+  for (int j = 0; j < npairs; ++j) {
+    const int8_t* a = vals[2 * j];
+    const int8_t* b = vals[2 * j + 1];
+    if constexpr (kPvAheadBytes > 0) {
+      if (ahead_bytes > 0) {
+        PrefetchLineL2(reinterpret_cast<const char*>(a + x) + ahead_bytes);
+        PrefetchLineL2(reinterpret_cast<const char*>(b + x) + ahead_bytes);
+      }
+    }
+    hn::Vec<DI16> lo[kChunks], hi[kChunks];
+    for (int ch = 0; ch < kChunks; ++ch) {
+      const auto va = hn::PromoteTo(dw, hn::LoadU(d8, a + x + ch * kW));
+      const auto vb = hn::PromoteTo(dw, hn::LoadU(d8, b + x + ch * kW));
+      lo[ch] = hn::InterleaveLower(dw, va, vb);
+      hi[ch] = hn::InterleaveUpper(dw, va, vb);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const auto w = hn::BitCast(dw, hn::Set(di, pairs[r * (kFixedPvKeys / 2) + j]));
+      for (int ch = 0; ch < kChunks; ++ch) {
+        acc[r][2 * ch] = MulPairsAdd<kVnni>(lo[ch], w, acc[r][2 * ch]);
+        acc[r][2 * ch + 1] = MulPairsAdd<kVnni>(hi[ch], w, acc[r][2 * ch + 1]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    const VF u = hn::Set(df, unit[r]);
+    for (int j = 0; j < 2 * kChunks; ++j) {
+      float* at = o + r * o_ld + x + j * kLanes;
+      hn::Store(hn::MulAdd(hn::ConvertTo(df, acc[r][j]), u, hn::Load(df, at)), df, at);
+    }
+  }
+}
+
+template <int NR, bool kVnni>
+HWY_INLINE void PvRowsFixed16(const int32_t* pairs, const float* unit, int npairs, const int8_t* const* vals, int dv,
+                              float* o, size_t o_ld, int64_t ahead_bytes) {
+  int x = 0;
+  // Two chunks (64 columns) at once where 32 registers hold their 4·NR sums.
+  if constexpr (kLanes == 16) {
+    for (; x + 2 * kFixedUnit <= dv; x += 2 * kFixedUnit)
+      PvRowsFixed16Chunks<NR, 2, kVnni>(pairs, unit, npairs, vals, x, o, o_ld, ahead_bytes);
+  }
+  for (; x < dv; x += kFixedUnit) PvRowsFixed16Chunks<NR, 1, kVnni>(pairs, unit, npairs, vals, x, o, o_ld, ahead_bytes);
+}
+
+/// o[r] += Σ_k w[r][k]·v_k for nk ≤ kFixedPvKeys keys of a block (w = p times the
+/// values' scales, removed keys' already 0; row stride ld) and every row, on
+/// PvRowsFixed16 (O in Fixed16Column order). vals: kFixedPvKeys pointers, those past
+/// nk any readable value row (their weights are 0). A row whose weights are not all
+/// finite (a NaN or ±∞ score or scale) takes them in f32, one product at a time, so
+/// NaN and ±∞ reach O as on the f32 pass.
+template <bool kVnni>
+HWY_INLINE void PvKeysFixed16Of(const float* HWY_RESTRICT w, size_t ld, int rows, const int8_t* const* vals, int nk,
+                                int dv, float* HWY_RESTRICT o, size_t o_ld, int64_t ahead_bytes) {
+  const DF df;
+  const DI32 di;
+  const hn::Rebind<int16_t, DF> dn;  // kLanes int16
+  // Each row slot's integers, key by key as int16, read as int32 pairs of keys (the
+  // vector stores may alias; scalar code touches them as int32 only).
+  HWY_ALIGN int32_t pairs[4 * (kFixedPvKeys / 2)];
+  float unit[4];
+  const int npairs = (nk + 1) / 2;
+  // Row r's weights into slot `slot`: w rows hold kBk floats, so a whole vector past
+  // nk is readable; the keys from nk on count as 0.
+  auto one_row = [&](int r, int slot) {
+    const float* wr = w + r * ld;
+    constexpr int kVecs = kFixedPvKeys / kLanes;
+    VF v[kVecs];
+    VF top = hn::Zero(df);
+    auto finite = hn::IsFinite(top);
+    for (int i = 0; i < kVecs; ++i) {
+      v[i] = hn::IfThenElseZero(hn::FirstN(df, static_cast<size_t>(std::max(0, nk - i * kLanes))), hn::LoadU(df, wr + i * kLanes));
+      top = hn::Max(top, hn::Abs(v[i]));
+      finite = hn::And(finite, hn::IsFinite(v[i]));
+    }
+    int32_t* pr = pairs + slot * (kFixedPvKeys / 2);
+    if (!hn::AllTrue(df, finite)) {  // NaN or ±∞: in f32, not through the integers
+      float* orow = o + r * o_ld;
+      for (int k = 0; k < nk; ++k) {
+        for (int u = 0; u < dv; ++u) {
+          float& at = orow[u / kFixedUnit * kFixedUnit + Fixed16Column(u % kFixedUnit)];
+          at = std::fma(wr[k], static_cast<float>(vals[k][u]), at);
+        }
+      }
+      std::fill(pr, pr + kFixedPvKeys / 2, 0);
+      unit[slot] = 0.0f;
+      return;
+    }
+    const float largest = hn::GetLane(hn::MaxOfLanes(df, top));
+    // All zero (every key removed or underflowed): integers 0, unit 0.
+    const VF inv = hn::Set(df, largest > 0.0f ? kFixedMax / largest : 0.0f);
+    unit[slot] = largest * (1.0f / kFixedMax);
+    for (int i = 0; i < kVecs; ++i) {
+      const auto q = hn::NearestInt(hn::Min(hn::Mul(v[i], inv), hn::Set(df, kFixedMax)));
+      hn::Store(hn::DemoteTo(dn, hn::Max(q, hn::Set(di, -32767))), dn, reinterpret_cast<int16_t*>(pr) + i * kLanes);
+    }
+  };
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    for (int i = 0; i < 4; ++i) one_row(r + i, i);
+    PvRowsFixed16<4, kVnni>(pairs, unit, npairs, vals, dv, o + r * o_ld, o_ld, ahead_bytes);
+  }
+  const int left = rows - r;
+  for (int i = 0; i < left; ++i) one_row(r + i, i);
+  switch (left) {
+    case 3: PvRowsFixed16<3, kVnni>(pairs, unit, npairs, vals, dv, o + r * o_ld, o_ld, ahead_bytes); break;
+    case 2: PvRowsFixed16<2, kVnni>(pairs, unit, npairs, vals, dv, o + r * o_ld, o_ld, ahead_bytes); break;
+    case 1: PvRowsFixed16<1, kVnni>(pairs, unit, npairs, vals, dv, o + r * o_ld, o_ld, ahead_bytes); break;
+    default: break;
+  }
+}
+
+/// PvKeysFixed16Of on vpdpwssd where `vnni` (see MulPairsAdd).
+HWY_INLINE void PvKeysFixed16(bool vnni, const float* w, size_t ld, int rows, const int8_t* const* vals, int nk,
+                              int dv, float* o, size_t o_ld, int64_t ahead_bytes) {
+  if (kFixed16Vnni && vnni) {
+    PvKeysFixed16Of<kFixed16Vnni>(w, ld, rows, vals, nk, dv, o, o_ld, ahead_bytes);
+  } else {
+    PvKeysFixed16Of<false>(w, ld, rows, vals, nk, dv, o, o_ld, ahead_bytes);
+  }
+}
+#else
+// Never called (kFixed16Target).
+inline void PvKeysFixed16(bool, const float*, size_t, int, const int8_t* const*, int, int, float*, size_t, int64_t) {}
+inline int Fixed16Column(int u) { return u; }
+#endif
+
 /// The query rows of one work item: query heads g0 … g0+heads−1 of the kv head's
 /// group, queries i0 … i0+count−1 of each; row r = (r / count)-th head, query
 /// i0 + r % count.
@@ -638,6 +961,7 @@ struct Scratch {
   double* acc;
   int lo[kMaxRows], hi[kMaxRows];
   uint64_t removed[kMaxItemRows];  // kv head hh's row r at hh·rows + r
+  float qunit[kMaxItemRows];        // the fixed-point queries' units (ToFixed16), same order
   Scratch(int dp, int dvp, int item_rows, int item_pad_rows) {
     auto whole = [](size_t floats) { return (floats + 15) / 16 * 16; };  // 64-byte pieces
     const size_t fq = whole(static_cast<size_t>(item_rows) * dp), fs = whole(static_cast<size_t>(item_pad_rows) * kBk),
@@ -702,9 +1026,50 @@ int64_t PvAheadBytes(const DecodeProblem& p) {
   return HWY_TARGET == HWY_AVX2 ? kHeadRunAheadTokens * p.v.row_stride * static_cast<int64_t>(sizeof(T)) : 0;
 }
 
+/// The call's choice of passes beyond the f32 ones (see Decode).
+struct Paths {
+  bool bf16_dot = false;      // bf16 score pass (DotRowsBf16): q holds bf16 rows, S is scaled after
+  bool fixed_scores = false;  // i8 score pass on integers (DotRowsFixed16): q holds int16 rows
+  bool fixed_pv = false;      // i8 P·V on integers (PvKeysFixed16): O in Fixed16Column order
+  bool vnni = false;             // the fixed-point passes on vpdpwssd (MulPairsAdd)
+  const int16_t* q16 = nullptr;  // fixed_scores: the queries' rows as integers (FixedQueries)
+  const float* qunit = nullptr;  // and each row's unit
+};
+
+#if ATTN_DECODE_FIXED16
+/// The queries' rows (qs: rows of dp floats, d ≤ dp a multiple of kFixedUnit, all
+/// finite) as fixed-point integers (ToFixed16) into q16 (rows of dp), each row's unit
+/// into unit. Once per call: the work items of a row share them.
+void FixedQueries(const std::vector<float>& qs, int dp, int d, std::vector<int16_t>& q16, std::vector<float>& unit) {
+  const size_t rows = qs.size() / dp;
+  q16.assign(qs.size(), 0);
+  unit.resize(rows);
+  HWY_ALIGN int32_t n[kFixedUnit];
+  for (size_t r = 0; r < rows; ++r) {
+    const float* x = &qs[r * dp];
+    const DF df;
+    VF top = hn::Zero(df);
+    for (int j = 0; j < d; j += kLanes) top = hn::Max(top, hn::Abs(hn::LoadU(df, x + j)));
+    const float largest = hn::GetLane(hn::MaxOfLanes(df, top));
+    unit[r] = largest / kFixedMax;
+    if (largest == 0.0f) continue;
+    const VF inv = hn::Set(df, kFixedMax / largest), lim = hn::Set(df, kFixedMax);
+    for (int j = 0; j < d; j += kFixedUnit) {
+      for (int c = 0; c < kFixedUnit; c += kLanes) {
+        hn::Store(hn::NearestInt(hn::Clamp(hn::Mul(hn::LoadU(df, x + j + c), inv), hn::Neg(lim), lim)), DI32(), n + c);
+      }
+      for (int c = 0; c < kFixedUnit; ++c) q16[r * dp + j + c] = static_cast<int16_t>(n[c]);
+    }
+  }
+}
+#else
+void FixedQueries(const std::vector<float>&, int, int, std::vector<int16_t>&, std::vector<float>&) {}
+#endif
+
 template <typename T>
 void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const Item& it, const RowChunk& rc,
-                 Scratch& w, Partial out, bool prefetch, DecodeTilesScratch* tiles, bool bf16_dot) {
+                 Scratch& w, Partial out, bool prefetch, DecodeTilesScratch* tiles, const Paths& paths) {
+  const bool bf16_dot = paths.bf16_dot, fixed_scores = paths.fixed_scores, fixed_pv = paths.fixed_pv;
   const Sequence& seq = p.attn.seqs[it.b];
   const int b = it.b, t0 = it.t0, t1 = it.t1;
   const int rows = rc.rows(), rows_pad = RoundUp(rows, kLanes);
@@ -723,7 +1088,11 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       const int h = (it.hk0 + hh) * group + rc.g0 + r / rc.count, i = rc.i0 + r % rc.count;
       float* to = &w.q[(static_cast<size_t>(hh) * rows + r) * dp];
       const float* from = qs + ((static_cast<size_t>(b) * p.Hq + h) * p.Lq + i) * dp;
-      if (bf16_dot) {  // bf16 rows in their own order, unscaled (see AllBf16)
+      if (fixed_scores) {  // the fixed-point rows and their units (FixedQueries)
+        const size_t row = (static_cast<size_t>(b) * p.Hq + h) * p.Lq + i, at = static_cast<size_t>(hh) * rows + r;
+        std::memcpy(reinterpret_cast<int16_t*>(w.q) + at * dp, paths.q16 + row * dp, sizeof(int16_t) * dp);
+        w.qunit[at] = paths.qunit[row];
+      } else if (bf16_dot) {  // bf16 rows in their own order, unscaled (see AllBf16)
         uint16_t* qb = reinterpret_cast<uint16_t*>(w.q) + (static_cast<size_t>(hh) * rows + r) * dp;
         for (int x = 0; x < dp; ++x) {
           uint32_t bits;
@@ -860,6 +1229,14 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
           for (int hh = 0; hh < it.heads; ++hh) {
             prefetch_head(p.k, keys0, k_scale_at, hh, p.d, c, nk);
             head_keys(c, hh, nk, kk);
+            if constexpr (std::is_same_v<T, int8_t> && kFixed16Target) {
+              if (fixed_scores) {
+                DotRowGroupsFixed16<nk>(paths.vnni, reinterpret_cast<const int16_t*>(w.q) + static_cast<size_t>(hh) * rows * dp, dp,
+                                        rows, reinterpret_cast<const int8_t* const*>(kk), p.d,
+                                        &w.s[static_cast<size_t>(hh) * rows_pad * kBk] + c, kBk);
+                continue;
+              }
+            }
             if constexpr (kPairs<T> && kBf16DotTarget) {
               if (bf16_dot) {
                 DotRowGroupsBf16<nk>(reinterpret_cast<const uint16_t*>(w.q) + static_cast<size_t>(hh) * rows * dp, dp,
@@ -891,6 +1268,14 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
               const float* q1 = &w.q[static_cast<size_t>(hh) * dp];
               float* s1 = &w.s[static_cast<size_t>(hh) * rows_pad * kBk] + c;
               const U* const* ku = reinterpret_cast<const U* const*>(wide);
+              if constexpr (std::is_same_v<T, int8_t> && kFixed16Target) {
+                if (fixed_scores) {
+                  DotRowGroupsFixed16<kLanes>(paths.vnni, reinterpret_cast<const int16_t*>(w.q) + static_cast<size_t>(hh) * dp, dp, 1,
+                                              reinterpret_cast<const int8_t* const*>(wide), p.d, s1, kBk);
+                  prefetch_head(p.k, keys0, k_scale_at, hh, p.d, c + kLanes / 2, kLanes / 2);
+                  continue;
+                }
+              }
               if constexpr (kPairs<T> && kBf16DotTarget) {
                 if (bf16_dot) {
                   DotRowGroupsBf16<kLanes>(reinterpret_cast<const uint16_t*>(w.q) + static_cast<size_t>(hh) * dp, dp, 1,
@@ -963,6 +1348,12 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
         const VF scale = hn::Set(DF(), p.attn.scale);
         for (int r = 0; r < rows; ++r) {
           for (int x = 0; x < kBk; x += kLanes) hn::Store(hn::Mul(hn::Load(DF(), s + r * kBk + x), scale), DF(), s + r * kBk + x);
+        }
+      }
+      if (fixed_scores) {  // the integer sums times their rows' units
+        for (int r = 0; r < rows; ++r) {
+          const VF unit = hn::Set(DF(), w.qunit[static_cast<size_t>(hh) * rows + r]);
+          for (int x = 0; x < kBk; x += kLanes) hn::Store(hn::Mul(hn::Load(DF(), s + r * kBk + x), unit), DF(), s + r * kBk + x);
         }
       }
       if (quantized) {  // S · the keys' scales, a row of vectors at a time
@@ -1038,7 +1429,22 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       const int64_t pv_ahead = PvAheadBytes<T>(p);
       const bool request_values = !(pv_ahead > 0 && std::is_same_v<T, float> && rows >= 3);
       const T* vv[kPvKeysMax];
-      for (int c = 0; c < cols; c += pv_keys) {
+      // i8 values on integers (fixed_pv): kFixedPvKeys keys a pass, value requests
+      // 8 keys at a time through it.
+      for (int c = 0; fixed_pv && c < cols; c += kFixedPvKeys) {
+        const int nk = std::min(kFixedPvKeys, cols - c);
+        const int8_t* vi[kFixedPvKeys];
+        for (int hh = 0; hh < it.heads; ++hh) {
+          if (active[hh]) {
+            for (int k = 0; k < kFixedPvKeys; ++k)
+              vi[k] = reinterpret_cast<const int8_t*>(vals0[c + (k < nk ? k : 0)] + hh * p.v.head_stride);
+            PvKeysFixed16(paths.vnni, &w.s[static_cast<size_t>(hh) * rows_pad * kBk] + c, kBk, rows, vi, nk, p.dv,
+                          &w.o[static_cast<size_t>(hh) * rows * dvp], dvp, pv_ahead);
+          }
+          for (int k = 0; request_values && k < nk; k += 8) prefetch_head(p.v, vals0, v_scale_at, hh, p.dv, c + k, std::min(8, nk - k));
+        }
+      }
+      for (int c = 0; !fixed_pv && c < cols; c += pv_keys) {
         const int nk = std::min(pv_keys, cols - c);
         ReadAs<T>(nan_codes(p.v, vals0, v_span, p.dv, c, nk), [&](auto tag) {
           using U = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
@@ -1078,7 +1484,12 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       if (!on_tiles) {
         const float* from = &w.o[at * dvp];
         float* to = out.o + at * dvp;
-        if constexpr (kPairs<T>) {  // back from pair order
+        if (fixed_pv) {  // back from Fixed16Column order; dv is a multiple of kFixedUnit
+          for (int x = 0; x < p.dv; x += kFixedUnit) {
+            for (int u = 0; u < kFixedUnit; ++u) to[x + u] = from[x + Fixed16Column(u)];
+          }
+          std::fill(to + p.dv, to + dvp, 0.0f);
+        } else if constexpr (kPairs<T>) {  // back from pair order
           for (int x = 0; x < dvp; x += 2 * kLanes) {
             for (int j = 0; j < kLanes; ++j) to[x + 2 * j] = from[x + j], to[x + 2 * j + 1] = from[x + kLanes + j];
           }
@@ -1195,6 +1606,18 @@ bool AllBf16(const std::vector<float>& q) {
   return low == 0;
 }
 
+/// True when no value of q is NaN or ±∞ (an exponent of all ones), in one pass
+/// without branches (std::all_of with std::isfinite took 2% of a 512-key call).
+bool AllFinite(const std::vector<float>& q) {
+  uint32_t all_ones = 0;
+  for (const float x : q) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    all_ones |= (bits & 0x7F800000u) == 0x7F800000u;
+  }
+  return all_ones == 0;
+}
+
 template <typename T>
 void Decode(const DecodeProblem& p, int threads) {
   const int dp = RoundUp(p.d, kLanes), dvp = RoundUp(p.dv, kLanes);
@@ -1250,6 +1673,25 @@ void Decode(const DecodeProblem& p, int threads) {
                std::any_of(chunks.begin(), chunks.end(), [](const RowChunk& rc) { return rc.rows() <= kTileRowsMax; });
   }
 #endif
+  // Precision::bf16 lets i8 caches take both products on integers (kFixed16Target),
+  // where d and dv are whole units; the score pass only for finite queries. Not
+  // where the AMX-INT8 tiles run (their digits keep f32's accuracy at tile speed).
+  Paths paths;
+  paths.bf16_dot = bf16_dot;
+  if constexpr (std::is_same_v<T, int8_t> && kFixed16Target) {
+    paths.fixed_pv = p.attn.precision == Precision::bf16 && !on_tiles && p.d % kFixedUnit == 0 &&
+                     p.dv % kFixedUnit == 0;
+    // d ≤ 512: a score's integer sum, at most d·32767·128, stays inside int32.
+    paths.fixed_scores = paths.fixed_pv && p.d <= 512 && AllFinite(qs);
+    paths.vnni = kFixed16Vnni && cpu_features().avx512_vnni;
+  }
+  std::vector<int16_t> q16;
+  std::vector<float> qunit;
+  if (paths.fixed_scores) {
+    FixedQueries(qs, dp, p.d, q16, qunit);
+    paths.q16 = q16.data();
+    paths.qunit = qunit.data();
+  }
   int item_rows = 0, item_pad_rows = 0;  // the largest item's (see Scratch)
   for (const RowChunk& rc : chunks) {
     const int heads = ItemHeads(p, rc.rows());
@@ -1270,7 +1712,7 @@ void Decode(const DecodeProblem& p, int threads) {
 #pragma omp for schedule(dynamic, 1)
     for (int n = 0; n < nitems; ++n) {
       ComputeItem<T>(p, qs.data(), dp, dvp, items[n], chunks[items[n].chunk], w, partial(items[n]), prefetch,
-                     tiles.get(), bf16_dot);
+                     tiles.get(), paths);
     }
 #if ATTN_DECODE_AMX_I8
     if (on_tiles) ReleaseTiles();

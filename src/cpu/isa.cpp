@@ -59,6 +59,7 @@ CpuFeatures detect() {
   const bool avx3 = (hwy::SupportedTargets() & (HWY_AVX3 | HWY_AVX3_DL)) != 0;
   const bool amx = cpuid_bit(7, 0, kEdx, 24) && cpuid_bit(7, 0, kEdx, 22);
   f.avx512_bf16 = avx3 && cpuid_bit(7, 1, kEax, 5);
+  f.avx512_vnni = avx3 && cpuid_bit(7, 0, kEcx, 11);
   f.intel = vendor_is_intel();
   f.bf16_dot_full_rate = f.avx512_bf16 && !f.intel;
   if (amx) {

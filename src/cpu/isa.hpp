@@ -26,6 +26,7 @@ struct CpuFeatures {
   bool amx_bf16 = false;     // CPUID and OS permission, usable
   bool amx_int8 = false;     // the same for AMX-INT8 (tdpbssd, tdpbusd)
   bool avx512_bf16 = false;  // CPUID
+  bool avx512_vnni = false;  // CPUID (vpdpwssd, vpdpbusd on zmm)
   bool intel = false;        // CPUID's vendor is GenuineIntel
   /// vdpbf16ps computes at least the f32 FMA's flop rate: AMD's cores (Zen 5: twice
   /// it). Intel's do half of it (measured on Sapphire/Emerald Rapids cores with and

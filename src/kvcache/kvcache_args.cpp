@@ -278,6 +278,11 @@ void check_options(const Checker& c, const AttentionOptions& o, DecodeProblem& p
     return "options.window sides must be >= -1 (-1 = unbounded), got {" + str(o.window.left) + ", " +
            str(o.window.right) + "}";
   });
+  c.require(o.precision == Precision::f32 || o.precision == Precision::bf16 || o.precision == Precision::bf16x3, [&] {
+    return "options.precision must be Precision::f32, Precision::bf16 or Precision::bf16x3, got " +
+           std::to_string(static_cast<int>(o.precision));
+  });
+  a.precision = o.precision;
   a.scale = scale;
   a.softcap = o.softcap;
   a.causal = o.causal;

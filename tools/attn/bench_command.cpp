@@ -53,6 +53,7 @@ int run_decode(const BenchArgs& a, int all, const Write& write) {
   if (!a.pages.empty()) o.pages = a.pages;
   o.max_cache_gb = a.max_cache_gb;
   o.pages_in_order = a.pages_in_order;
+  o.precision = a.precision == "bf16" ? Precision::bf16 : a.precision == "bf16x3" ? Precision::bf16x3 : Precision::f32;
   if (a.quick) o.lengths = {1024, 8192}, o.batches = {1}, o.min_reps = 3, o.min_seconds = 0.2;
   if (!a.dtypes.empty()) {
     o.dtypes.clear();
@@ -88,6 +89,7 @@ int run_decode(const BenchArgs& a, int all, const Write& write) {
     for (const auto& r : rows) {
       j["rows"].push_back({{"cache", dtype_name(r.config.cache)}, {"B", r.config.B}, {"L", r.config.L},
                            {"page", r.config.page}, {"pages_in_order", r.config.pages_in_order},
+                           {"precision", a.precision},
                            {"Hq", r.config.Hq}, {"Hkv", r.config.Hkv}, {"d", r.config.d},
                            {"threads", r.config.threads}, {"ms", r.ms}, {"bytes", r.bytes}, {"gbps", r.gbps()}});
     }
@@ -115,7 +117,8 @@ Command add_bench_command(CLI::App& app) {
   sub->add_option("--precision", args->precision,
                   "arithmetic for the f32 rows (AttentionOptions::precision): f32 (default), bf16 (inputs "
                   "rounded to bf16, the bf16 kernels), bf16x3 (each input as two bf16 pieces, three tile "
-                  "products per product; AMX only, else the f32 kernel)")
+                  "products per product; AMX only, else the f32 kernel); with --decode, of every call "
+                  "(bf16: i8 caches on 16-bit integer products)")
       ->check(CLI::IsMember({"f32", "bf16", "bf16x3"}));
   sub->add_flag("--no-baseline", args->no_baseline, "skip the cblas baseline");
   sub->add_flag("--backward", args->backward,
