@@ -1066,6 +1066,25 @@ void FixedQueries(const std::vector<float>& qs, int dp, int d, std::vector<int16
 void FixedQueries(const std::vector<float>&, int, int, std::vector<int16_t>&, std::vector<float>&) {}
 #endif
 
+/// How many keys ahead of its work ComputeItem asks for a key's rows (at most kBk).
+/// 8 keys (two score passes), measured on the Intel Xeon with AMX at 32k bf16 and i8
+/// tokens with head-by-head requests: 6 to 16 keys within 3%, 4 keys 5–12% slower.
+/// i8 on the integer passes (fixed_pv) on AMD's AVX-512 cores: 32. An i8 key and
+/// value row of 8 heads is 2 KiB, so 8 keys asked 16 KiB ahead, ~1.3 µs of those
+/// passes' work. Zen 4, from DRAM (B = 1 at 32k keys, B = 8 at 8k and 32k; pages of
+/// 16 and 256; 1 and 2 threads; 3 alternating rounds): 0.74–0.91x the time of 8 keys;
+/// 24, 48 and 64 keys gained no more. i8 on the f32 passes, half as fast, took
+/// 1.02–1.20x with 32 keys: they keep 8, as bf16 does (within the noise at 16 and 32).
+int PrefetchKeys(const Paths& paths) {
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  static_assert(32 <= kBk, "the walk over a block's rows holds the distance");
+  if (paths.fixed_pv && !cpu_features().intel) return 32;
+#else
+  (void)paths;
+#endif
+  return 8;
+}
+
 template <typename T>
 void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const Item& it, const RowChunk& rc,
                  Scratch& w, Partial out, bool prefetch, DecodeTilesScratch* tiles, const Paths& paths) {
@@ -1131,14 +1150,12 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
   const int64_t k_span = p.k.head_stride == p.d ? int64_t{it.heads} * p.d : p.d;
   const int64_t v_span = p.v.head_stride == p.dv ? int64_t{it.heads} * p.dv : p.dv;
   // Rows of keys j0 … j0 + kBk + kPrefetchKeys − 1 (this block and the prefetch
-  // distance past it), from one walk over the pages: a division per block rather
-  // than four per key (a page-16 cache spent ~15% of its time in them). The distance:
-  // 8 keys (two score passes) ahead, measured on the Intel Xeon with AMX at 32k bf16
-  // and i8 tokens with head-by-head requests: 6 to 16 keys within 3%, 4 keys 5–12% slower.
+  // distance past it, PrefetchKeys), from one walk over the pages: a division per
+  // block rather than four per key (a page-16 cache spent ~15% of its time in them).
   // The tile path walks the next block too: it requests that block's rows while this
   // one computes (see pump_next below).
-  constexpr int kPrefetchKeys = 8;
-  constexpr int kRows = std::max(2 * kBk, kBk + kPrefetchKeys);
+  const int kPrefetchKeys = std::is_same_v<T, int8_t> ? PrefetchKeys(paths) : 8;  // a constant but for i8
+  constexpr int kRows = 2 * kBk;
   const T* keys0[kRows];
   const T* vals0[kRows];
   int64_t k_scale_at[kRows], v_scale_at[kRows];
