@@ -222,7 +222,7 @@ PYBIND11_MODULE(_attn, m) {
          const py::object& rotary_sin, bool rotary_interleaved, const py::object& out, const py::object& lse,
          std::optional<float> scale, int causal, int window_left, int window_right, float softcap,
          const py::object& alibi_slopes, const py::object& mask, int num_splits, bool q_bf16, bool cache_bf16,
-         bool new_bf16, bool mask_bf16) {
+         bool new_bf16, bool mask_bf16, int precision) {
         attn::KVCache cache;
         cache.k = view_of(k_cache, "k_cache", true, cache_bf16);
         cache.v = view_of(v_cache, "v_cache", true, cache_bf16);
@@ -249,6 +249,7 @@ PYBIND11_MODULE(_attn, m) {
         o.softcap = softcap;
         o.alibi_slopes = view_of(alibi_slopes, "alibi_slopes", false);
         o.mask = view_of(mask, "attn_mask", false, mask_bf16);
+        o.precision = static_cast<attn::Precision>(precision);  // checked by the library
         const attn::TensorView qv = view_of(q, "q", false, q_bf16), ov = view_of(out, "out", true, q_bf16),
                                lv = view_of(lse, "lse", true);
         py::gil_scoped_release release;
@@ -262,7 +263,7 @@ PYBIND11_MODULE(_attn, m) {
       py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("softcap") = 0.0f,
       py::arg("alibi_slopes") = py::none(), py::arg("mask") = py::none(), py::arg("num_splits") = 0,
       py::arg("q_bf16") = false, py::arg("cache_bf16") = false, py::arg("new_bf16") = false,
-      py::arg("mask_bf16") = false,
+      py::arg("mask_bf16") = false, py::arg("precision") = 0,
       "attention_with_kvcache (q None: kvcache_append only) on FlashAttention's layouts; the cache is written "
       "in place.");
 

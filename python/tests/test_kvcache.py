@@ -94,6 +94,36 @@ def test_decoding_step_matches_the_reference(rng, page, dtype):
     _check(q, out, lse, k_cache, v_cache, total, table, k_scale, v_scale)
 
 
+@pytest.mark.parametrize("page", [None, 16])
+def test_int8_cache_on_integer_products_under_precision_bf16(rng, page, monkeypatch):
+    """precision="bf16": an int8 cache's products on 16-bit integers, within 2e-4 of the
+    float64 reference on the dequantized cache; the default stays at f32's 2e-5, and the
+    two differ (the integer passes ran: ATTN_ISA=f32 keeps AMX machines off their exact
+    tile path). "f16" is not a precision."""
+    monkeypatch.setenv("ATTN_ISA", "f32")
+    B, Hq, Hkv, d, cap = 2, 8, 2, 64, 300
+    seqlens = np.array([250, 77], dtype=np.int32)
+    if page is None:
+        shape, table = (B, cap, Hkv, d), None
+    else:
+        blocks = -(-cap // page)
+        table = rng.permutation(B * blocks).astype(np.int32).reshape(B, blocks)
+        shape = (B * blocks, page, Hkv, d)
+    k_cache = rng.integers(-127, 128, shape).astype(np.int8)
+    v_cache = rng.integers(-127, 128, shape).astype(np.int8)
+    k_scale = rng.uniform(0.002, 0.01, shape[:3]).astype(np.float32)
+    v_scale = rng.uniform(0.002, 0.01, shape[:3]).astype(np.float32)
+    q = rng.uniform(-1, 1, (B, 1, Hq, d)).astype(np.float32) * 40
+    kw = dict(cache_seqlens=seqlens, block_table=table, causal=True, k_scale=k_scale, v_scale=v_scale)
+    fast = attn.attention_with_kvcache(q, k_cache, v_cache, precision="bf16", **kw)
+    exact = attn.attention_with_kvcache(q, k_cache, v_cache, **kw)
+    _check(q, fast, None, k_cache, v_cache, seqlens, table, k_scale, v_scale, tol=2e-4)
+    _check(q, exact, None, k_cache, v_cache, seqlens, table, k_scale, v_scale)
+    assert not np.array_equal(fast, exact)
+    with pytest.raises(ValueError, match="precision"):
+        attn.attention_with_kvcache(q, k_cache, v_cache, precision="f16", **kw)
+
+
 def test_token_by_token_decoding_equals_causal_attention_over_the_sequence(rng):
     B, H, Hkv, d, n = 2, 4, 4, 16, 23
     q = rng.uniform(-1, 1, (B, n, H, d)).astype(np.float32)
