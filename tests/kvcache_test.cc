@@ -662,8 +662,9 @@ TEST(KVCache, I8CachesOnTilesAndOnTheVectorKernel) {
 
 // Precision::bf16 lets i8 caches take both products on 16-bit integers (queries and
 // each pass's probabilities as fixed point, 2⁻¹⁶ of their largest): against float64
-// on the dequantized cache at 2e-4 (f32's own bar is 2e-5; the worst seen on these
-// cases, f32 outputs, was 5e-5). ATTN_ISA=f32 keeps AMX machines off the tiles, so every
+// on the dequantized cache at 3e-4 of the output's largest (f32's own bar is 2e-5; the
+// worst seen over 30 seeds, f32 outputs, was 1e-4; python/tests/test_kvcache.py holds
+// it to FlashAttention's bf16 rule on sharper scores). ATTN_ISA=f32 keeps AMX machines off the tiles, so every
 // x86 machine runs the integer passes there: their result must differ from the
 // exact path's. d or dv not a multiple of 32, and non-finite queries (score pass),
 // fall back to f32; NaN and ±∞ weights (a value scale of ∞) take f32 per row.
@@ -695,7 +696,7 @@ TEST(KVCache, I8OnIntegerProductsUnderPrecisionBf16) {
         exact_case.c.precision = Precision::f32;
         const Result r = run(kc), exact = run(exact_case);
         const std::string name = c.name() + " ATTN_ISA=" + isa;
-        check_against_reference(kc, r, name, 2e-4, c.q_dtype == DType::f32 ? &worst : nullptr);
+        check_against_reference(kc, r, name, 3e-4, c.q_dtype == DType::f32 ? &worst : nullptr);
         const bool integer_path = sh.d % 32 == 0 && sh.dv % 32 == 0;
         if (*isa != '\0' && integer_path) EXPECT_NE(r.out, exact.out) << name << ": the integer passes did not run";
         if (!integer_path) EXPECT_EQ(r.out, exact.out) << name << ": must fall back to the exact path";
