@@ -962,6 +962,9 @@ TEST(KVCache, ErrorsNameTheArgument) {
   o = {};
   o.dropout_p = 0.1f;
   expect_attn_error(call(good, kc.seqlen_view(), kv, o), "dropout_p must be 0");
+  o = {};
+  o.precision = static_cast<Precision>(7);
+  expect_attn_error(call(good, kc.seqlen_view(), kv, o), "options.precision must be Precision::f32");
   KVCacheOptions rot;
   std::vector<float> cs(64 * 4, 1.0f);
   rot.rotary_cos = TensorView(cs.data(), DType::f32, {64, 4});
