@@ -48,6 +48,20 @@ __attribute__((target("avx512f,avx512bf16"))) float bf16_loop_avx512(long iters)
   return _mm512_reduce_add_ps(s);
 }
 
+// vpdpwssd (the decode kernel's integer passes issue it as an asm statement).
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) int int16_loop_avx512(long iters) {
+  __m512i acc[kChains];
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_epi32(i);
+  const __m512i a = _mm512_set1_epi16(3), b = _mm512_set1_epi16(-5);
+  for (long it = 0; it < iters; ++it) {
+#pragma GCC unroll 16
+    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpwssd_epi32(acc[i], a, b);
+  }
+  __m512i s = acc[0];
+  for (int i = 1; i < kChains; ++i) s = _mm512_add_epi32(s, acc[i]);
+  return _mm512_reduce_add_epi32(s);
+}
+
 // AMX: four independent accumulator tiles (tdpbf16ps has ~4× its issue interval of
 // latency) fed by two A and two B tiles that stay in registers; each instruction is
 // 16×16 outputs × 32 products × 2 flops.
@@ -136,6 +150,7 @@ Peak measure_peak(int threads, double seconds) {
     if (__builtin_cpu_supports("avx512bf16")) {
       p.bf16_gflops = rate(bf16_loop_avx512, kChains * 16 * 4.0, threads, seconds);
     }
+    if (__builtin_cpu_supports("avx512vnni")) p.int16_gops = rate(int16_loop_avx512, kChains * 16 * 4.0, threads, seconds);
     // cpu_info() also asks Linux for the tile state; without it tdpbf16ps faults.
     if (attn::cpu_info().amx_bf16) p.amx_bf16_gflops = rate(amx_loop, 4 * 16 * 16 * 32 * 2.0, threads, seconds);
   } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
