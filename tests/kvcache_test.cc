@@ -505,6 +505,24 @@ TEST(KVCache, OddShapesOptionsAndQueryDtypes) {
   }
 }
 
+// The shapes and options the decode kernel's alternative passes are tested on (the bf16
+// score pass, the i8 integer passes): 1 to 9 rows per kv head, d and dv multiples of 32
+// and not, contiguous and paged; variant 1: softcap, ALiBi, a window, 3 splits; 2: an f32
+// mask without causality; 3: rotary embedding on the appended keys and the queries.
+struct PassShape {
+  int Hq, Hkv, Lq, d, dv, page;
+};
+KvConfig pass_case(const PassShape& sh, DType cache, int variant) {
+  KvConfig c;
+  c.B = 2, c.Hq = sh.Hq, c.Hkv = sh.Hkv, c.Lq = c.Lnew = sh.Lq, c.d = sh.d, c.dv = sh.dv, c.page = sh.page;
+  c.cached = {700, 93};
+  c.cache_dtype = cache;
+  if (variant == 1) c.softcap = 5.0f, c.alibi = true, c.window = {200, -1}, c.num_splits = 3;
+  if (variant == 2) c.mask = Mask::f32, c.causal = Causal::None;
+  if (variant == 3) c.rope = Rope::half, c.rotary_dim = sh.d;
+  return c;
+}
+
 // bf16 caches read by queries whose values are all bf16 take the bf16 score pass where
 // vdpbf16ps has the FMA's rate (AMD Zen 4/5: Q·Kᵀ on vdpbf16ps, S scaled afterwards);
 // ATTN_ISA=f32 forces the f32 pass. Both against float64 at f32's tolerance: f32
@@ -513,22 +531,13 @@ TEST(KVCache, OddShapesOptionsAndQueryDtypes) {
 // option, masks, splits; rotated queries are not bf16 and take the f32 pass.
 TEST(KVCache, Bf16ScorePassOnBf16ValuedQueries) {
   auto rng = make_rng(1211);
-  struct Shape {
-    int Hq, Hkv, Lq, d, dv, page;
-  };
-  const Shape shapes[] = {{32, 8, 1, 128, 128, 0}, {8, 2, 1, 64, 64, 16}, {4, 4, 1, 32, 96, 256},
-                          {18, 2, 1, 96, 64, 7},   {2, 1, 3, 256, 32, 1}, {4, 2, 2, 48, 48, 0}};
+  const PassShape shapes[] = {{32, 8, 1, 128, 128, 0}, {8, 2, 1, 64, 64, 16}, {4, 4, 1, 32, 96, 256},
+                              {18, 2, 1, 96, 64, 7},   {2, 1, 3, 256, 32, 1}, {4, 2, 2, 48, 48, 0}};
   for (const char* isa : {"", "f32"}) {
     const ScopedEnv forced("ATTN_ISA", *isa != '\0' ? isa : nullptr);
-    for (const Shape& sh : shapes) {
+    for (const PassShape& sh : shapes) {
       for (int variant = 0; variant < 4; ++variant) {
-        KvConfig c;
-        c.B = 2, c.Hq = sh.Hq, c.Hkv = sh.Hkv, c.Lq = c.Lnew = sh.Lq, c.d = sh.d, c.dv = sh.dv, c.page = sh.page;
-        c.cached = {700, 93};
-        c.cache_dtype = DType::bf16;
-        if (variant == 1) c.softcap = 5.0f, c.alibi = true, c.window = {200, -1}, c.num_splits = 3;
-        if (variant == 2) c.mask = Mask::f32, c.causal = Causal::None;
-        if (variant == 3) c.rope = Rope::half, c.rotary_dim = sh.d;
+        const KvConfig c = pass_case(sh, DType::bf16, variant);
         KvCase kc(c, rng);
         float* q = reinterpret_cast<float*>(kc.q.data());
         for (size_t n = 0; n < kc.q.size() / sizeof(float); ++n) q[n] = detail::bf16_to_f32(detail::f32_to_bf16(q[n]));
@@ -670,25 +679,17 @@ TEST(KVCache, I8CachesOnTilesAndOnTheVectorKernel) {
 // fall back to f32; NaN and ±∞ weights (a value scale of ∞) take f32 per row.
 TEST(KVCache, I8OnIntegerProductsUnderPrecisionBf16) {
   auto rng = make_rng(1212);
-  struct Shape {
-    int Hq, Hkv, Lq, d, dv, page;
-  };
-  const Shape shapes[] = {{32, 8, 1, 128, 128, 0}, {8, 2, 1, 64, 64, 16}, {4, 4, 1, 32, 96, 256},
-                          {18, 2, 1, 96, 64, 7},   {2, 1, 3, 256, 32, 1}, {5, 1, 2, 64, 160, 3},
-                          {4, 2, 2, 48, 48, 0},    {6, 2, 1, 64, 40, 16}};
+  const PassShape shapes[] = {{32, 8, 1, 128, 128, 0}, {8, 2, 1, 64, 64, 16}, {4, 4, 1, 32, 96, 256},
+                              {18, 2, 1, 96, 64, 7},   {2, 1, 3, 256, 32, 1}, {5, 1, 2, 64, 160, 3},
+                              {4, 2, 2, 48, 48, 0},    {6, 2, 1, 64, 40, 16}};
   double worst = 0;
   for (const char* isa : {"", "f32"}) {
     const ScopedEnv forced("ATTN_ISA", *isa != '\0' ? isa : nullptr);
-    for (const Shape& sh : shapes) {
+    for (const PassShape& sh : shapes) {
       for (int variant = 0; variant < 4; ++variant) {
-        KvConfig c;
-        c.B = 2, c.Hq = sh.Hq, c.Hkv = sh.Hkv, c.Lq = c.Lnew = sh.Lq, c.d = sh.d, c.dv = sh.dv, c.page = sh.page;
-        c.cached = {700, 93};
-        c.cache_dtype = DType::i8;
+        KvConfig c = pass_case(sh, DType::i8, variant);
         c.precision = Precision::bf16;
-        if (variant == 1) c.softcap = 5.0f, c.alibi = true, c.window = {200, -1}, c.num_splits = 3;
-        if (variant == 2) c.mask = Mask::f32, c.causal = Causal::None;
-        if (variant == 3) c.rope = Rope::half, c.rotary_dim = sh.d, c.q_dtype = DType::bf16;
+        if (variant == 3) c.q_dtype = DType::bf16;
         KvCase kc(c, rng);
         if (variant == 2)
           for (size_t n = 0; n < kc.v_scale.size(); n += 7) kc.v_scale[n] = -kc.v_scale[n];

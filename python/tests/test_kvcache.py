@@ -51,17 +51,20 @@ def _check(q, out, lse, k_cache, v_cache, total, block_table=None, k_scale=None,
             np.testing.assert_allclose(np.asarray(lse[b]), ref_lse.numpy(), rtol=2e-5, atol=2e-5)
 
 
+def _cache_layout(rng, B, cap, Hkv, d, page):
+    """A cache's shape, and a block_table of pages in random order (None: contiguous)."""
+    if page is None:
+        return (B, cap, Hkv, d), None
+    blocks = -(-cap // page)
+    return (B * blocks, page, Hkv, d), rng.permutation(B * blocks).astype(np.int32).reshape(B, blocks)
+
+
 @pytest.mark.parametrize("page", [None, 1, 16, 7])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8, np.uint8])
 def test_decoding_step_matches_the_reference(rng, page, dtype):
     B, Hq, Hkv, d, cap = 3, 8, 2, 40, 90
     seqlens = np.array([0, 33, 80], dtype=np.int32)
-    if page is None:
-        shape, table = (B, cap, Hkv, d), None
-    else:
-        blocks = -(-cap // page)
-        table = rng.permutation(B * blocks).astype(np.int32).reshape(B, blocks)
-        shape = (B * blocks, page, Hkv, d)
+    shape, table = _cache_layout(rng, B, cap, Hkv, d, page)
     if dtype == np.int8:
         k_cache = rng.integers(-127, 128, shape).astype(np.int8)
         v_cache = rng.integers(-127, 128, shape).astype(np.int8)
@@ -105,12 +108,7 @@ def test_int8_cache_on_integer_products_under_precision_bf16(rng, page, monkeypa
     monkeypatch.setenv("ATTN_ISA", "f32")
     B, Hq, Hkv, d, cap = 2, 8, 2, 64, 300
     seqlens = np.array([250, 77], dtype=np.int32)
-    if page is None:
-        shape, table = (B, cap, Hkv, d), None
-    else:
-        blocks = -(-cap // page)
-        table = rng.permutation(B * blocks).astype(np.int32).reshape(B, blocks)
-        shape = (B * blocks, page, Hkv, d)
+    shape, table = _cache_layout(rng, B, cap, Hkv, d, page)
     k_cache = rng.integers(-127, 128, shape).astype(np.int8)
     v_cache = rng.integers(-127, 128, shape).astype(np.int8)
     k_scale = rng.uniform(0.002, 0.01, shape[:3]).astype(np.float32)
