@@ -19,6 +19,8 @@
 
 #include "attention_harness.hpp"
 #include "attn/kvcache.hpp"
+#include "cpu/attention_forward.hpp"  // simd_targets, force_simd_target
+#include "cpu/isa.hpp"
 #include "tensor/convert.hpp"
 
 namespace attn::testing {
@@ -543,6 +545,69 @@ TEST(KVCache, Bf16ScorePassOnBf16ValuedQueries) {
         for (size_t n = 0; n < kc.q.size() / sizeof(float); ++n) q[n] = detail::bf16_to_f32(detail::f32_to_bf16(q[n]));
         const Result r = run(kc);
         check_against_reference(kc, r, c.name() + " bf16-valued q, ATTN_ISA=" + isa);
+      }
+    }
+  }
+}
+
+// The decode kernel on every Highway target this CPU supports (an AVX-512 machine runs
+// AVX2's 8-lane passes only here): each cache dtype at f32's tolerance, and i8 on the
+// integer passes (Precision::bf16; ATTN_ISA=f32 keeps AMX machines off their tiles).
+TEST(KVCache, EverySimdTargetMatchesTheReference) {
+  const ScopedEnv forced("ATTN_ISA", "f32");
+  for (int64_t target : detail::simd_targets()) {
+    detail::force_simd_target(target);
+    SCOPED_TRACE(detail::attention_forward_target());
+    auto rng = make_rng(1214 + target % 1000);
+    const PassShape shapes[] = {{8, 2, 1, 128, 128, 16}, {6, 2, 2, 64, 96, 7}, {4, 4, 1, 40, 40, 0}};
+    for (const PassShape& sh : shapes) {
+      for (DType dt : {DType::f32, DType::bf16, DType::i8, DType::f8e4m3}) {
+        for (int variant = 0; variant < 3; ++variant) {
+          KvConfig c = pass_case(sh, dt, variant);
+          KvCase kc(c, rng);
+          const Result r = run(kc);
+          check_against_reference(kc, r, c.name() + " target " + detail::attention_forward_target());
+          if (dt != DType::i8) continue;
+          KvCase fast = kc;
+          fast.c.precision = Precision::bf16;
+          const Result rf = run(fast);
+          check_against_reference(fast, rf, fast.c.name() + " target " + detail::attention_forward_target(), 3e-4);
+        }
+      }
+    }
+  }
+  detail::force_simd_target(0);
+}
+
+// Precision::bf16 rounds f32 queries to bf16 for that pass: the result is then the
+// float64 reference's on the rounded queries, at f32's tolerance. Where the pass does
+// not run (ATTN_ISA=f32, a CPU without full-rate vdpbf16ps, d or dv not a multiple of
+// 32) precision changes nothing: bitwise the Precision::f32 result.
+TEST(KVCache, Bf16CachesRoundF32QueriesUnderPrecisionBf16) {
+  auto rng = make_rng(1213);
+  const PassShape shapes[] = {{32, 8, 1, 128, 128, 0}, {8, 2, 1, 64, 64, 16}, {18, 2, 1, 96, 64, 7},
+                              {2, 1, 3, 256, 32, 1},   {4, 2, 2, 48, 48, 0}};
+  for (const char* isa : {"", "f32"}) {
+    const ScopedEnv forced("ATTN_ISA", *isa != '\0' ? isa : nullptr);
+    const bool pass = detail::lowp_path() == detail::LowpPath::avx512bf16;
+    for (const PassShape& sh : shapes) {
+      for (int variant = 0; variant < 3; ++variant) {
+        KvConfig c = pass_case(sh, DType::bf16, variant);
+        c.precision = Precision::bf16;
+        KvCase kc(c, rng);
+        KvCase exact_case = kc;
+        exact_case.c.precision = Precision::f32;
+        const Result r = run(kc), exact = run(exact_case);
+        const std::string name = c.name() + " f32 q, ATTN_ISA=" + isa;
+        if (pass && sh.d % 32 == 0 && sh.dv % 32 == 0) {
+          KvCase rounded = kc;
+          float* q = reinterpret_cast<float*>(rounded.q.data());
+          for (size_t n = 0; n < rounded.q.size() / sizeof(float); ++n) q[n] = detail::bf16_to_f32(detail::f32_to_bf16(q[n]));
+          check_against_reference(rounded, r, name + " against bf16-rounded q");
+          EXPECT_NE(r.out, exact.out) << name << ": the queries were not rounded";
+        } else {
+          EXPECT_EQ(r.out, exact.out) << name << ": must be the Precision::f32 result";
+        }
       }
     }
   }

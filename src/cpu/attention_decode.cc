@@ -465,8 +465,10 @@ void DotRowGroupsBf16(const uint16_t*, size_t, int, const uint16_t* const*, int,
 constexpr bool kFixed16Target = ATTN_DECODE_FIXED16;
 /// Whether this target's fixed-point passes can take vpdpwssd (MulPairsAdd).
 constexpr bool kFixed16Vnni = HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL;
-/// The pass's unit of d and dv: one int16 vector of elements, for every target.
+/// What d and dv must be a multiple of: a whole int16 vector (kFixedVec) on every target.
 constexpr int kFixedUnit = 32;
+/// int16 lanes per vector (32 on AVX-512, 16 on AVX2): P·V's chunk of value columns.
+constexpr int kFixedVec = 2 * kLanes;
 /// The fixed-point integers' largest magnitude.
 constexpr float kFixedMax = 32767.0f;
 /// Keys per fixed-point P·V pass: their integers share a unit per row, and the pass
@@ -769,7 +771,7 @@ HWY_INLINE void PvKeys(const float* HWY_RESTRICT p, size_t ld, const uint64_t* r
 #if ATTN_DECODE_FIXED16
 static_assert(kFixedPvKeys <= kBk, "a pass lies within a block");
 
-/// The column of O's row buffer that holds output column u of a kFixedUnit chunk on
+/// The column of O's row buffer that holds output column u of a kFixedVec chunk on
 /// the fixed-point P·V pass (PvRowsFixed16): a chunk's two keys' value vectors,
 /// interleaved element by element (InterleaveLower/Upper, within each 128-bit
 /// block β of 8 columns), give vpmaddwd pairs whose sums land in lanes 4β + i for
@@ -782,7 +784,7 @@ HWY_INLINE int Fixed16Column(int u) {
 }
 
 /// o[r] += unit_r·Σ_k n[r][k]·v_k for NR rows over the value rows vals[0 … 2·npairs)
-/// (the keys of one pass in pairs), dv a multiple of kFixedUnit, o in Fixed16Column
+/// (the keys of one pass in pairs), dv a multiple of kFixedVec, o in Fixed16Column
 /// order. pairs[r·kFixedPvKeys/2 + j]: row r's integers for keys 2j and 2j+1 in the
 /// low and high 16 bits. Each pair of keys is one vpmaddwd per row and 16 columns.
 /// The integer sums are exact (at most 16·32767·128 in magnitude); one conversion
@@ -795,7 +797,7 @@ HWY_INLINE void PvRowsFixed16Chunks(const int32_t* HWY_RESTRICT pairs, const flo
   const DI32 di;
   const DI16 dw;
   const hn::Rebind<int8_t, DI16> d8;
-  constexpr int kW = static_cast<int>(kFixedUnit);
+  constexpr int kW = kFixedVec;
   hn::Vec<DI32> acc[NR][2 * kChunks];
   for (int r = 0; r < NR; ++r)
     for (int j = 0; j < 2 * kChunks; ++j) acc[r][j] = hn::Zero(di);
@@ -838,10 +840,10 @@ HWY_INLINE void PvRowsFixed16(const int32_t* pairs, const float* unit, int npair
   int x = 0;
   // Two chunks (64 columns) at once where 32 registers hold their 4·NR sums.
   if constexpr (kLanes == 16) {
-    for (; x + 2 * kFixedUnit <= dv; x += 2 * kFixedUnit)
+    for (; x + 2 * kFixedVec <= dv; x += 2 * kFixedVec)
       PvRowsFixed16Chunks<NR, 2, kVnni>(pairs, unit, npairs, vals, x, o, o_ld, ahead_bytes);
   }
-  for (; x < dv; x += kFixedUnit) PvRowsFixed16Chunks<NR, 1, kVnni>(pairs, unit, npairs, vals, x, o, o_ld, ahead_bytes);
+  for (; x < dv; x += kFixedVec) PvRowsFixed16Chunks<NR, 1, kVnni>(pairs, unit, npairs, vals, x, o, o_ld, ahead_bytes);
 }
 
 /// o[r] += Σ_k w[r][k]·v_k for nk ≤ kFixedPvKeys keys of a block (w = p times the
@@ -879,7 +881,7 @@ HWY_INLINE void PvKeysFixed16Of(const float* HWY_RESTRICT w, size_t ld, int rows
       float* orow = o + r * o_ld;
       for (int k = 0; k < nk; ++k) {
         for (int u = 0; u < dv; ++u) {
-          float& at = orow[u / kFixedUnit * kFixedUnit + Fixed16Column(u % kFixedUnit)];
+          float& at = orow[u / kFixedVec * kFixedVec + Fixed16Column(u % kFixedVec)];
           at = std::fma(wr[k], static_cast<float>(vals[k][u]), at);
         }
       }
@@ -1501,9 +1503,9 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       if (!on_tiles) {
         const float* from = &w.o[at * dvp];
         float* to = out.o + at * dvp;
-        if (fixed_pv) {  // back from Fixed16Column order; dv is a multiple of kFixedUnit
-          for (int x = 0; x < p.dv; x += kFixedUnit) {
-            for (int u = 0; u < kFixedUnit; ++u) to[x + u] = from[x + Fixed16Column(u)];
+        if (fixed_pv) {  // back from Fixed16Column order; dv is a multiple of kFixedVec
+          for (int x = 0; x < p.dv; x += kFixedVec) {
+            for (int u = 0; u < kFixedVec; ++u) to[x + u] = from[x + Fixed16Column(u)];
           }
           std::fill(to + p.dv, to + dvp, 0.0f);
         } else if constexpr (kPairs<T>) {  // back from pair order
@@ -1635,6 +1637,20 @@ bool AllFinite(const std::vector<float>& q) {
   return all_ones == 0;
 }
 
+/// Rounds every value of q (a whole number of vectors) to bf16, to nearest even, as
+/// f32_to_bf16 does (overflow to ±∞; NaN stays NaN), in place.
+void RoundToBf16(std::vector<float>& q) {
+  const DF df;
+  const hn::RebindToUnsigned<DF> du;
+  for (size_t i = 0; i < q.size(); i += kLanes) {
+    const VF v = hn::LoadU(df, &q[i]);
+    const auto u = hn::BitCast(du, v);
+    const auto odd = hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1u));
+    const auto rounded = hn::And(hn::Add(u, hn::Add(hn::Set(du, 0x7FFFu), odd)), hn::Set(du, 0xFFFF0000u));
+    hn::StoreU(hn::IfThenElse(hn::IsNaN(v), v, hn::BitCast(df, rounded)), df, &q[i]);
+  }
+}
+
 template <typename T>
 void Decode(const DecodeProblem& p, int threads) {
   const int dp = RoundUp(p.d, kLanes), dvp = RoundUp(p.dv, kLanes);
@@ -1642,6 +1658,9 @@ void Decode(const DecodeProblem& p, int threads) {
   // when every query value is a bf16 (AllBf16); it scales S, not q.
   bool bf16_dot = kPairs<T> && kBf16DotTarget && lowp_path() == LowpPath::avx512bf16;
   std::vector<float> qs = prepare_queries(p, kLanes, /*scaled=*/!bf16_dot);
+  // Precision::bf16 rounds the (rotated) queries to bf16 for that pass, as attention()
+  // rounds f32 inputs under it.
+  if (bf16_dot && p.attn.precision == Precision::bf16) RoundToBf16(qs);
   if (bf16_dot && !AllBf16(qs)) {
     bf16_dot = false;
     for (float& x : qs) x *= p.attn.scale;  // as prepare_queries would have
