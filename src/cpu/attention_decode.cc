@@ -448,8 +448,8 @@ void DotRowGroupsBf16(const uint16_t*, size_t, int, const uint16_t* const*, int,
 // Precision::bf16 on i8 caches: both products on 16-bit integer multiply-adds
 // (vpmaddwd: 2·kLanes products per instruction, where the f32 pass widens each key
 // and value vector twice, to int32 and to f32, and takes 2 FMAs for them). The f32
-// operands — a row's scaled query, a row's 16 or 8 probabilities (times the values'
-// scales) of one P·V pass — enter as integers of 15 bits and a sign, relative to
+// operands — a row's scaled query, a row's kFixedPvKeys probabilities (times the
+// values' scales) of one P·V pass — enter as integers of 15 bits and a sign, relative to
 // their largest magnitude: x ≈ unit·n, unit = max|x| / 32767, |x − unit·n| ≤ unit/2,
 // an absolute error of at most 2⁻¹⁶ of the largest (bf16's rounding is 2⁻⁹ of each
 // element). The integer sums are exact; one f32 multiply by the unit scales them.
@@ -498,25 +498,22 @@ HWY_INLINE hn::Vec<DI32> MulPairsAdd(hn::Vec<DI16> a, hn::Vec<DI16> b, hn::Vec<D
   return hn::ReorderWidenMulAccumulate(DI32(), a, b, acc, unused);
 }
 
-/// n (a multiple of kLanes, ≥ 1 vector) floats x as integers n_i = round(x_i / unit),
-/// |n_i| ≤ 32767, unit = max|x| / 32767, into to (int32 lanes); returns unit, 0 when
-/// every x is 0 (then every n_i is 0). x must be finite.
-HWY_INLINE float ToFixed16(const float* HWY_RESTRICT x, int n, int32_t* HWY_RESTRICT to) {
-  const DF df;
-  const DI32 di;
-  VF top = hn::Zero(df);
-  for (int i = 0; i < n; i += kLanes) top = hn::Max(top, hn::Abs(hn::LoadU(df, x + i)));
-  const float largest = hn::GetLane(hn::MaxOfLanes(df, top));
-  if (largest == 0.0f) {
-    std::fill(to, to + n, 0);
-    return 0.0f;
-  }
-  const VF inv = hn::Set(df, kFixedMax / largest), lim = hn::Set(df, kFixedMax);
-  for (int i = 0; i < n; i += kLanes) {
-    const VF v = hn::Clamp(hn::Mul(hn::LoadU(df, x + i), inv), hn::Neg(lim), lim);
-    hn::StoreU(hn::NearestInt(v), di, to + i);
-  }
-  return largest / kFixedMax;
+/// The fixed-point scaling of values whose largest magnitude is `largest` (finite):
+/// x ≈ unit·n with n = ToFixed(x, inv), |n| ≤ 32767, |x − unit·n| ≤ unit/2 (plus
+/// f32 rounding); unit = inv = 0 when largest is 0 (every n is then 0).
+struct FixedScale {
+  float inv, unit;
+};
+HWY_INLINE FixedScale FixedScaleOf(float largest) {
+  if (largest == 0.0f) return {0.0f, 0.0f};
+  return {kFixedMax / largest, largest * (1.0f / kFixedMax)};
+}
+
+/// A vector of finite values as fixed-point integers (int32 lanes): round(x·inv),
+/// clamped to ±32767 against the product's rounding.
+HWY_INLINE hn::Vec<DI32> ToFixed(VF x, VF inv) {
+  const VF lim = hn::Set(DF(), kFixedMax);
+  return hn::NearestInt(hn::Clamp(hn::Mul(x, inv), hn::Neg(lim), lim));
 }
 
 /// TransposedSums for int32 vectors: lane i of the result is the sum of x[i]'s lanes.
@@ -534,9 +531,10 @@ HWY_INLINE hn::Vec<DI32> TransposedSumsI32(hn::Vec<DI32>* x) {
 }
 
 /// s[r·ld + c] = Σ_x q[r][x]·k_c[x] in integers, for NR rows of fixed-point queries
-/// (q: rows of dq int16, ToFixed16's integers) and NK i8 key rows, d a multiple of
+/// (q: rows of dq int16, FixedQueries's) and NK i8 key rows, d a multiple of
 /// kFixedUnit; the caller multiplies row r by its unit. The sums are exact integers
-/// (at most 128·32767·d in magnitude); converted to f32 once, then summed across lanes.
+/// (at most 128·32767·d in magnitude), summed across lanes in int32 on AVX-512 (d ≤
+/// 512), else converted to f32 first.
 template <int NR, int NK, bool kVnni>
 HWY_INLINE void DotRowsFixed16(const int16_t* HWY_RESTRICT q, size_t dq, const int8_t* const* keys, int d,
                                float* HWY_RESTRICT s, size_t ld) {
@@ -889,13 +887,11 @@ HWY_INLINE void PvKeysFixed16Of(const float* HWY_RESTRICT w, size_t ld, int rows
       unit[slot] = 0.0f;
       return;
     }
-    const float largest = hn::GetLane(hn::MaxOfLanes(df, top));
     // All zero (every key removed or underflowed): integers 0, unit 0.
-    const VF inv = hn::Set(df, largest > 0.0f ? kFixedMax / largest : 0.0f);
-    unit[slot] = largest * (1.0f / kFixedMax);
+    const FixedScale fs = FixedScaleOf(hn::GetLane(hn::MaxOfLanes(df, top)));
+    unit[slot] = fs.unit;
     for (int i = 0; i < kVecs; ++i) {
-      const auto q = hn::NearestInt(hn::Min(hn::Mul(v[i], inv), hn::Set(df, kFixedMax)));
-      hn::Store(hn::DemoteTo(dn, hn::Max(q, hn::Set(di, -32767))), dn, reinterpret_cast<int16_t*>(pr) + i * kLanes);
+      hn::Store(hn::DemoteTo(dn, ToFixed(v[i], hn::Set(df, fs.inv))), dn, reinterpret_cast<int16_t*>(pr) + i * kLanes);
     }
   };
   int r = 0;
@@ -963,7 +959,7 @@ struct Scratch {
   double* acc;
   int lo[kMaxRows], hi[kMaxRows];
   uint64_t removed[kMaxItemRows];  // kv head hh's row r at hh·rows + r
-  float qunit[kMaxItemRows];        // the fixed-point queries' units (ToFixed16), same order
+  float qunit[kMaxItemRows];        // the fixed-point queries' units (FixedQueries), same order
   Scratch(int dp, int dvp, int item_rows, int item_pad_rows) {
     auto whole = [](size_t floats) { return (floats + 15) / 16 * 16; };  // 64-byte pieces
     const size_t fq = whole(static_cast<size_t>(item_rows) * dp), fs = whole(static_cast<size_t>(item_pad_rows) * kBk),
@@ -1040,27 +1036,22 @@ struct Paths {
 
 #if ATTN_DECODE_FIXED16
 /// The queries' rows (qs: rows of dp floats, d ≤ dp a multiple of kFixedUnit, all
-/// finite) as fixed-point integers (ToFixed16) into q16 (rows of dp), each row's unit
+/// finite) as fixed-point integers (ToFixed) into q16 (rows of dp), each row's unit
 /// into unit. Once per call: the work items of a row share them.
 void FixedQueries(const std::vector<float>& qs, int dp, int d, std::vector<int16_t>& q16, std::vector<float>& unit) {
+  const DF df;
+  const hn::Rebind<int16_t, DF> dn;  // kLanes int16
   const size_t rows = qs.size() / dp;
   q16.assign(qs.size(), 0);
   unit.resize(rows);
-  HWY_ALIGN int32_t n[kFixedUnit];
   for (size_t r = 0; r < rows; ++r) {
     const float* x = &qs[r * dp];
-    const DF df;
     VF top = hn::Zero(df);
     for (int j = 0; j < d; j += kLanes) top = hn::Max(top, hn::Abs(hn::LoadU(df, x + j)));
-    const float largest = hn::GetLane(hn::MaxOfLanes(df, top));
-    unit[r] = largest / kFixedMax;
-    if (largest == 0.0f) continue;
-    const VF inv = hn::Set(df, kFixedMax / largest), lim = hn::Set(df, kFixedMax);
-    for (int j = 0; j < d; j += kFixedUnit) {
-      for (int c = 0; c < kFixedUnit; c += kLanes) {
-        hn::Store(hn::NearestInt(hn::Clamp(hn::Mul(hn::LoadU(df, x + j + c), inv), hn::Neg(lim), lim)), DI32(), n + c);
-      }
-      for (int c = 0; c < kFixedUnit; ++c) q16[r * dp + j + c] = static_cast<int16_t>(n[c]);
+    const FixedScale fs = FixedScaleOf(hn::GetLane(hn::MaxOfLanes(df, top)));
+    unit[r] = fs.unit;
+    for (int j = 0; j < d; j += kLanes) {
+      hn::StoreU(hn::DemoteTo(dn, ToFixed(hn::LoadU(df, x + j), hn::Set(df, fs.inv))), dn, &q16[r * dp + j]);
     }
   }
 }
