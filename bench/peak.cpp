@@ -57,9 +57,15 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) int int16_loop_avx512(lon
 #pragma GCC unroll 16
     for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpwssd_epi32(acc[i], a, b);
   }
+  // Summed as unsigned: the sums wrap by design (vpdpwssd does), which is
+  // undefined for the signed adds of _mm512_reduce_add_epi32 (UBSan said so).
+  alignas(64) uint32_t lanes[16];
   __m512i s = acc[0];
   for (int i = 1; i < kChains; ++i) s = _mm512_add_epi32(s, acc[i]);
-  return _mm512_reduce_add_epi32(s);
+  _mm512_store_si512(lanes, s);
+  uint32_t total = 0;
+  for (const uint32_t x : lanes) total += x;
+  return static_cast<int>(total & 0x7FFFFFFFu);
 }
 
 // AMX: four independent accumulator tiles (tdpbf16ps has ~4× its issue interval of

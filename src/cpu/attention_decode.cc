@@ -1068,10 +1068,10 @@ void FixedQueries(const std::vector<float>&, int, int, std::vector<int16_t>&, st
 /// 16 and 256; 1 and 2 threads; 3 alternating rounds): 0.74–0.91x the time of 8 keys;
 /// 24, 48 and 64 keys gained no more. i8 on the f32 passes, half as fast, took
 /// 1.02–1.20x with 32 keys: they keep 8, as bf16 does (within the noise at 16 and 32).
+constexpr int kMostPrefetchKeys = HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL ? 32 : 8;
 int PrefetchKeys(const Paths& paths) {
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-  static_assert(32 <= kBk, "the walk over a block's rows holds the distance");
-  if (paths.fixed_pv && !cpu_features().intel) return 32;
+  if (paths.fixed_pv && !cpu_features().intel) return kMostPrefetchKeys;
 #else
   (void)paths;
 #endif
@@ -1148,7 +1148,7 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
   // The tile path walks the next block too: it requests that block's rows while this
   // one computes (see pump_next below).
   const int kPrefetchKeys = std::is_same_v<T, int8_t> ? PrefetchKeys(paths) : 8;  // a constant but for i8
-  constexpr int kRows = 2 * kBk;
+  constexpr int kRows = std::max(2 * kBk, kBk + kMostPrefetchKeys);
   const T* keys0[kRows];
   const T* vals0[kRows];
   int64_t k_scale_at[kRows], v_scale_at[kRows];
