@@ -854,7 +854,6 @@ template <bool kVnni>
 HWY_INLINE void PvKeysFixed16Of(const float* HWY_RESTRICT w, size_t ld, int rows, const int8_t* const* vals, int nk,
                                 int dv, float* HWY_RESTRICT o, size_t o_ld, int64_t ahead_bytes) {
   const DF df;
-  const DI32 di;
   const hn::Rebind<int16_t, DF> dn;  // kLanes int16
   // Each row slot's integers, key by key as int16, read as int32 pairs of keys (the
   // vector stores may alias; scalar code touches them as int32 only).
