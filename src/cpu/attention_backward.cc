@@ -40,6 +40,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "cpu/thread_team.hpp"
 #include "cpu/workspace.hpp"
 #include "dropout/dropout_at.hpp"
 
@@ -530,8 +531,7 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
                     dsum_base, turns.get(), turn_base, qt_first,  qt_last};
   const int n_rows = static_cast<int>(rows_items.size()), n_pack = static_cast<int>(pack_items.size()),
             n_items = static_cast<int>(items.size()), n_stats = static_cast<int>(stats_items.size());
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
+  RunOnThreads(nt, [&] {
     // Phase 1: per query tile, D = rowsum(dO ∘ O) of each row; scale·Q and dO
     // packed; the dQ sum zeroed.
 #pragma omp for schedule(static)
@@ -620,7 +620,7 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
                     sizeof(float) * p.d);
       }
     }
-  }
+  });
 }
 
 size_t BackwardWorkspaceBytes(const Problem& p, int threads) {

@@ -42,6 +42,7 @@
 #include <memory>
 #include <vector>
 
+#include "cpu/thread_team.hpp"
 #include "cpu/workspace.hpp"
 #include "dropout/dropout_at.hpp"
 
@@ -561,8 +562,7 @@ bool BackwardAmxImpl(const BackwardProblem& bp, int threads, bool tiles) {
   const int nq = static_cast<int>(qpacks.size()), nk = static_cast<int>(kpacks.size()),
             ni = static_cast<int>(items.size());
   std::atomic<bool> declined{false};
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
+  RunOnThreads(nt, [&] {
     bool ok = true;
     // 64 rows of K and of V as packed (pieces·(dp + dvp) bf16 each), as floats.
     bf16* staging = reinterpret_cast<bf16*>(thread_scratch(kSlotTile, StagingFloats(lay)));
@@ -609,7 +609,7 @@ bool BackwardAmxImpl(const BackwardProblem& bp, int threads, bool tiles) {
         }
       }
     }
-  }
+  });
   return !declined.load();
 }
 

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "cpu/isa.hpp"
+#include "cpu/thread_team.hpp"
 #include "cpu/workspace.hpp"
 #include "kvcache/decode_problem.hpp"
 #include "tensor/convert.hpp"
@@ -1724,8 +1725,7 @@ void Decode(const DecodeProblem& p, int threads) {
     item_rows = std::max(item_rows, heads * rc.rows());
     item_pad_rows = std::max(item_pad_rows, heads * RoundUp(rc.rows(), kLanes));
   }
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
+  RunOnThreads(nt, [&] {
     Scratch w(dp, dvp, item_rows, item_pad_rows);
     std::vector<Partial> ps;
     std::unique_ptr<DecodeTilesScratch> tiles;
@@ -1757,7 +1757,7 @@ void Decode(const DecodeProblem& p, int threads) {
         }
       }
     }
-  }
+  });
 }
 
 }  // namespace

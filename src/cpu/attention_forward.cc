@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "cpu/owned_ranges.hpp"
+#include "cpu/thread_team.hpp"
 #include "cpu/workspace.hpp"
 #include "traffic.hpp"
 #include "dropout/philox.hpp"
@@ -332,13 +333,12 @@ void ForwardF32(const Problem& p, int threads) {
   // differ in cost. Each item is computed the same way on any thread, so the
   // schedule cannot change any bit of the result.
   OwnedRanges ranges(ntiles, nt);
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
+  RunOnThreads(nt, [&] {
     float* row_buf = TileScratch(p.d, pl.dvp).row;  // this thread's tile workspace, reused below
 #pragma omp for schedule(static)
     for (int i = 0; i < npacks; ++i) PackTile(p, pl, pack, packs[i].b, packs[i].h, packs[i].t, row_buf);
     ranges.Run(omp_get_thread_num(), [&](int i) { ForwardTile(p, pl, pack, tiles[i].b, tiles[i].h, tiles[i].t); });
-  }
+  });
 }
 
 size_t WorkspaceBytes(const Problem& p, int threads) {

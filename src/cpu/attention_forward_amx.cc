@@ -50,6 +50,7 @@
 #include "attn/error.hpp"
 #include "cpu/isa.hpp"
 #include "cpu/owned_ranges.hpp"
+#include "cpu/thread_team.hpp"
 #include "cpu/workspace.hpp"
 #include "env_override.hpp"
 #include "traffic.hpp"
@@ -769,8 +770,7 @@ bool ForwardAmxImpl(const Problem& p, int threads, bool tiles) {
   const int nblocks = static_cast<int>(blocks.size());
   std::atomic<bool> nonfinite{false};
   OwnedRanges ranges(nblocks, nt);  // blocks are ordered by (b, h, t): a range is a few heads
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
+  RunOnThreads(nt, [&] {
     bool bad = false;
     // Staging rows for inputs that need rounding or padding (thread scratch; the
     // work items below reuse the slot once packing is done).
@@ -809,7 +809,7 @@ bool ForwardAmxImpl(const Problem& p, int threads, bool tiles) {
                  });
       if (tiles) ReleaseTiles();
     }
-  }
+  });
   return !nonfinite.load();
 }
 
