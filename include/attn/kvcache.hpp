@@ -99,10 +99,12 @@ inline constexpr int kMaxKVSplits = 256;
 /// largest), where d and dv are multiples of 32 on AVX2/AVX-512 (vpdpwssd on CPUs with
 /// AVX512-VNNI) and the CPU does not take its AMX-INT8 tile path: on Zen 4, 0.67–0.84x
 /// the time of the f32 passes from DRAM, with errors ~1/100 of a plain bf16
-/// implementation's (docs/PERFORMANCE.md). A bf16 cache, where the bf16 score pass
-/// runs (vdpbf16ps at full rate: AMD Zen 4/5; d and dv multiples of 32), takes f32
-/// queries rounded to bf16 (as attention() rounds f32 inputs) into it rather than the
-/// f32 score pass. Other caches ignore it. Throws
+/// implementation's (docs/PERFORMANCE.md). A bf16 cache, where vdpbf16ps has the
+/// FMA's rate (AMD Zen 4/5; d and dv multiples of 32), takes both products on it: f32
+/// queries rounded to bf16 (as attention() rounds f32 inputs) for Q·Kᵀ, and P·V with
+/// each pass's probabilities rounded to bf16 (FlashAttention's plain bf16 pipeline
+/// rounds P so too; its error, with sharp attention, ~0.4x that pipeline's). Other
+/// caches ignore it. Throws
 /// attn::Error, naming the argument, before writing anything: shapes, dtypes, a
 /// block_table entry out of range or repeated within a sequence, a page another
 /// sequence uses that this call would write, cache_seqlens + Lnew beyond the

@@ -552,8 +552,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     decoding, a padding mask [B, 1, 1, K]). ``precision`` (not in FlashAttention): "f32" computes
     at float32's accuracy; "bf16" lets an int8 cache take both products on 16-bit integers
     (queries and each pass's probabilities as fixed point, 2^-16 of their largest: faster, still
-    far finer than bf16 rounding), and a bfloat16 cache take float32 queries rounded to bf16
-    into its vdpbf16ps score pass (AMD Zen 4/5); other caches ignore it. Returns out [B, Lq, Hq, dv] in q's
+    far finer than bf16 rounding), and a bfloat16 cache take both products on vdpbf16ps where it
+    has the FMA's rate (AMD Zen 4/5): float32 queries rounded to bf16, and each pass's
+    probabilities rounded to bf16 for P·V, as a plain bf16 implementation rounds them; other
+    caches ignore it. Returns out [B, Lq, Hq, dv] in q's
     dtype, and lse float32 [B, Hq, Lq] if ``return_softmax_lse``. NumPy or CPU torch alike.
     """
     qa = _array(q, "q")

@@ -157,6 +157,44 @@ def test_token_by_token_decoding_equals_causal_attention_over_the_sequence(rng):
     np.testing.assert_allclose(stepwise, whole, rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.parametrize("page", [None, 16])
+def test_bfloat16_cache_on_bf16_products_under_precision_bf16(rng, page):
+    """precision="bf16" on a torch.bfloat16 cache: where vdpbf16ps has the FMA's rate
+    (attn.cpu_info()["bf16_path"] == "avx512bf16"), f32 queries are rounded to bf16 and
+    both products run on it, P rounded to bf16. FlashAttention's rule against the float64
+    reference: at most twice the error of a plain bf16 implementation (q rounded, f32
+    scores and softmax, P rounded to bf16, f32 sums), with sharp attention. Elsewhere the
+    exact path runs, bitwise the default's."""
+    B, Hq, Hkv, d, cap = 2, 8, 2, 64, 300
+    seqlens = np.array([250, 77], dtype=np.int32)
+    shape, table = _cache_layout(rng, B, cap, Hkv, d, page)
+    k_cache = torch.from_numpy(rng.uniform(-1, 1, shape).astype(np.float32)).bfloat16()
+    v_cache = torch.from_numpy(rng.uniform(-1, 1, shape).astype(np.float32)).bfloat16()
+    q = rng.uniform(-1, 1, (B, 1, Hq, d)).astype(np.float32) * 8
+    kw = dict(cache_seqlens=seqlens, block_table=table, causal=True)
+    fast = attn.attention_with_kvcache(q, k_cache, v_cache, precision="bf16", **kw)
+    exact = attn.attention_with_kvcache(q, k_cache, v_cache, **kw)
+    _check(q, exact, None, k_cache, v_cache, seqlens, table)
+    if attn.cpu_info()["bf16_path"] != "avx512bf16":
+        np.testing.assert_array_equal(fast, exact)
+        return
+    assert not np.array_equal(fast, exact)
+    fused_sq = plain_sq = 0.0
+    qr = torch.from_numpy(q).bfloat16().double().numpy()  # the queries the kernel used
+    for b in range(B):
+        k = _logical(k_cache, seqlens, b, table).transpose(1, 0, 2)  # [Hkv, Lk, d]
+        v = _logical(v_cache, seqlens, b, table).transpose(1, 0, 2)
+        qb = qr[b].transpose(1, 0, 2)  # [Hq, 1, d]
+        ref, _ = reference(qb, k, v, is_causal=True, alignment="bottom_right")
+        kk = torch.from_numpy(k).repeat_interleave(Hq // Hkv, 0)
+        vv = torch.from_numpy(v).float().repeat_interleave(Hq // Hkv, 0)
+        p = torch.softmax(torch.from_numpy(qb) @ kk.transpose(1, 2) / np.sqrt(d), -1)
+        rough = p.float().bfloat16().float() @ vv
+        plain_sq += float(((rough.double() - ref) ** 2).sum())
+        fused_sq += float(((torch.from_numpy(fast[b].transpose(1, 0, 2)).double() - ref) ** 2).sum())
+    assert fused_sq <= 4 * plain_sq, (fused_sq, plain_sq)
+
+
 def test_torch_bfloat16_cache_with_rope_and_chunked_prefill(rng):
     B, H, Hkv, d, cap, lq = 2, 4, 2, 32, 64, 5
     k_cache = torch.zeros(B, cap, Hkv, d, dtype=torch.bfloat16)

@@ -418,6 +418,80 @@ HWY_INLINE ATTN_BF16_DOT void DotRowsBf16(const uint16_t* HWY_RESTRICT qb, size_
   }
 }
 
+/// o[r] += Σ_k p[r][k]·v_k for NR rows and NK (8 or 16) bf16 value rows, dv a
+/// multiple of 32, on vdpbf16ps (Precision::bf16 on CPUs where it has the FMA's
+/// rate): each p rounded to bf16 (to nearest even; FlashAttention's plain bf16
+/// pipeline rounds P so too), two keys per instruction, 32 products where the f32
+/// pass widens two value vectors and takes 2 FMAs per row for 16 products each. The
+/// products are exact and summed in f32, key pairs first. O stays in the f32 pass's
+/// pair order (Bf16Pairs: a 32-column run's even columns, then its odd ones), so the
+/// passes this one cannot take (removed keys, a block's short last pass) add into the
+/// same O: values a (key 2j) and b (key 2j + 1) are interleaved as
+/// (a[2i], b[2i]) for the evens and (a[2i+1], b[2i+1]) for the odds, a shift and a
+/// word blend each. vdpbf16ps reads subnormal bf16 values (below 1.2e-38) as zero.
+template <int NK, int NR>
+HWY_INLINE ATTN_BF16_DOT void PvRowsBf16(const float* HWY_RESTRICT p, size_t ld, const uint16_t* const* vals, int dv,
+                                         float* HWY_RESTRICT o, size_t o_ld, int64_t ahead_bytes) {
+  static_assert(NK == 8 || NK == 16, "whole key pairs, one vector of p per row");
+  HWY_ALIGN uint32_t pairs[NR][NK / 2];  // row r's p of keys 2j and 2j + 1 as one bf16 pair
+  for (int r = 0; r < NR; ++r) {
+    if constexpr (NK == 16) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[r]),
+                         reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * ld))));
+    } else {
+      _mm_store_si128(reinterpret_cast<__m128i*>(pairs[r]),
+                      reinterpret_cast<__m128i>(_mm256_cvtneps_pbh(_mm256_loadu_ps(p + r * ld))));
+    }
+  }
+  constexpr __mmask32 kOddWords = 0xAAAAAAAAu;
+  for (int x = 0; x < dv; x += 32) {
+    __m512 even[NR], odd[NR];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) {
+      even[r] = _mm512_loadu_ps(o + r * o_ld + x);
+      odd[r] = _mm512_loadu_ps(o + r * o_ld + x + 16);
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NK / 2; ++j) {
+      const uint16_t* a_row = vals[2 * j] + x;
+      const uint16_t* b_row = vals[2 * j + 1] + x;
+      if (ahead_bytes > 0) {
+        PrefetchLineL2(reinterpret_cast<const char*>(a_row) + ahead_bytes);
+        PrefetchLineL2(reinterpret_cast<const char*>(b_row) + ahead_bytes);
+      }
+      const __m512i a = _mm512_loadu_si512(a_row), b = _mm512_loadu_si512(b_row);
+      const __m512bh evens = reinterpret_cast<__m512bh>(_mm512_mask_blend_epi16(kOddWords, a, _mm512_slli_epi32(b, 16)));
+      const __m512bh odds = reinterpret_cast<__m512bh>(_mm512_mask_blend_epi16(kOddWords, _mm512_srli_epi32(a, 16), b));
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) {
+        const __m512bh pp = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pairs[r][j])));
+        even[r] = _mm512_dpbf16_ps(even[r], evens, pp);
+        odd[r] = _mm512_dpbf16_ps(odd[r], odds, pp);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) {
+      _mm512_storeu_ps(o + r * o_ld + x, even[r]);
+      _mm512_storeu_ps(o + r * o_ld + x + 16, odd[r]);
+    }
+  }
+}
+
+/// PvRowsBf16 for every row, 4 at a time. Not always_inline: its target
+/// (avx512bf16) is more than its callers'.
+template <int NK>
+inline ATTN_BF16_DOT void PvRowGroupsBf16(const float* p, size_t ld, int rows, const uint16_t* const* vals, int dv,
+                                          float* o, size_t o_ld, int64_t ahead_bytes) {
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) PvRowsBf16<NK, 4>(p + r * ld, ld, vals, dv, o + r * o_ld, o_ld, ahead_bytes);
+  switch (rows - r) {
+    case 3: PvRowsBf16<NK, 3>(p + r * ld, ld, vals, dv, o + r * o_ld, o_ld, ahead_bytes); break;
+    case 2: PvRowsBf16<NK, 2>(p + r * ld, ld, vals, dv, o + r * o_ld, o_ld, ahead_bytes); break;
+    case 1: PvRowsBf16<NK, 1>(p + r * ld, ld, vals, dv, o + r * o_ld, o_ld, ahead_bytes); break;
+    default: break;
+  }
+}
+
 /// DotRowGroups for bf16 queries and keys (DotRowsBf16), 4 rows at a time, or one
 /// where NK is a vector's lane count (the one-row pass). Not always_inline: its
 /// target (avx512bf16) is more than its callers'.
@@ -444,6 +518,8 @@ template <int NR, int NK>
 void DotRowsBf16(const uint16_t*, size_t, const uint16_t* const*, int, float*, size_t) {}
 template <int NK>
 void DotRowGroupsBf16(const uint16_t*, size_t, int, const uint16_t* const*, int, float*, size_t) {}
+template <int NK>
+void PvRowGroupsBf16(const float*, size_t, int, const uint16_t* const*, int, float*, size_t, int64_t) {}
 #endif
 
 // Precision::bf16 on i8 caches: both products on 16-bit integer multiply-adds
@@ -746,13 +822,20 @@ HWY_INLINE void PvKeysSkippingRemoved(const float* HWY_RESTRICT p, size_t ld, co
 /// holds there never reaches o (0·NaN would). A key that is seen but whose p
 /// underflowed to 0 (a score ~104 below its row's max, e.g. under a −FLT_MAX mask)
 /// is not removed: it adds 0·v, which is NaN for a non-finite v, as in the float64
-/// reference.
+/// reference. bf16_pv: bf16 values on vdpbf16ps where no key is removed (PvRowsBf16).
 template <typename T, int NK>
 HWY_INLINE void PvKeys(const float* HWY_RESTRICT p, size_t ld, const uint64_t* removed, int c, int rows,
-                       const T* const* vals, int dv, float* HWY_RESTRICT o, size_t o_ld, int64_t ahead_bytes) {
+                       const T* const* vals, int dv, float* HWY_RESTRICT o, size_t o_ld, int64_t ahead_bytes,
+                       bool bf16_pv) {
   constexpr uint64_t kKeys = (uint64_t{1} << NK) - 1;
   uint64_t any_removed = 0;  // among these keys and rows; none: the plain loop
   for (int r = 0; r < rows; ++r) any_removed |= (removed[r] >> c) & kKeys;
+  if constexpr (kPairs<T> && kBf16DotTarget) {
+    if (bf16_pv && any_removed == 0) {
+      PvRowGroupsBf16<NK>(p, ld, rows, reinterpret_cast<const uint16_t* const*>(vals), dv, o, o_ld, ahead_bytes);
+      return;
+    }
+  }
   if (any_removed == 0) {
     int r = 0;
     for (; r + 4 <= rows; r += 4) PvRowsDense<T, NK, 4>(p + r * ld, ld, vals, dv, o + r * o_ld, o_ld, ahead_bytes);
@@ -1029,6 +1112,7 @@ struct Paths {
   bool bf16_dot = false;      // bf16 score pass (DotRowsBf16): q holds bf16 rows, S is scaled after
   bool fixed_scores = false;  // i8 score pass on integers (DotRowsFixed16): q holds int16 rows
   bool fixed_pv = false;      // i8 P·V on integers (PvKeysFixed16): O in Fixed16Column order
+  bool bf16_pv = false;       // bf16 P·V on vdpbf16ps (PvRowsBf16), p rounded to bf16
   bool vnni = false;             // the fixed-point passes on vpdpwssd (MulPairsAdd)
   const int16_t* q16 = nullptr;  // fixed_scores: the queries' rows as integers (FixedQueries)
   const float* qunit = nullptr;  // and each row's unit
@@ -1470,9 +1554,9 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
               // shorter last pass on PvKeysSkippingRemoved: each column still sums its
               // keys in order, so the result does not depend on the pieces.
               if (nk == 16) {
-                PvKeys<U, 16>(s, kBk, removed, c, rows, vu, p.dv, o, dvp, pv_ahead);
+                PvKeys<U, 16>(s, kBk, removed, c, rows, vu, p.dv, o, dvp, pv_ahead, paths.bf16_pv);
               } else if (nk == 8) {
-                PvKeys<U, 8>(s, kBk, removed, c, rows, vu, p.dv, o, dvp, pv_ahead);
+                PvKeys<U, 8>(s, kBk, removed, c, rows, vu, p.dv, o, dvp, pv_ahead, paths.bf16_pv);
               } else {
                 PvKeysSkippingRemoved(s, kBk, removed, c, rows, vu, nk, p.dv, o, dvp);
               }
@@ -1705,6 +1789,9 @@ void Decode(const DecodeProblem& p, int threads) {
   // where the AMX-INT8 tiles run (their digits keep f32's accuracy at tile speed).
   Paths paths;
   paths.bf16_dot = bf16_dot;
+  // Precision::bf16 on bf16 caches: P·V on vdpbf16ps too, p rounded to bf16.
+  paths.bf16_pv = kPairs<T> && kBf16DotTarget && lowp_path() == LowpPath::avx512bf16 &&
+                  p.attn.precision == Precision::bf16;
   if constexpr (std::is_same_v<T, int8_t> && kFixed16Target) {
     paths.fixed_pv = p.attn.precision == Precision::bf16 && !on_tiles && p.d % kFixedUnit == 0 &&
                      p.dv % kFixedUnit == 0;
