@@ -18,7 +18,9 @@
 //   S = modifiers (S)       ApplyScoreMods, shared with attention()
 //   P = e^(S − m_new) …     SoftmaxTile, shared with attention()
 //   O = α·O + P·V           16 keys per pass (8 below 4 rows), V rows converted once
-//                           per chunk of dv
+//                           per chunk of dv; bf16 values under Precision::bf16, where
+//                           vdpbf16ps has the FMA's rate: P rounded to bf16, two keys
+//                           per vdpbf16ps (PvRowsBf16)
 // Splits are combined in split order as merge_attention_states does. The automatic
 // split count depends on the key count only, so no result depends on the threads.
 // Removed keys (score −∞) never contribute, even where the cache holds NaN or ±∞
