@@ -19,15 +19,46 @@
 namespace attn {
 namespace detail {
 
+namespace {
+
+/// The bf16 tile kernels' query and key tiles (kBq, kBk on their AVX-512 target,
+/// static_asserted in attention_forward_amx.cc and attention_backward_amx.cc).
+constexpr int64_t kLowpTile = 64;
+
+/// Whether the vdpbf16ps tile kernels would spend a call mostly on padding: every
+/// sequence fits in one tile pair (Lq, Lk ≤ 64), and its scores fill less than
+/// `fill` of the tile pairs. Those kernels compute whole 64×64 tiles (all five
+/// backward products on them), where the f32 kernel's work follows the rows and keys
+/// there are. Measured on Zen 4 (docs/PERFORMANCE.md, "Short bf16 calls on the f32
+/// kernel"): below a fifth the f32 path took 0.28–0.91× the backward's time on 1 and
+/// 2 threads, and from a quarter on it lost (up to 1.2× at 2 threads, Lq·Lk = 16·64);
+/// the forward gained only below a twentieth (0.6–0.8×) and lost from 8·32 on.
+bool TilesMostlyPadding(const Problem& p, LowpPass pass) {
+  const double fill = pass == LowpPass::backward ? 0.2 : 0.05;
+  double scores = 0.0, tiles = 0.0;
+  for (const Sequence& s : p.seqs) {
+    if (s.Lq > kLowpTile || s.Lk > kLowpTile) return false;
+    if (s.Lq == 0 || s.Lk == 0) continue;
+    scores += static_cast<double>(s.Lq) * s.Lk;
+    tiles += 1.0;
+  }
+  return scores < fill * tiles * kLowpTile * kLowpTile;
+}
+
+}  // namespace
+
 // bf16 (or f32 rounded to bf16) runs on AMX tiles or vdpbf16ps when the CPU has
 // them, f16 on AMX tiles only; explicit probabilities take the portable path (see
 // cpu/isa.hpp).
-LowpPath lowp_kernel(const Problem& p, const AttentionOptions& options) {
+LowpPath lowp_kernel(const Problem& p, const AttentionOptions& options, LowpPass pass) {
   if (!needs_widening(p, options) || p.probs != nullptr) return LowpPath::f32;
   const LowpPath path = lowp_path();
   // Two pieces (f16, and f32 with Precision::bf16x3) take three products each: only
   // the tile unit makes that pay.
   if (p.pieces() == 2) return path == LowpPath::amx ? LowpPath::amx : LowpPath::f32;
+  // AMX: its tiles are several times the f32 kernel's rate, and short calls there are
+  // unmeasured, so they keep the tiles.
+  if (path == LowpPath::avx512bf16 && !lowp_path_forced() && TilesMostlyPadding(p, pass)) return LowpPath::f32;
   return path;
 }
 
@@ -53,7 +84,7 @@ void attention_with_mods(const TensorView& q, const TensorView& k, const TensorV
       attention_with_mods(q, k, v, out, o, lse, probs, mods);
       return;
     }
-    if (const LowpPath path = lowp_kernel(p, options); path != LowpPath::f32) {
+    if (const LowpPath path = lowp_kernel(p, options, LowpPass::forward); path != LowpPath::f32) {
       if (attention_forward_amx(p, num_threads(), path)) return;
       // Declined (a NaN or ±∞ in q, k or v): the portable path's exact semantics.
     }
@@ -142,7 +173,7 @@ void attention_backward_with_mods(const TensorView& q, const TensorView& k, cons
   const BackwardProblem bp = make_backward_problem("attention_backward", q, k, v, out, lse, dout,
                                                    dq, dk, dv, options, dbias, mods, /*on_device=*/true);
   if (needs_widening(bp.fwd, options)) {
-    if (const LowpPath path = lowp_kernel(bp.fwd, options); path != LowpPath::f32) {
+    if (const LowpPath path = lowp_kernel(bp.fwd, options, LowpPass::backward); path != LowpPath::f32) {
       if (bp.fwd.mask_dtype == DType::bf16 || bp.fwd.mask_dtype == DType::f16) {
         std::vector<float> mask32;
         const AttentionOptions o = with_f32_mask(options, mask32);
@@ -222,7 +253,7 @@ size_t attention_workspace_bytes(const TensorView& q, const TensorView& k, const
       detail::make_problem("attention_workspace_bytes", q, k, v, out, options, {}, {}, nullptr);
   // The bf16 kernels' packed operands replace the f32 copies (they decline only
   // inputs holding NaN or ±∞, which then take the portable path's copies).
-  if (detail::lowp_kernel(p, options) != detail::LowpPath::f32) {
+  if (detail::lowp_kernel(p, options, detail::LowpPass::forward) != detail::LowpPath::f32) {
     return detail::attention_forward_amx_workspace_bytes(p, threads);
   }
   // The f32 kernel widens bf16/f16 inputs and rounds f32 ones under Precision::bf16
@@ -239,7 +270,7 @@ size_t attention_backward_workspace_bytes(const TensorView& q, const TensorView&
   // The f32 kernel's bytes depend on the shapes only, which its widened copies share.
   const size_t f32_kernel = detail::attention_backward_workspace_bytes_cpu(bp.fwd, threads);
   if (!detail::needs_widening(bp.fwd, options)) return f32_kernel;
-  if (const detail::LowpPath path = detail::lowp_kernel(bp.fwd, options);
+  if (const detail::LowpPath path = detail::lowp_kernel(bp.fwd, options, detail::LowpPass::backward);
       path != detail::LowpPath::f32 && !detail::amx_backward_declines_options(bp, path)) {
     return detail::attention_backward_amx_workspace_bytes(bp, threads) + detail::mask_widening_bytes(options);
   }

@@ -21,14 +21,20 @@ namespace attn::detail {
 /// with Precision::bf16.
 bool needs_widening(const Problem& p, const AttentionOptions& options);
 
+/// Which pass a kernel is chosen for: their tile kernels lose different amounts to padding.
+enum class LowpPass { forward, backward };
+
 /// The kernel a call (forward or backward) that needs widening runs on instead of the
 /// portable path: LowpPath::amx or LowpPath::avx512bf16 for bf16 (or f32 with
 /// Precision::bf16) where lowp_path() picks them; for f16, LowpPath::amx
 /// where the CPU has AMX tiles (f16 values enter them as exact hi + lo bf16 pieces,
 /// three tile products per product; on vdpbf16ps that would be slower than the f32
-/// kernel). LowpPath::f32 (the portable path) otherwise, and for calls that return
-/// explicit probabilities.
-LowpPath lowp_kernel(const Problem& p, const AttentionOptions& options);
+/// kernel). LowpPath::f32 (the portable path) otherwise, for calls that return
+/// explicit probabilities, and on vdpbf16ps (unless ATTN_ISA forces it) for calls
+/// whose sequences each fit in one 64×64 tile pair that they fill only in small part
+/// (TilesMostlyPadding in attention.cpp). The choice depends on the shapes only, never
+/// on the thread count, so results stay bitwise identical for any thread count.
+LowpPath lowp_kernel(const Problem& p, const AttentionOptions& options, LowpPass pass);
 
 /// Bytes of the f32 copies that attention_backward()'s widening path makes
 /// (backward_widened): q, k, v, out, dout, dq, dk, dv, and a bf16/f16 mask.

@@ -69,7 +69,7 @@ void attention_placed(const TensorView& q, const TensorView& k, const TensorView
   Problem p = make_problem(fn, q, k, v, is_lowp(q.dtype()) ? out_twin : out, options, lse, {}, nullptr);
   place(p, where, fn);
   if (needs_widening(p, options)) {
-    if (const LowpPath path = lowp_kernel(p, options); path != LowpPath::f32) {
+    if (const LowpPath path = lowp_kernel(p, options, LowpPass::forward); path != LowpPath::f32) {
       p.out_f32 = true;
       if (attention_forward_amx(p, num_threads(), path)) return;
       // Declined (a NaN or ±∞ in q, k or v): the portable path's exact semantics.

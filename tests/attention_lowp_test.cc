@@ -15,6 +15,7 @@
 #include "attention_harness.hpp"
 #include "attn/attention.hpp"
 #include "lowp_harness.hpp"
+#include "cpu/isa.hpp"
 #include "tensor/convert.hpp"
 
 namespace attn::testing {
@@ -388,6 +389,109 @@ TEST(LowPrecisionAttention, NanInAKeyMakesTheRowNanAndThreadsDoNotMatter) {
         EXPECT_EQ(std::isnan(x), i >= 5) << "row " << i << " head " << h;
       }
   }
+}
+
+// Views of a LowpCall's tensors, and one pass under `isa` (nullptr: the default
+// choice) with `threads` threads.
+struct CallViews {
+  TensorView q, k, v, out, lse, dout, dq, dk, dv;
+  explicit CallViews(LowpCall& c)
+      : q(c.view(c.q, c.Lq, c.Hq, c.d)), k(c.view(c.k, c.Lk, c.Hkv, c.d)), v(c.view(c.v, c.Lk, c.Hkv, c.dv)),
+        out(c.view(c.out, c.Lq, c.Hq, c.dv)), lse(c.lse_view()), dout(c.view(c.dout, c.Lq, c.Hq, c.dv)),
+        dq(c.view(c.dq, c.Lq, c.Hq, c.d)), dk(c.view(c.dk, c.Lk, c.Hkv, c.d)), dv(c.view(c.dv_, c.Lk, c.Hkv, c.dv)) {}
+};
+
+// out (and lse) of the forward.
+std::vector<uint16_t> ForwardUnder(LowpCall& c, const AttentionOptions& o, const char* isa, int threads) {
+  const ScopedEnv path("ATTN_ISA", isa);
+  const CallViews t(c);
+  with_threads(threads, [&] { attention(t.q, t.k, t.v, t.out, o, t.lse); });
+  return c.out;
+}
+
+// dq, dk, dv of the backward on c's out and lse, one after the other.
+std::vector<uint16_t> BackwardUnder(LowpCall& c, const AttentionOptions& o, const char* isa, int threads) {
+  const ScopedEnv path("ATTN_ISA", isa);
+  c.dq.assign(c.q.size(), 0);
+  c.dk.assign(c.k.size(), 0);
+  c.dv_.assign(c.v.size(), 0);
+  const CallViews t(c);
+  with_threads(threads, [&] { attention_backward(t.q, t.k, t.v, t.out, t.lse, t.dout, t.dq, t.dk, t.dv, o); });
+  std::vector<uint16_t> all = c.dq;
+  all.insert(all.end(), c.dk.begin(), c.dk.end());
+  all.insert(all.end(), c.dv_.begin(), c.dv_.end());
+  return all;
+}
+
+// Where vdpbf16ps is the default path (AMD Zen 4/5), a bf16 call whose sequences each
+// fit in one 64×64 tile pair and fill it in small part runs on the f32 kernel
+// (attention.cpp, TilesMostlyPadding: the backward below a fifth of the pair, the
+// forward below a twentieth), and every other call on the tiles: each pass is bitwise
+// the result of the path ATTN_ISA forces, for 1 and 2 threads alike, and the
+// workspace estimates are that path's.
+TEST(LowPrecisionAttention, ShortCallsOnVdpbf16psTakeTheF32KernelByShape) {
+  {
+    const ScopedEnv unset("ATTN_ISA", nullptr);
+    if (detail::lowp_path() != detail::LowpPath::avx512bf16) {
+      GTEST_SKIP() << "the default bf16 path here is " << detail::lowp_path_name(detail::lowp_path());
+    }
+  }
+  const FewQueriesOff tiled;  // Lq = 3 below would otherwise take the decode kernel
+  std::mt19937_64 rng = make_rng(9);
+  struct Case {
+    int B, Lq, Lk;
+    bool forward_f32, backward_f32;
+  };
+  const Case cases[] = {
+      {2, 12, 17, true, true},    // 204 of 4096 scores: both passes on the f32 kernel
+      {1, 3, 64, true, true},     // 192
+      {1, 16, 16, false, true},   // 256, a sixteenth: the forward keeps the tiles
+      {1, 24, 34, false, true},   // 816, just under a fifth
+      {3, 32, 32, false, false},  // 1024, a quarter: the tiles
+      {1, 65, 3, false, false},   // two query tiles
+      {1, 7, 200, false, false},  // four key tiles
+  };
+  for (const Case& cs : cases)
+    for (const OptionCase& oc : option_cases()) {
+      SCOPED_TRACE(std::string(oc.name) + " B=" + std::to_string(cs.B) + " Lq=" + std::to_string(cs.Lq) +
+                   " Lk=" + std::to_string(cs.Lk));
+      LowpCall c(DType::bf16, cs.B, cs.Lq, cs.Lk, 4, 2, 64, 64, rng);
+      OptionStore store;
+      const AttentionOptions o = oc.make(store, c, rng);
+      const char* forward_path = cs.forward_f32 ? "f32" : "avx512bf16";
+      // The tile backward declines softcap (attention_backward_amx.hpp): f32 on every path.
+      const bool tiles_decline = o.softcap > 0.0f;
+      const char* backward_path = cs.backward_f32 || tiles_decline ? "f32" : "avx512bf16";
+      const char* other_backward = cs.backward_f32 ? "avx512bf16" : "f32";
+
+      const std::vector<uint16_t> out = ForwardUnder(c, o, nullptr, 1);
+      const std::vector<float> lse = c.lse;
+      EXPECT_EQ(out, ForwardUnder(c, o, nullptr, 2)) << "forward, 2 threads";
+      EXPECT_EQ(out, ForwardUnder(c, o, forward_path, 1)) << "forward against ATTN_ISA=" << forward_path;
+      ASSERT_NE(out, ForwardUnder(c, o, cs.forward_f32 ? "avx512bf16" : "f32", 1)) << "the forward paths must differ";
+
+      c.out = out;  // every backward reads the default forward's out and lse
+      c.lse = lse;
+      const std::vector<uint16_t> grads = BackwardUnder(c, o, nullptr, 1);
+      EXPECT_EQ(grads, BackwardUnder(c, o, nullptr, 2)) << "backward, 2 threads";
+      EXPECT_EQ(grads, BackwardUnder(c, o, backward_path, 1)) << "backward against ATTN_ISA=" << backward_path;
+      if (!tiles_decline) {
+        ASSERT_NE(grads, BackwardUnder(c, o, other_backward, 1)) << "the paths must differ for the test to tell";
+      }
+
+      const CallViews t(c);
+      const auto forward_bytes = [&](const char* isa) {
+        const ScopedEnv path("ATTN_ISA", isa);
+        return attention_workspace_bytes(t.q, t.k, t.v, t.out, o, 1);
+      };
+      const auto backward_bytes = [&](const char* isa) {
+        const ScopedEnv path("ATTN_ISA", isa);
+        return attention_backward_workspace_bytes(t.q, t.k, t.v, t.out, t.lse, t.dout, t.dq, t.dk, t.dv, o, 1);
+      };
+      EXPECT_EQ(forward_bytes(nullptr), forward_bytes(forward_path));
+      EXPECT_EQ(backward_bytes(nullptr), backward_bytes(backward_path));
+      if (!tiles_decline) EXPECT_NE(backward_bytes(nullptr), backward_bytes(other_backward));
+    }
 }
 
 TEST(LowPrecisionAttention, MixedDtypesAreErrors) {

@@ -101,6 +101,11 @@ LowpPath lowp_path() {
   throw Error("ATTN_ISA must be amx, avx512bf16 or f32, got \"" + want + "\"");
 }
 
+bool lowp_path_forced() {
+  const char* env = std::getenv("ATTN_ISA");
+  return env != nullptr && *env != '\0';
+}
+
 size_t l2_cache_bytes() {
   static const size_t bytes = [] {
 #if defined(_SC_LEVEL2_CACHE_SIZE)

@@ -47,6 +47,10 @@ const CpuFeatures& cpu_features();
 /// measured 1.2-1.7x faster (docs/PERFORMANCE.md).
 LowpPath lowp_path();
 
+/// Whether ATTN_ISA names the path (read on every call, as lowp_path() does): a forced
+/// path runs every call, even one that another path would take faster.
+bool lowp_path_forced();
+
 /// Whether the decode kernel reads i8 caches with AMX-INT8 tiles: the CPU and OS
 /// allow it and lowp_path() is amx (so ATTN_ISA=f32 forces the vector kernel).
 bool decode_i8_on_tiles();
