@@ -559,11 +559,17 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
         std::memcpy(gr, g, sizeof(float) * p.dv);
         std::fill(gr + p.dv, gr + pk.dvp, 0.0f);
       }
-      std::fill(qpack + size_t(rows) * pk.dp, gpack, 0.0f);
-      std::fill(gpack + size_t(rows) * pk.dvp, gpack + size_t{kBq} * pk.dvp, 0.0f);
-      pk.QueryNonFinite(p, b, h, qt) = !AllFinite(qpack, size_t{kBq} * (pk.dp + pk.dvp));
+      // BackwardTilePair reads rows up to the last row block (rows_used) and adds dQ
+      // into the first `rows` rows of the sum, which phase 4 copies out: a short tile
+      // (one query: 1 row of 64) touches only those, not the whole tile (at N = 1,
+      // H = 8 the fills and the scan of whole tiles were half of a call).
+      const int rows_used = RoundUp(rows, kRowsPerBlock);
+      std::fill(qpack + size_t(rows) * pk.dp, qpack + size_t(rows_used) * pk.dp, 0.0f);
+      std::fill(gpack + size_t(rows) * pk.dvp, gpack + size_t(rows_used) * pk.dvp, 0.0f);
+      pk.QueryNonFinite(p, b, h, qt) =
+          !AllFinite(qpack, size_t(rows_used) * pk.dp) || !AllFinite(gpack, size_t(rows_used) * pk.dvp);
       float* dq_sum = gpack + size_t{kBq} * pk.dvp;
-      std::fill(dq_sum, dq_sum + size_t{kBq} * pk.dp, 0.0f);
+      std::fill(dq_sum, dq_sum + size_t(rows) * pk.dp, 0.0f);
     }
     // Phase 2: pack K and V; zero the rows of dk, dv beyond each key length.
 #pragma omp for schedule(static)
@@ -574,10 +580,18 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
       float* tile = pk.Tile(pack, p, b, hk, t);
       const float* k = p.k + seq.k_offset + hk * p.k_head + int64_t{j0} * p.k_row;
       const float* v = p.v + seq.v_offset + hk * p.v_head + int64_t{j0} * p.v_row;
-      PackPanel(k, p.k_row, nk, p.d, tile);
-      PackPanel(v, p.v_row, nk, p.dv, tile + size_t{kBk} * p.d);
-      PackRows(k, p.k_row, nk, p.d, pk.dp, tile + size_t{kBk} * (p.d + p.dv));
-      pk.NonFinite(p, b, hk, t) = !AllFinite(tile, pk.TileFloats(p));
+      // Only key vectors that hold a key are read (QkRows stops at the last key's
+      // vector; the dQ product reads nk rows), so a short tile zeros and scans no
+      // more than that vector's padding, as the forward's PackTile.
+      const int zero_to = RoundUp(nk, kLanes);
+      float* vpanel = tile + size_t{kBk} * p.d;
+      float* krows = vpanel + size_t{kBk} * p.dv;
+      PackPanel(k, p.k_row, nk, p.d, tile, zero_to);
+      PackPanel(v, p.v_row, nk, p.dv, vpanel, zero_to);
+      PackRows(k, p.k_row, nk, p.d, pk.dp, krows, zero_to);
+      bool finite = AllFinite(krows, size_t(zero_to) * pk.dp);  // K, row by row
+      for (int c = 0; c < p.dv && finite; ++c) finite = AllFinite(vpanel + size_t(c) * kBk, zero_to);
+      pk.NonFinite(p, b, hk, t) = !finite;
     }
     // Phase 2b: softmax statistics of rows with huge |lse| (needs the packed K).
 #pragma omp for schedule(dynamic, 1)

@@ -302,8 +302,9 @@ HWY_INLINE void PackRowsFrom(const RowAt& row_at, int nk, int width, int padded,
 }
 
 /// PackRowsFrom of rows src + j·src_ld.
-HWY_INLINE void PackRows(const float* src, int64_t src_ld, int nk, int width, int padded, float* dst) {
-  PackRowsFrom([&](int j) { return src + int64_t{j} * src_ld; }, nk, width, padded, dst);
+HWY_INLINE void PackRows(const float* src, int64_t src_ld, int nk, int width, int padded, float* dst,
+                         int zero_to = kBk) {
+  PackRowsFrom([&](int j) { return src + int64_t{j} * src_ld; }, nk, width, padded, dst, zero_to);
 }
 
 /// max(x, lo) that keeps NaN: x86's maxps returns its second operand when either
