@@ -34,26 +34,32 @@ import attn as _attn
 
 
 class _Attention(_torch.autograd.Function):
+    # The forward checks and converts its arguments once (attn._prepare_call) and keeps
+    # the checked call with its NumPy out and lse for the backward, which then converts
+    # only grad_out: at one token the public attention_backward's second round of
+    # conversions and checks cost more than its kernel.
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, options):
-        out, lse = _attn.scaled_dot_product_attention(query.detach(), key.detach(), value.detach(),
-                                                      None if attn_mask is None else attn_mask.detach(),
-                                                      return_lse=True, **options)
-        ctx.options = options
+        call = _attn._prepare_call(query.detach(), key.detach(), value.detach(),
+                                   None if attn_mask is None else attn_mask.detach(), **options)
+        out, lse = _attn._run_forward(call, True)
+        ctx.call, ctx.out, ctx.lse = call, out, lse
         ctx.mask_is_float = attn_mask is not None and attn_mask.dtype == _torch.float32
-        ctx.save_for_backward(query, key, value, out, lse, attn_mask)
-        return out
+        result = _attn._like(out, query)
+        ctx.save_for_backward(query, key, value, result, attn_mask)  # PyTorch's in-place checks
+        return result
 
     @staticmethod
     @_once_differentiable
     def backward(ctx, grad_out):
-        query, key, value, out, lse, attn_mask = ctx.saved_tensors
+        query, _, _, _, attn_mask = ctx.saved_tensors
         want_mask = ctx.mask_is_float and ctx.needs_input_grad[3]
-        grads = _attn.attention_backward(grad_out.contiguous(), query.detach(), key.detach(), value.detach(), out,
-                                         lse, None if attn_mask is None else attn_mask.detach(),
-                                         return_mask_grad=want_mask, **ctx.options)
-        dq, dk, dv = grads[:3]
-        return dq, dk, dv, grads[3] if want_mask else None, None
+        grad = _attn._array(grad_out.contiguous(), "grad_out")
+        _attn._check_saved(ctx.call, ctx.out, grad, ctx.lse)
+        grads = _attn._run_backward(ctx.call, ctx.out, grad, ctx.lse, None if attn_mask is None else attn_mask.detach(),
+                                    want_mask)
+        dq, dk, dv = (_attn._like(x, query) for x in grads[:3])
+        return dq, dk, dv, _attn._like(grads[3], query) if want_mask else None, None
 
 
 def _as_numpy_ready(t):
@@ -190,7 +196,7 @@ def _traced(*args):
     if _dispatch_mode() is not None:
         return True
     for t in args:
-        if isinstance(t, _torch.Tensor) and (type(t) is not _torch.Tensor or t.device.type != "cpu"):
+        if isinstance(t, _torch.Tensor) and (type(t) is not _torch.Tensor or not t.is_cpu):
             return True
     return False
 
