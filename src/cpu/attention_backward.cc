@@ -1,8 +1,9 @@
 // Fused attention backward on the CPU: FlashAttention-2's algorithm, deterministic.
 //
 //   D_i = rowsum(dO ∘ O); scale·Q, dO packed per query tile    (phase 1)
-//   K, Kᵀ, Vᵀ packed per key tile                               (phase 2)
+//   softmax statistics of rows with huge |lse| (RowStats)       (phase 2)
 //   for each key tile (a work item, owning its dK and dV):      (phase 3)
+//     K, Kᵀ, Vᵀ packed into the item's scratch (PackKeyTile)
 //     for each query head of its kv group, each query tile its band reaches:
 //       S  = (scale·Q)·Kᵀ, modified and masked, P = exp(S − lse)  (recomputed, in
 //            natural units: see BackwardTilePair on keeping P accurate)
@@ -57,34 +58,25 @@ HWY_BEFORE_NAMESPACE();
 namespace attn::detail::HWY_NAMESPACE {
 namespace {
 
-/// Packed operands of a call. Per key tile of each (sequence, kv head): a [d][Bk]
-/// panel of K (for S = Q·Kᵀ), a [dv][Bk] panel of V (for dP = dO·Vᵀ) and [Bk][dp]
-/// rows of K (for dQ = dS·K). Per query tile of each (sequence, query head): scale·Q
+/// Packed operands of a call, per query tile of each (sequence, query head): scale·Q
 /// as [Bq][dp] rows and dO as [Bq][dvp] rows, zero padded, and the tile's dQ sum
 /// [Bq][dp]. Every key tile pairs with each query tile of its band; when each pair
 /// gathered and scaled its own query and dO rows from the strided tensors (rows
 /// H·d floats apart), that copy took ~20% of the f32 backward's time on a Zen 1 core
 /// (perf, d = 64), and adding its dQ into dq's strided rows another ~9%. Packed,
 /// one contiguous block per query tile, they are read and summed in place.
+/// Key tiles are packed by the work item that owns them (PackKeyTile), into its
+/// thread's scratch: packing them all first wrote and read back 3·Lk·d floats per kv
+/// head through L3 (12 MiB at 1,024 keys, 8 heads, d = 128), which cost a call with
+/// few queries most of its time.
 struct BwdPack {
   int dp = 0, dvp = 0;
-  std::vector<size_t> seq_base;
   size_t total = 0;
-  std::vector<size_t> tile_base;              // per sequence: index of kv head 0, tile 0
-  mutable std::vector<uint8_t> kv_nonfinite;  // per tile: K or V holds a NaN or ±∞
   std::vector<size_t> q_seq_base;             // per sequence: offset of head 0's query tiles
   std::vector<size_t> q_tile_base;            // per sequence: index of head 0, query tile 0
   mutable std::vector<uint8_t> q_nonfinite;   // per query tile: Q or dO holds a NaN or ±∞
-  uint8_t& NonFinite(const Problem& p, int b, int hk, int t) const {
-    return kv_nonfinite[tile_base[b] + static_cast<size_t>(hk) * KeyTiles(p.seqs[b].Lk) + t];
-  }
   uint8_t& QueryNonFinite(const Problem& p, int b, int h, int qt) const {
     return q_nonfinite[q_tile_base[b] + static_cast<size_t>(h) * QueryTiles(p.seqs[b].Lq) + qt];
-  }
-  size_t TileFloats(const Problem& p) const { return size_t{kBk} * (p.d + p.dv + dp); }
-  float* Tile(float* pack, const Problem& p, int b, int hk, int t) const {
-    return pack + seq_base[b] +
-           (static_cast<size_t>(hk) * KeyTiles(p.seqs[b].Lk) + t) * TileFloats(p);
   }
   size_t QueryTileFloats() const { return size_t{kBq} * (2 * dp + dvp); }
   /// Query tile qt of (b, h): scale·Q rows (row stride dp), dO rows (dvp), then
@@ -99,24 +91,15 @@ BwdPack MakeBwdPack(const Problem& p) {
   BwdPack pk;
   pk.dp = RoundUp(p.d, kLanes);
   pk.dvp = RoundUp(p.dv, kLanes);
-  pk.seq_base.resize(p.seqs.size());
-  pk.tile_base.resize(p.seqs.size());
   pk.q_seq_base.resize(p.seqs.size());
   pk.q_tile_base.resize(p.seqs.size());
-  size_t tiles = 0, qtiles = 0;
-  for (size_t b = 0; b < p.seqs.size(); ++b) {
-    pk.seq_base[b] = pk.total;
-    pk.total += static_cast<size_t>(p.Hkv) * KeyTiles(p.seqs[b].Lk) * pk.TileFloats(p);
-    pk.tile_base[b] = tiles;
-    tiles += static_cast<size_t>(p.Hkv) * KeyTiles(p.seqs[b].Lk);
-  }
+  size_t qtiles = 0;
   for (size_t b = 0; b < p.seqs.size(); ++b) {
     pk.q_seq_base[b] = pk.total;
     pk.total += static_cast<size_t>(p.Hq) * QueryTiles(p.seqs[b].Lq) * pk.QueryTileFloats();
     pk.q_tile_base[b] = qtiles;
     qtiles += static_cast<size_t>(p.Hq) * QueryTiles(p.seqs[b].Lq);
   }
-  pk.kv_nonfinite.assign(tiles, 0);
   pk.q_nonfinite.assign(qtiles, 0);
   return pk;
 }
@@ -146,15 +129,20 @@ struct BwdScratch {
   float* dq;             // [Bq][dp]             this tile's dQ contribution
   float *lse, *dsum;     // [Bq]                 softmax max (lse) and D per row
   float* inv_l;          // [Bq]                 1 / softmax sum (1 when lse is used)
+  float* key_tile;       // KeyTileFloats        the item's packed key tile (PackKeyTile)
   int *lo, *hi, *first, *count;
 
+  /// The packed key tile's floats: its K and V panels and K rows (d ≤ dp, dv ≤ dvp).
+  static size_t KeyTileFloats(int dp, int dvp) { return size_t{kBk} * (2 * dp + dvp) + kLanes; }
   static size_t Floats(int dp, int dvp) {
     const size_t tile = size_t{kBq} * kBk + kLanes;
-    return size_t{kBkRows} * (dp + dvp) + size_t{kBq} * 2 * dp + 7 * tile + 7 * size_t{kBq} + 64;
+    return size_t{kBkRows} * (dp + dvp) + size_t{kBq} * 2 * dp + 7 * tile + 7 * size_t{kBq} +
+           KeyTileFloats(dp, dvp) + 64;
   }
   BwdScratch(int dp, int dvp) {
     const size_t tile = size_t{kBq} * kBk + kLanes;
     float* x = thread_scratch(kSlotTile, Floats(dp, dvp));
+    key_tile = x, x += KeyTileFloats(dp, dvp);
     dk = x, x += size_t{kBkRows} * dp;
     dv = x, x += size_t{kBkRows} * dvp;
     q = x, x += size_t{kBq} * dp;
@@ -188,6 +176,34 @@ struct BwdShared {
   const std::vector<std::vector<int>>& qt_last;
 };
 
+/// Key tile kt of (sequence b, kv head hk), packed for its tile pairs: a [d][Bk] panel
+/// of K (for S = Q·Kᵀ), a [dv][Bk] panel of V (for dP = dO·Vᵀ) and [Bk][dp] rows of K
+/// (for dQ = dS·K), and whether K or V holds a NaN or ±∞.
+struct KeyTile {
+  const float *kpanel, *vpanel, *krows;
+  bool nonfinite;
+};
+
+/// Packs key tile kt of (b, hk) into dst (BwdScratch::KeyTileFloats floats). Only key
+/// vectors that hold a key are read (QkRows stops at the last key's vector; the dQ
+/// product reads nk rows), so a short tile zeros and scans no more than that vector's
+/// padding, as the forward's PackTile.
+KeyTile PackKeyTile(const Problem& p, int dp, int b, int hk, int kt, float* dst) {
+  const Sequence& seq = p.seqs[b];
+  const int j0 = kt * kBk, nk = std::min(kBk, seq.Lk - j0);
+  const float* k = p.k + seq.k_offset + hk * p.k_head + int64_t{j0} * p.k_row;
+  const float* v = p.v + seq.v_offset + hk * p.v_head + int64_t{j0} * p.v_row;
+  const int zero_to = RoundUp(nk, kLanes);
+  float* vpanel = dst + size_t{kBk} * p.d;
+  float* krows = vpanel + size_t{kBk} * p.dv;
+  PackPanel(k, p.k_row, nk, p.d, dst, zero_to);
+  PackPanel(v, p.v_row, nk, p.dv, vpanel, zero_to);
+  PackRows(k, p.k_row, nk, p.d, dp, krows, zero_to);
+  bool finite = AllFinite(krows, size_t(zero_to) * dp);  // K, row by row
+  for (int c = 0; c < p.dv && finite; ++c) finite = AllFinite(vpanel + size_t(c) * kBk, zero_to);
+  return {dst, vpanel, krows, !finite};
+}
+
 /// Waits until it is key tile kt's turn to add into dQ of (sequence b, head h, query
 /// tile qt); the caller stores kt + 1 into the returned counter when done.
 std::atomic<int>& WaitTurn(const BwdShared& sh, int b, int h, int kt, int qt) {
@@ -201,7 +217,7 @@ std::atomic<int>& WaitTurn(const BwdShared& sh, int b, int h, int kt, int qt) {
 }
 
 /// One (sequence b, kv head hk, key tile kt) item's work for query head h, tile qt.
-void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, int kt, int qt) {
+void BackwardTilePair(const BwdShared& sh, BwdScratch& w, const KeyTile& key, int b, int h, int kt, int qt) {
   const BackwardProblem& bp = sh.bp;
   const Problem& p = bp.fwd;
   const Sequence& seq = p.seqs[b];
@@ -212,10 +228,7 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
   // last key, carry anything (the rest are padding: no key, P = 0), so a short tile
   // skips the others, as the forward does.
   const int rows_used = RoundUp(rows, kRowsPerBlock), keys_used = RoundUp(nk, kRowsPerBlock);
-  const float* tile = sh.pack_layout.Tile(sh.pack, p, b, hk, kt);
-  const float* kpanel = tile;
-  const float* vpanel = tile + size_t{kBk} * p.d;
-  const float* krows = vpanel + size_t{kBk} * p.dv;
+  const float *kpanel = key.kpanel, *vpanel = key.vpanel, *krows = key.krows;
   // The query tile's scale·Q and dO rows, packed in phase 1 (padding rows are zero).
   float* const qtile = sh.pack_layout.QueryTile(sh.pack, p, b, h, qt);
   const float* q = qtile;
@@ -238,8 +251,7 @@ void BackwardTilePair(const BwdShared& sh, BwdScratch& w, int b, int h, int hk, 
       w.lse[r] = -HUGE_VALF, w.dsum[r] = 0.0f, w.inv_l[r] = 1.0f;
     }
   }
-  const bool careful =
-      sh.pack_layout.NonFinite(p, b, hk, kt) != 0 || sh.pack_layout.QueryNonFinite(p, b, h, qt) != 0;
+  const bool careful = key.nonfinite || sh.pack_layout.QueryNonFinite(p, b, h, qt) != 0;
 
   // S (only the key vectors each 4-row block's band reaches), modifiers, masks.
   const TilePlace place{b, h, i0, rows, j0, nk, w.lo, w.hi};
@@ -385,7 +397,7 @@ constexpr float kLseRecompute = 128.0f;
 
 /// Recomputes max and sum of the softmax of rows of (sequence b, head h, query
 /// tile qt) whose |lse| ≥ kLseRecompute, as the forward does (same tiles, same
-/// order), into sh.row_m and sh.row_inv_l. The key tiles must be packed.
+/// order), into sh.row_m and sh.row_inv_l, packing each key tile it reads.
 void RowStats(const BwdShared& sh, int b, int h, int qt) {
   const Problem& p = sh.bp.fwd;
   const Sequence& seq = p.seqs[b];
@@ -411,7 +423,7 @@ void RowStats(const BwdShared& sh, int b, int h, int qt) {
     const int j0 = kt * kBk;
     const TilePlace place{b, h, i0, rows, j0, std::min(kBk, seq.Lk - j0), w.lo, w.hi};
     if (BlockMaskCover(p, b, h, i0, rows, j0, place.cols) == Cover::kEmpty) continue;
-    const float* kpanel = sh.pack_layout.Tile(sh.pack, p, b, h / p.group(), kt);
+    const float* kpanel = PackKeyTile(p, dp, b, h / p.group(), kt, w.key_tile).kpanel;
     for (int r = 0, blk = 0; r < kBq; r += kRowsPerBlock, ++blk) {
       BlockKeyVectors(w.lo, w.hi, r, rows, j0, &w.first[blk], &w.count[blk]);
       QkRows(w.q + size_t(r) * dp, dp, kpanel, p.d, w.s + r * kBk, kBk, w.first[blk], w.count[blk]);
@@ -440,6 +452,7 @@ void BackwardItem(const BwdShared& sh, int b, int hk, int kt) {
   const int keys_used = RoundUp(std::min(kBk, seq.Lk - kt * kBk), kRowsPerBlock);
   std::fill(w.dk, w.dk + size_t(keys_used) * dp, 0.0f);
   std::fill(w.dv, w.dv + size_t(keys_used) * dvp, 0.0f);
+  const KeyTile key = PackKeyTile(p, dp, b, hk, kt, w.key_tile);
   const int nqt = QueryTiles(seq.Lq);
   for (int h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
     for (int qt = 0; qt < nqt; ++qt) {
@@ -451,7 +464,7 @@ void BackwardItem(const BwdShared& sh, int b, int hk, int kt) {
         WaitTurn(sh, b, h, kt, qt).store(kt + 1, std::memory_order_release);
         continue;
       }
-      BackwardTilePair(sh, w, b, h, hk, kt, qt);
+      BackwardTilePair(sh, w, key, b, h, kt, qt);
     }
   }
   const BackwardProblem& bp = sh.bp;
@@ -479,7 +492,7 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
   struct Item {
     int b, h, t;
   };
-  std::vector<Item> rows_items, pack_items, items;
+  std::vector<Item> rows_items, tile_items, items;
   for (int b = 0; b < p.B; ++b) {
     const Sequence& seq = p.seqs[b];
     dsum_base[b] = dsum_total, dsum_total += size_t(p.Hq) * seq.Lq;
@@ -490,7 +503,7 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
       for (int h = 0; h < p.Hq; ++h) rows_items.push_back({b, h, qt});
     }
     for (int hk = 0; hk < p.Hkv; ++hk) {
-      for (int t = 0; t < KeyTiles(seq.Lk); ++t) pack_items.push_back({b, hk, t});
+      for (int t = 0; t < KeyTiles(seq.Lk); ++t) tile_items.push_back({b, hk, t});
     }
     flops += 5.0 * seq.Lq * seq.Lk * (p.d + p.dv) * p.Hq;
   }
@@ -523,14 +536,13 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
   if (bp.dbias_shared) {
     for (int t = 0; t < max_tiles; ++t) items.push_back({-1, -1, t});
   } else {
-    items = pack_items;
+    items = tile_items;
   }
 
   const int nt = flops < 4e6 ? 1 : std::max(1, threads);
   const BwdShared sh{bp,        pk,        pack,     dsum.data(), row_m.data(), row_inv_l.data(),
                     dsum_base, turns.get(), turn_base, qt_first,  qt_last};
-  const int n_rows = static_cast<int>(rows_items.size()), n_pack = static_cast<int>(pack_items.size()),
-            n_items = static_cast<int>(items.size()), n_stats = static_cast<int>(stats_items.size());
+  const int n_rows = static_cast<int>(rows_items.size()), n_items = static_cast<int>(items.size()), n_stats = static_cast<int>(stats_items.size());
   RunOnThreads(nt, [&] {
     // Phase 1: per query tile, D = rowsum(dO ∘ O) of each row; scale·Q and dO
     // packed; the dQ sum zeroed.
@@ -571,29 +583,8 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
       float* dq_sum = gpack + size_t{kBq} * pk.dvp;
       std::fill(dq_sum, dq_sum + size_t(rows) * pk.dp, 0.0f);
     }
-    // Phase 2: pack K and V; zero the rows of dk, dv beyond each key length.
-#pragma omp for schedule(static)
-    for (int n = 0; n < n_pack; ++n) {
-      const auto [b, hk, t] = pack_items[n];
-      const Sequence& seq = p.seqs[b];
-      const int j0 = t * kBk, nk = std::min(kBk, seq.Lk - j0);
-      float* tile = pk.Tile(pack, p, b, hk, t);
-      const float* k = p.k + seq.k_offset + hk * p.k_head + int64_t{j0} * p.k_row;
-      const float* v = p.v + seq.v_offset + hk * p.v_head + int64_t{j0} * p.v_row;
-      // Only key vectors that hold a key are read (QkRows stops at the last key's
-      // vector; the dQ product reads nk rows), so a short tile zeros and scans no
-      // more than that vector's padding, as the forward's PackTile.
-      const int zero_to = RoundUp(nk, kLanes);
-      float* vpanel = tile + size_t{kBk} * p.d;
-      float* krows = vpanel + size_t{kBk} * p.dv;
-      PackPanel(k, p.k_row, nk, p.d, tile, zero_to);
-      PackPanel(v, p.v_row, nk, p.dv, vpanel, zero_to);
-      PackRows(k, p.k_row, nk, p.d, pk.dp, krows, zero_to);
-      bool finite = AllFinite(krows, size_t(zero_to) * pk.dp);  // K, row by row
-      for (int c = 0; c < p.dv && finite; ++c) finite = AllFinite(vpanel + size_t(c) * kBk, zero_to);
-      pk.NonFinite(p, b, hk, t) = !finite;
-    }
-    // Phase 2b: softmax statistics of rows with huge |lse| (needs the packed K).
+    // Phase 2: softmax statistics of rows with huge |lse|; zero the rows of dk, dv
+    // beyond each key length.
 #pragma omp for schedule(dynamic, 1)
     for (int n = 0; n < n_stats; ++n) RowStats(sh, stats_items[n].b, stats_items[n].h, stats_items[n].t);
 #pragma omp single
@@ -644,11 +635,11 @@ size_t BackwardWorkspaceBytes(const Problem& p, int threads) {
     rows += static_cast<size_t>(p.Hq) * seq.Lq;
     turns += static_cast<size_t>(p.Hq) * QueryTiles(seq.Lq);
   }
-  // The packed key tiles and their non-finite flags, one scratch per thread, and the
+  // The packed query tiles, one scratch per thread (with its packed key tile), and the
   // call's D, row maxima and 1/l per query row and turn counter per query tile.
   const size_t floats = pk.total + static_cast<size_t>(std::max(1, threads)) *
                                        BwdScratch::Floats(pk.dp, RoundUp(p.dv, kLanes)) + 3 * rows;
-  return sizeof(float) * floats + pk.kv_nonfinite.size() + sizeof(std::atomic<int>) * std::max<size_t>(1, turns);
+  return sizeof(float) * floats + sizeof(std::atomic<int>) * std::max<size_t>(1, turns);
 }
 
 }  // namespace attn::detail::HWY_NAMESPACE
