@@ -34,32 +34,45 @@ import attn as _attn
 
 
 class _Attention(_torch.autograd.Function):
-    # The forward checks and converts its arguments once (attn._prepare_call) and keeps
-    # the checked call with its NumPy out and lse for the backward, which then converts
-    # only grad_out: at one token the public attention_backward's second round of
-    # conversions and checks cost more than its kernel.
+    # On the CPU the forward checks and converts its arguments once (attn._prepare_call)
+    # and keeps the checked call with its NumPy out and lse for the backward, which
+    # then converts only grad_out: at one token the public attention_backward's second
+    # round of conversions and checks cost more than its kernel. CUDA tensors (here
+    # with PyTorch older than 2.4, which has no custom operators) take the public
+    # functions.
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, options):
-        call = _attn._prepare_call(query.detach(), key.detach(), value.detach(),
-                                   None if attn_mask is None else attn_mask.detach(), **options)
+        mask = None if attn_mask is None else attn_mask.detach()
+        ctx.mask_is_float = attn_mask is not None and attn_mask.dtype == _torch.float32
+        ctx.options = options
+        if query.is_cuda:
+            ctx.call = None
+            out, lse = _attn.scaled_dot_product_attention(query.detach(), key.detach(), value.detach(), mask,
+                                                          return_lse=True, **options)
+            ctx.save_for_backward(query, key, value, out, lse, attn_mask)
+            return out
+        call = _attn._prepare_call(query.detach(), key.detach(), value.detach(), mask, **options)
         out, lse = _attn._run_forward(call, True)
         ctx.call, ctx.out, ctx.lse = call, out, lse
-        ctx.mask_is_float = attn_mask is not None and attn_mask.dtype == _torch.float32
         result = _attn._like(out, query)
-        ctx.save_for_backward(query, key, value, result, attn_mask)  # PyTorch's in-place checks
+        ctx.save_for_backward(query, key, value, result, None, attn_mask)  # PyTorch's in-place checks
         return result
 
     @staticmethod
     @_once_differentiable
     def backward(ctx, grad_out):
-        query, _, _, _, attn_mask = ctx.saved_tensors
+        query, key, value, out, lse, attn_mask = ctx.saved_tensors
         want_mask = ctx.mask_is_float and ctx.needs_input_grad[3]
-        grad = _attn._array(grad_out.contiguous(), "grad_out")
-        _attn._check_saved(ctx.call, ctx.out, grad, ctx.lse)
-        grads = _attn._run_backward(ctx.call, ctx.out, grad, ctx.lse, None if attn_mask is None else attn_mask.detach(),
-                                    want_mask)
-        dq, dk, dv = (_attn._like(x, query) for x in grads[:3])
-        return dq, dk, dv, _attn._like(grads[3], query) if want_mask else None, None
+        mask = None if attn_mask is None else attn_mask.detach()
+        if ctx.call is None:
+            grads = _attn.attention_backward(grad_out.contiguous(), query.detach(), key.detach(), value.detach(), out,
+                                             lse, mask, return_mask_grad=want_mask, **ctx.options)
+        else:
+            grad = _attn._array(grad_out.contiguous(), "grad_out")
+            _attn._check_saved(ctx.call, ctx.out, grad, ctx.lse)
+            grads = [_attn._like(x, query) for x in _attn._run_backward(ctx.call, ctx.out, grad, ctx.lse, mask,
+                                                                          want_mask)]
+        return grads[0], grads[1], grads[2], grads[3] if want_mask else None, None
 
 
 def _as_numpy_ready(t):
