@@ -25,24 +25,32 @@ namespace {
 /// static_asserted in attention_forward_amx.cc and attention_backward_amx.cc).
 constexpr int64_t kLowpTile = 64;
 
-/// Whether the vdpbf16ps tile kernels would spend a call mostly on padding: every
-/// sequence fits in one tile pair (Lq, Lk ≤ 64), and its scores fill less than
-/// `fill` of the tile pairs. Those kernels compute whole 64×64 tiles (all five
-/// backward products on them), where the f32 kernel's work follows the rows and keys
-/// there are. Measured on Zen 4 (docs/PERFORMANCE.md, "Short bf16 calls on the f32
-/// kernel"): below a fifth the f32 path took 0.28–0.91× the backward's time on 1 and
-/// 2 threads, and from a quarter on it lost (up to 1.2× at 2 threads, Lq·Lk = 16·64);
-/// the forward gained only below a twentieth (0.6–0.8×) and lost from 8·32 on.
+/// Whether the vdpbf16ps tile kernels would spend a call mostly on padding: its
+/// scores fill less than `fill` of the 64×64 tile pairs they are computed on. Those
+/// kernels compute whole tiles (all five backward products on them), where the f32
+/// kernel's work follows the rows and keys there are. Measured on Zen 4
+/// (docs/PERFORMANCE.md, "Short bf16 calls on the f32 kernel" and "The bf16 backward
+/// on the f32 kernel without copies"), 1 and 2 threads:
+///  - backward, every sequence in one query tile (Lq ≤ 64), any number of keys: the
+///    f32 path took 0.34–0.80× the time up to a quarter of the pairs (Lq ≤ 16 with
+///    1,024–4,096 keys; and one tile pair), 0.68–0.99× at 0.375–0.39 (one row of 12
+///    at 1.06×), 0.88–1.11× at a half and 1.13–1.63× at three quarters. Many queries
+///    against a few keys lost or drew (0.73–1.21× at 1,024–4,096 queries, 1–16 keys,
+///    measured while the portable backward still copied its tensors), so a call with
+///    more than one query tile keeps the tiles;
+///  - forward, every sequence in one tile pair (Lq, Lk ≤ 64): it gained only below a
+///    twentieth (0.6–0.8×) and lost from 8·32 on; with 4,096 keys it lost at every
+///    Lq from 1 to 16 (1.17–1.50×).
 bool TilesMostlyPadding(const Problem& p, LowpPass pass) {
-  const double fill = pass == LowpPass::backward ? 0.2 : 0.05;
-  double scores = 0.0, tiles = 0.0;
+  const double fill = pass == LowpPass::backward ? 0.4 : 0.05;
+  double scores = 0.0, tile_scores = 0.0;
   for (const Sequence& s : p.seqs) {
-    if (s.Lq > kLowpTile || s.Lk > kLowpTile) return false;
+    if (s.Lq > kLowpTile || (pass == LowpPass::forward && s.Lk > kLowpTile)) return false;
     if (s.Lq == 0 || s.Lk == 0) continue;
     scores += static_cast<double>(s.Lq) * s.Lk;
-    tiles += 1.0;
+    tile_scores += static_cast<double>(kLowpTile) * kLowpTile * ((s.Lk + kLowpTile - 1) / kLowpTile);
   }
-  return scores < fill * tiles * kLowpTile * kLowpTile;
+  return scores < fill * tile_scores;
 }
 
 }  // namespace
@@ -173,23 +181,21 @@ void attention_backward_with_mods(const TensorView& q, const TensorView& k, cons
   const BackwardProblem bp = make_backward_problem("attention_backward", q, k, v, out, lse, dout,
                                                    dq, dk, dv, options, dbias, mods, /*on_device=*/true);
   if (needs_widening(bp.fwd, options)) {
+    // The kernels read f32 masks: a bf16/f16 mask is widened (one copy, read once per
+    // tile), then the call starts again.
+    if (bp.fwd.mask_dtype == DType::bf16 || bp.fwd.mask_dtype == DType::f16) {
+      std::vector<float> mask32;
+      const AttentionOptions o = with_f32_mask(options, mask32);
+      attention_backward_with_mods(q, k, v, out, lse, dout, dq, dk, dv, o, dbias, mods);
+      return;
+    }
     if (const LowpPath path = lowp_kernel(bp.fwd, options, LowpPass::backward); path != LowpPath::f32) {
-      if (bp.fwd.mask_dtype == DType::bf16 || bp.fwd.mask_dtype == DType::f16) {
-        std::vector<float> mask32;
-        const AttentionOptions o = with_f32_mask(options, mask32);
-        attention_backward_with_mods(q, k, v, out, lse, dout, dq, dk, dv, o, dbias, mods);
-        return;
-      }
       if (attention_backward_amx(bp, num_threads(), path)) return;
       // Declined (see attention_backward_amx.hpp): the portable path.
     }
-    backward_widened(q, k, v, out, dout, dq, dk, dv, options,
-                     [&](auto& q32, auto& k32, auto& v32, auto& out32, auto& dout32, auto& dq32, auto& dk32,
-                         auto& dv32, auto& o) {
-                       attention_backward_with_mods(q32, k32, v32, out32, lse, dout32, dq32, dk32, dv32, o, dbias,
-                                                    mods);
-                     });
-    return;
+    // The portable path: the f32 kernel widens bf16/f16 rows where it packs them and
+    // rounds the gradients where it writes them (f32 rows under Precision::bf16 are
+    // rounded to bf16 there), so no tensor is copied.
   }
   if (!dbias.empty()) zero_view(dbias);  // accumulated by the kernel
   attention_backward_cpu(bp, num_threads());
@@ -267,14 +273,15 @@ size_t attention_backward_workspace_bytes(const TensorView& q, const TensorView&
                                           const AttentionOptions& options, int threads, const TensorView& dbias) {
   const detail::BackwardProblem bp = detail::make_backward_problem(
       "attention_backward_workspace_bytes", q, k, v, out, lse, dout, dq, dk, dv, options, dbias, nullptr);
-  // The f32 kernel's bytes depend on the shapes only, which its widened copies share.
+  // The f32 kernel's bytes depend on the shapes only: it widens bf16/f16 rows (and
+  // rounds f32 ones under Precision::bf16) as it packs them.
   const size_t f32_kernel = detail::attention_backward_workspace_bytes_cpu(bp.fwd, threads);
   if (!detail::needs_widening(bp.fwd, options)) return f32_kernel;
   if (const detail::LowpPath path = detail::lowp_kernel(bp.fwd, options, detail::LowpPass::backward);
       path != detail::LowpPath::f32 && !detail::amx_backward_declines_options(bp, path)) {
     return detail::attention_backward_amx_workspace_bytes(bp, threads) + detail::mask_widening_bytes(options);
   }
-  return f32_kernel + detail::backward_widening_bytes(q, k, v, out, dout, dq, dk, dv, options);
+  return f32_kernel + detail::mask_widening_bytes(options);  // only a bf16/f16 mask is copied
 }
 
 void attention_reference(const TensorView& q, const TensorView& k, const TensorView& v,

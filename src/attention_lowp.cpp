@@ -78,14 +78,6 @@ size_t mask_widening_bytes(const AttentionOptions& options) {
   return lowp_mask(options) ? sizeof(float) * options.mask.numel() : 0;
 }
 
-size_t backward_widening_bytes(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                               const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                               const TensorView& dv, const AttentionOptions& options) {
-  int64_t n = 0;
-  for (const TensorView* t : {&q, &k, &v, &out, &dout, &dq, &dk, &dv}) n += t->numel();
-  return static_cast<size_t>(n) * sizeof(float) + mask_widening_bytes(options);
-}
-
 AttentionOptions with_f32_mask(const AttentionOptions& options, std::vector<float>& storage) {
   AttentionOptions o = options;
   if (lowp_mask(options)) {

@@ -31,16 +31,11 @@ enum class LowpPass { forward, backward };
 /// three tile products per product; on vdpbf16ps that would be slower than the f32
 /// kernel). LowpPath::f32 (the portable path) otherwise, for calls that return
 /// explicit probabilities, and on vdpbf16ps (unless ATTN_ISA forces it) for calls
-/// whose sequences each fit in one 64×64 tile pair that they fill only in small part
-/// (TilesMostlyPadding in attention.cpp). The choice depends on the shapes only, never
+/// whose tile pairs their scores would fill only in small part: a forward whose
+/// sequences each fit in one 64×64 tile pair, a backward whose sequences each fit in
+/// one query tile (TilesMostlyPadding in attention.cpp). The choice depends on the shapes only, never
 /// on the thread count, so results stay bitwise identical for any thread count.
 LowpPath lowp_kernel(const Problem& p, const AttentionOptions& options, LowpPass pass);
-
-/// Bytes of the f32 copies that attention_backward()'s widening path makes
-/// (backward_widened): q, k, v, out, dout, dq, dk, dv, and a bf16/f16 mask.
-size_t backward_widening_bytes(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                               const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                               const TensorView& dv, const AttentionOptions& options);
 
 /// Bytes of the f32 copy of a bf16/f16 mask (0 for an f32 mask or none).
 size_t mask_widening_bytes(const AttentionOptions& options);

@@ -423,10 +423,11 @@ std::vector<uint16_t> BackwardUnder(LowpCall& c, const AttentionOptions& o, cons
   return all;
 }
 
-// Where vdpbf16ps is the default path (AMD Zen 4/5), a bf16 call whose sequences each
-// fit in one 64×64 tile pair and fill it in small part runs on the f32 kernel
-// (attention.cpp, TilesMostlyPadding: the backward below a fifth of the pair, the
-// forward below a twentieth), and every other call on the tiles: each pass is bitwise
+// Where vdpbf16ps is the default path (AMD Zen 4/5), a bf16 call whose scores fill its
+// tile pairs in small part runs on the f32 kernel (attention.cpp, TilesMostlyPadding:
+// the backward below two fifths of the pairs when every sequence fits in one query tile,
+// the forward below a twentieth when every sequence fits in one tile pair), and every
+// other call on the tiles: each pass is bitwise
 // the result of the path ATTN_ISA forces, for 1 and 2 threads alike, and the
 // workspace estimates are that path's.
 TEST(LowPrecisionAttention, ShortCallsOnVdpbf16psTakeTheF32KernelByShape) {
@@ -446,10 +447,14 @@ TEST(LowPrecisionAttention, ShortCallsOnVdpbf16psTakeTheF32KernelByShape) {
       {2, 12, 17, true, true},    // 204 of 4096 scores: both passes on the f32 kernel
       {1, 3, 64, true, true},     // 192
       {1, 16, 16, false, true},   // 256, a sixteenth: the forward keeps the tiles
-      {1, 24, 34, false, true},   // 816, just under a fifth
-      {3, 32, 32, false, false},  // 1024, a quarter: the tiles
+      {3, 32, 32, false, true},   // 1024, a quarter
+      {1, 40, 40, false, true},   // 1600, just under two fifths
+      {2, 41, 40, false, false},  // 1640, just over: the tiles
       {1, 65, 3, false, false},   // two query tiles
-      {1, 7, 200, false, false},  // four key tiles
+      {1, 100, 5, false, false},  // two query tiles, padded keys: the tiles
+      {1, 7, 200, false, true},   // 1400 of 4 pairs' 16384: the backward on f32, not the forward
+      {2, 25, 300, false, true},  // 0.366 of 5 pairs
+      {1, 28, 300, false, false}, // 0.410 of 5 pairs: the tiles
   };
   for (const Case& cs : cases)
     for (const OptionCase& oc : option_cases()) {
@@ -492,6 +497,46 @@ TEST(LowPrecisionAttention, ShortCallsOnVdpbf16psTakeTheF32KernelByShape) {
       EXPECT_EQ(backward_bytes(nullptr), backward_bytes(backward_path));
       if (!tiles_decline) EXPECT_NE(backward_bytes(nullptr), backward_bytes(other_backward));
     }
+}
+
+// The portable path (the f32 kernel: ATTN_ISA=f32, and f16 where the CPU has no AMX)
+// widens bf16/f16 rows where it packs them and rounds the gradients once where it
+// writes them, so that no tensor is copied: bitwise the f32 backward of the exact f32
+// twins, each gradient rounded to the dtype, on 1 and 2 threads, for every shape and
+// option case; and its workspace is the f32 call's, plus the copy of a mask in the
+// input dtype.
+TEST(LowPrecisionAttention, PortableBackwardIsTheF32BackwardOfTheWidenedInputs) {
+  std::mt19937_64 rng = make_rng(31);
+  for (const DType dt : {DType::bf16, DType::f16})
+    for (const Shape& s : kShapes)
+      for (const OptionCase& oc : option_cases()) {
+        SCOPED_TRACE(std::string(dtype_name(dt)) + " " + oc.name + " Lq=" + std::to_string(s.Lq) +
+                     " Lk=" + std::to_string(s.Lk) + " d=" + std::to_string(s.d));
+        LowpCall c(dt, s.B, s.Lq, s.Lk, s.Hq, s.Hkv, s.d, s.dv, rng);
+        OptionStore store;
+        const AttentionOptions o = oc.make(store, c, rng);
+        std::vector<float> mask32;
+        const AttentionOptions o32 = f32_twin(o, c, mask32);
+        ForwardUnder(c, o, "f32", 1);  // out and lse, as the backward reads them
+        std::vector<float> out32(c.out.size()), dq32(c.q.size()), dk32(c.k.size()), dv32(c.v.size());
+        for (size_t i = 0; i < out32.size(); ++i) out32[i] = c.from(c.out[i]);
+        const TensorView q32 = c.view32(c.q32, c.Lq, c.Hq, c.d), k32 = c.view32(c.k32, c.Lk, c.Hkv, c.d),
+                         v32 = c.view32(c.v32, c.Lk, c.Hkv, c.dv), o32v = c.view32(out32, c.Lq, c.Hq, c.dv),
+                         g32 = c.view32(c.dout32, c.Lq, c.Hq, c.dv), dq = c.view32(dq32, c.Lq, c.Hq, c.d),
+                         dk = c.view32(dk32, c.Lk, c.Hkv, c.d), dv = c.view32(dv32, c.Lk, c.Hkv, c.dv);
+        attention_backward(q32, k32, v32, o32v, c.lse_view(), g32, dq, dk, dv, o32);
+        std::vector<uint16_t> want;
+        for (const std::vector<float>* g : {&dq32, &dk32, &dv32})
+          for (const float x : *g) want.push_back(c.to(x));
+        for (const int threads : {1, 2}) EXPECT_EQ(BackwardUnder(c, o, "f32", threads), want) << threads << " threads";
+
+        const CallViews t(c);
+        const ScopedEnv path("ATTN_ISA", "f32");
+        const size_t mask_copy = !o.mask.empty() && o.mask.dtype() == dt ? sizeof(float) * o.mask.numel() : 0;
+        EXPECT_EQ(attention_backward_workspace_bytes(t.q, t.k, t.v, t.out, t.lse, t.dout, t.dq, t.dk, t.dv, o, 1),
+                  attention_backward_workspace_bytes(q32, k32, v32, o32v, c.lse_view(), g32, dq, dk, dv, o32, 1) +
+                      mask_copy);
+      }
 }
 
 TEST(LowPrecisionAttention, MixedDtypesAreErrors) {

@@ -28,6 +28,11 @@
 // items are handed out in ascending order (OpenMP's monotonic dynamic schedule),
 // so the tile whose turn it is has always been started: no deadlock. dK and dV
 // are private to their item and summed in a fixed order.
+//
+// bf16/f16 calls run here too: rows are widened where they are packed (exactly) and
+// the gradients rounded once where they are written (storage_rows-inl.h), so a call
+// makes no f32 copy of a tensor; f32 rows under Precision::bf16 are rounded to bf16
+// where they are packed.
 #include "cpu/attention_backward.hpp"
 
 #include <omp.h>
@@ -52,6 +57,7 @@
 #include <hwy/highway.h>
 
 #include "cpu/score_mods-inl.h"
+#include "cpu/storage_rows-inl.h"
 #include "cpu/tile_kernels-inl.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -104,11 +110,16 @@ BwdPack MakeBwdPack(const Problem& p) {
   return pk;
 }
 
-/// Zeros rows × heads × width floats at base (row and head strides given).
-void ZeroRows(float* base, int64_t row_stride, int64_t head_stride, int64_t rows, int heads,
+/// Zeros rows × heads × width elements of dtype dt from element `at` of base (row
+/// and head strides in elements). Zero is all-zero bits in f32, bf16 and f16 alike.
+void ZeroRows(DType dt, void* base, int64_t at, int64_t row_stride, int64_t head_stride, int64_t rows, int heads,
               int width) {
+  const size_t elem = dtype_size(dt);
+  char* bytes = static_cast<char*>(base);
   for (int64_t r = 0; r < rows; ++r) {
-    for (int h = 0; h < heads; ++h) std::fill_n(base + r * row_stride + h * head_stride, width, 0.0f);
+    for (int h = 0; h < heads; ++h) {
+      std::memset(bytes + static_cast<size_t>(at + r * row_stride + h * head_stride) * elem, 0, elem * width);
+    }
   }
 }
 
@@ -130,6 +141,7 @@ struct BwdScratch {
   float *lse, *dsum;     // [Bq]                 softmax max (lse) and D per row
   float* inv_l;          // [Bq]                 1 / softmax sum (1 when lse is used)
   float* key_tile;       // KeyTileFloats        the item's packed key tile (PackKeyTile)
+  float* row;            // [max(dp, dvp)]       a bf16/f16 row widened (RowF32)
   int *lo, *hi, *first, *count;
 
   /// The packed key tile's floats: its K and V panels and K rows (d ≤ dp, dv ≤ dvp).
@@ -137,12 +149,13 @@ struct BwdScratch {
   static size_t Floats(int dp, int dvp) {
     const size_t tile = size_t{kBq} * kBk + kLanes;
     return size_t{kBkRows} * (dp + dvp) + size_t{kBq} * 2 * dp + 7 * tile + 7 * size_t{kBq} +
-           KeyTileFloats(dp, dvp) + 64;
+           KeyTileFloats(dp, dvp) + std::max(dp, dvp) + 64;
   }
   BwdScratch(int dp, int dvp) {
     const size_t tile = size_t{kBq} * kBk + kLanes;
     float* x = thread_scratch(kSlotTile, Floats(dp, dvp));
     key_tile = x, x += KeyTileFloats(dp, dvp);
+    row = x, x += std::max(dp, dvp);
     dk = x, x += size_t{kBkRows} * dp;
     dv = x, x += size_t{kBkRows} * dvp;
     q = x, x += size_t{kBq} * dp;
@@ -187,18 +200,29 @@ struct KeyTile {
 /// Packs key tile kt of (b, hk) into dst (BwdScratch::KeyTileFloats floats). Only key
 /// vectors that hold a key are read (QkRows stops at the last key's vector; the dQ
 /// product reads nk rows), so a short tile zeros and scans no more than that vector's
-/// padding, as the forward's PackTile.
-KeyTile PackKeyTile(const Problem& p, int dp, int b, int hk, int kt, float* dst) {
+/// padding, as the forward's PackTile. bf16/f16 rows (and f32 ones rounded under
+/// Precision::bf16) are widened through buf (max(d, dv) floats): K once, into its
+/// rows, which the K panel is then transposed from.
+KeyTile PackKeyTile(const Problem& p, int dp, int b, int hk, int kt, float* dst, float* buf) {
   const Sequence& seq = p.seqs[b];
   const int j0 = kt * kBk, nk = std::min(kBk, seq.Lk - j0);
-  const float* k = p.k + seq.k_offset + hk * p.k_head + int64_t{j0} * p.k_row;
-  const float* v = p.v + seq.v_offset + hk * p.v_head + int64_t{j0} * p.v_row;
+  const int64_t k0 = seq.k_offset + hk * p.k_head + int64_t{j0} * p.k_row;
+  const int64_t v0 = seq.v_offset + hk * p.v_head + int64_t{j0} * p.v_row;
   const int zero_to = RoundUp(nk, kLanes);
   float* vpanel = dst + size_t{kBk} * p.d;
   float* krows = vpanel + size_t{kBk} * p.dv;
-  PackPanel(k, p.k_row, nk, p.d, dst, zero_to);
-  PackPanel(v, p.v_row, nk, p.dv, vpanel, zero_to);
-  PackRows(k, p.k_row, nk, p.d, dp, krows, zero_to);
+  const bool round = p.round_bf16();
+  if (p.dtype == DType::f32 && !round) {
+    PackPanel(p.k + k0, p.k_row, nk, p.d, dst, zero_to);
+    PackPanel(p.v + v0, p.v_row, nk, p.dv, vpanel, zero_to);
+    PackRows(p.k + k0, p.k_row, nk, p.d, dp, krows, zero_to);
+  } else {
+    PackRowsFrom([&](int j) { return RowF32(p.dtype, p.k, k0 + j * p.k_row, p.d, buf, round); }, nk, p.d, dp, krows,
+                 zero_to);
+    PackPanel(krows, dp, nk, p.d, dst, zero_to);
+    PackPanelRows([&](int j) { return RowF32(p.dtype, p.v, v0 + j * p.v_row, p.dv, buf, round); }, nk, p.dv, vpanel,
+                  0, zero_to);
+  }
   bool finite = AllFinite(krows, size_t(zero_to) * dp);  // K, row by row
   for (int c = 0; c < p.dv && finite; ++c) finite = AllFinite(vpanel + size_t(c) * kBk, zero_to);
   return {dst, vpanel, krows, !finite};
@@ -412,7 +436,8 @@ void RowStats(const BwdShared& sh, int b, int h, int qt) {
     float* qr = w.q + size_t(r) * dp;
     std::fill(qr, qr + dp, 0.0f);
     if (r < rows) {
-      const float* src = p.q + seq.q_offset + h * p.q_head + int64_t{i0 + r} * p.q_row;
+      const float* src = RowF32(p.dtype, p.q, seq.q_offset + h * p.q_head + int64_t{i0 + r} * p.q_row, p.d, w.row,
+                                p.round_bf16());
       for (int c = 0; c < p.d; ++c) qr[c] = src[c] * p.scale;
       BandOfRow(p, seq, i0 + r, &w.lo[r], &w.hi[r]);
     }
@@ -423,7 +448,7 @@ void RowStats(const BwdShared& sh, int b, int h, int qt) {
     const int j0 = kt * kBk;
     const TilePlace place{b, h, i0, rows, j0, std::min(kBk, seq.Lk - j0), w.lo, w.hi};
     if (BlockMaskCover(p, b, h, i0, rows, j0, place.cols) == Cover::kEmpty) continue;
-    const float* kpanel = PackKeyTile(p, dp, b, h / p.group(), kt, w.key_tile).kpanel;
+    const float* kpanel = PackKeyTile(p, dp, b, h / p.group(), kt, w.key_tile, w.row).kpanel;
     for (int r = 0, blk = 0; r < kBq; r += kRowsPerBlock, ++blk) {
       BlockKeyVectors(w.lo, w.hi, r, rows, j0, &w.first[blk], &w.count[blk]);
       QkRows(w.q + size_t(r) * dp, dp, kpanel, p.d, w.s + r * kBk, kBk, w.first[blk], w.count[blk]);
@@ -452,7 +477,7 @@ void BackwardItem(const BwdShared& sh, int b, int hk, int kt) {
   const int keys_used = RoundUp(std::min(kBk, seq.Lk - kt * kBk), kRowsPerBlock);
   std::fill(w.dk, w.dk + size_t(keys_used) * dp, 0.0f);
   std::fill(w.dv, w.dv + size_t(keys_used) * dvp, 0.0f);
-  const KeyTile key = PackKeyTile(p, dp, b, hk, kt, w.key_tile);
+  const KeyTile key = PackKeyTile(p, dp, b, hk, kt, w.key_tile, w.row);
   const int nqt = QueryTiles(seq.Lq);
   for (int h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
     for (int qt = 0; qt < nqt; ++qt) {
@@ -470,10 +495,10 @@ void BackwardItem(const BwdShared& sh, int b, int hk, int kt) {
   const BackwardProblem& bp = sh.bp;
   const int j0 = kt * kBk, nk = std::min(kBk, seq.Lk - j0);
   for (int j = 0; j < nk; ++j) {
-    std::memcpy(bp.dk + seq.dk_offset + hk * bp.dk_head + int64_t{j0 + j} * bp.dk_row,
-                w.dk + size_t(j) * dp, sizeof(float) * p.d);
-    std::memcpy(bp.dv + seq.dv_offset + hk * bp.dv_head + int64_t{j0 + j} * bp.dv_row,
-                w.dv + size_t(j) * dvp, sizeof(float) * p.dv);
+    StoreRowF32(p.dtype, bp.dk, seq.dk_offset + hk * bp.dk_head + int64_t{j0 + j} * bp.dk_row, w.dk + size_t(j) * dp,
+                p.d);
+    StoreRowF32(p.dtype, bp.dv, seq.dv_offset + hk * bp.dv_head + int64_t{j0 + j} * bp.dv_row, w.dv + size_t(j) * dvp,
+                p.dv);
   }
 }
 
@@ -544,8 +569,9 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
                     dsum_base, turns.get(), turn_base, qt_first,  qt_last};
   const int n_rows = static_cast<int>(rows_items.size()), n_items = static_cast<int>(items.size()), n_stats = static_cast<int>(stats_items.size());
   RunOnThreads(nt, [&] {
+    float* const out_row = BwdScratch(pk.dp, pk.dvp).row;  // a bf16/f16 row of out, widened
     // Phase 1: per query tile, D = rowsum(dO ∘ O) of each row; scale·Q and dO
-    // packed; the dQ sum zeroed.
+    // packed (widened there from bf16/f16); the dQ sum zeroed.
 #pragma omp for schedule(static)
     for (int n = 0; n < n_rows; ++n) {
       const auto [b, h, qt] = rows_items[n];
@@ -555,20 +581,21 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
       const int i0 = qt * kBq, rows = std::min(kBq, seq.Lq - i0);
       for (int r = 0; r < rows; ++r) {
         const int i = i0 + r;
-        const float* o = p.out + seq.out_offset + h * p.out_head + int64_t{i} * p.out_row;
-        const float* g = bp.dout + seq.dout_offset + h * bp.dout_head + int64_t{i} * bp.dout_row;
+        float* gr = gpack + size_t(r) * pk.dvp;
+        const float* o = RowF32(p.dtype, p.out, seq.out_offset + h * p.out_head + int64_t{i} * p.out_row, p.dv, out_row);
+        const float* g = RowF32(p.dtype, bp.dout, seq.dout_offset + h * bp.dout_head + int64_t{i} * bp.dout_row, p.dv, gr);
         // The same fused multiply-adds, in the same order, as QkRows accumulates
         // dP = dO·Vᵀ: when a row has one visible key (O = v), dP − D is then 0
         // exactly, as it is in exact arithmetic, not an f32 residue.
         float acc = 0.0f;
         for (int c = 0; c < p.dv; ++c) acc = std::fma(g[c], o[c], acc);
         dsum[dsum_base[b] + size_t(h) * seq.Lq + i] = acc;
-        const float* src = p.q + seq.q_offset + h * p.q_head + int64_t{i} * p.q_row;
         float* qr = qpack + size_t(r) * pk.dp;
+        const float* src = RowF32(p.dtype, p.q, seq.q_offset + h * p.q_head + int64_t{i} * p.q_row, p.d, qr,
+                                  p.round_bf16());
         for (int c = 0; c < p.d; ++c) qr[c] = src[c] * p.scale;
         std::fill(qr + p.d, qr + pk.dp, 0.0f);
-        float* gr = gpack + size_t(r) * pk.dvp;
-        std::memcpy(gr, g, sizeof(float) * p.dv);
+        if (g != gr) std::memcpy(gr, g, sizeof(float) * p.dv);
         std::fill(gr + p.dv, gr + pk.dvp, 0.0f);
       }
       // BackwardTilePair reads rows up to the last row block (rows_used) and adds dQ
@@ -590,15 +617,17 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
 #pragma omp single
     {
       if (bp.varlen_q_tokens > 0 || bp.varlen_k_tokens > 0) {  // tokens outside every sequence: 0
-        ZeroRows(bp.dq, bp.dq_row, bp.dq_head, bp.varlen_q_tokens, p.Hq, p.d);
-        ZeroRows(bp.dk, bp.dk_row, bp.dk_head, bp.varlen_k_tokens, p.Hkv, p.d);
-        ZeroRows(bp.dv, bp.dv_row, bp.dv_head, bp.varlen_k_tokens, p.Hkv, p.dv);
+        ZeroRows(p.dtype, bp.dq, 0, bp.dq_row, bp.dq_head, bp.varlen_q_tokens, p.Hq, p.d);
+        ZeroRows(p.dtype, bp.dk, 0, bp.dk_row, bp.dk_head, bp.varlen_k_tokens, p.Hkv, p.d);
+        ZeroRows(p.dtype, bp.dv, 0, bp.dv_row, bp.dv_head, bp.varlen_k_tokens, p.Hkv, p.dv);
       }
       for (int b = 0; b < p.B; ++b) {  // keys beyond key_lengths[b] get no gradient
         const Sequence& seq = p.seqs[b];
         const int64_t extra = seq.Lk_rows - seq.Lk;
-        ZeroRows(bp.dk + seq.dk_offset + int64_t{seq.Lk} * bp.dk_row, bp.dk_row, bp.dk_head, extra, p.Hkv, p.d);
-        ZeroRows(bp.dv + seq.dv_offset + int64_t{seq.Lk} * bp.dv_row, bp.dv_row, bp.dv_head, extra, p.Hkv, p.dv);
+        ZeroRows(p.dtype, bp.dk, seq.dk_offset + int64_t{seq.Lk} * bp.dk_row, bp.dk_row, bp.dk_head, extra, p.Hkv,
+                 p.d);
+        ZeroRows(p.dtype, bp.dv, seq.dv_offset + int64_t{seq.Lk} * bp.dv_row, bp.dv_row, bp.dv_head, extra, p.Hkv,
+                 p.dv);
       }
     }
     // Phase 3: the key-tile items (see the top of the file for the dQ order).
@@ -621,8 +650,8 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
       const Sequence& seq = p.seqs[b];
       const float* dq_sum = pk.QueryTile(pack, p, b, h, qt) + size_t{kBq} * (pk.dp + pk.dvp);
       for (int r = 0, i0 = qt * kBq; r < std::min(kBq, seq.Lq - i0); ++r) {
-        std::memcpy(bp.dq + seq.dq_offset + h * bp.dq_head + int64_t{i0 + r} * bp.dq_row, dq_sum + size_t(r) * pk.dp,
-                    sizeof(float) * p.d);
+        StoreRowF32(p.dtype, bp.dq, seq.dq_offset + h * bp.dq_head + int64_t{i0 + r} * bp.dq_row,
+                    dq_sum + size_t(r) * pk.dp, p.d);
       }
     }
   });
@@ -656,7 +685,11 @@ size_t attention_backward_workspace_bytes_cpu(const Problem& p, int threads) {
 }
 
 void attention_backward_cpu(const BackwardProblem& bp, int threads) {
-  if (bp.fwd.dtype != DType::f32) throw std::logic_error("attention_backward_cpu: widen bf16/f16 problems first");
+  const DType dt = bp.fwd.dtype;
+  if (dt != DType::f32 && dt != DType::bf16 && dt != DType::f16) {
+    throw std::logic_error("attention_backward_cpu: f32, bf16 or f16 problems only");
+  }
+  if (bp.fwd.mask_dtype == DType::bf16 || bp.fwd.mask_dtype == DType::f16) throw std::logic_error("attention_backward_cpu: widen bf16/f16 masks first");
   HWY_DYNAMIC_DISPATCH(BackwardF32)(bp, threads);
 }
 
