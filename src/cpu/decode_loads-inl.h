@@ -16,6 +16,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "cpu/storage_rows-inl.h"
 #include "cpu/tile_kernels-inl.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -108,6 +109,8 @@ HWY_INLINE VF LoadF32(DF df, const T* HWY_RESTRICT p) {
     const hn::Rebind<int32_t, DF> di;
     const hn::Rebind<int8_t, DF> d8;
     return hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, p)));
+  } else if constexpr (std::is_same_v<T, hwy::float16_t>) {
+    return LoadF16AsF32(df, reinterpret_cast<const uint16_t*>(p));  // exact for ±∞ and NaN on every target
   } else {
     const hn::Rebind<T, DF> dh;
     return hn::PromoteTo(df, hn::LoadU(dh, p));
