@@ -31,13 +31,10 @@ constexpr int64_t kLowpTile = 64;
 /// kernel's work follows the rows and keys there are. Measured on Zen 4
 /// (docs/PERFORMANCE.md, "Short bf16 calls on the f32 kernel" and "The bf16 backward
 /// on the f32 kernel without copies"), 1 and 2 threads:
-///  - backward, every sequence in one query tile (Lq ≤ 64), any number of keys: the
-///    f32 path took 0.34–0.80× the time up to a quarter of the pairs (Lq ≤ 16 with
-///    1,024–4,096 keys; and one tile pair), 0.68–0.99× at 0.375–0.39 (one row of 12
-///    at 1.06×), 0.88–1.11× at a half and 1.13–1.63× at three quarters. Many queries
-///    against a few keys lost or drew (0.73–1.21× at 1,024–4,096 queries, 1–16 keys,
-///    measured while the portable backward still copied its tensors), so a call with
-///    more than one query tile keeps the tiles;
+///  - backward, any shape: the f32 path took 0.34–0.87× the time up to a quarter of
+///    the pairs (1–16 queries against 1,024–4,096 keys, the same transposed, and one
+///    tile pair), 0.68–1.06× at 0.375–0.39 (2 rows of 28 over 1.0×), 0.88–1.14× at a
+///    half and 0.94–1.63× from 0.56 on;
 ///  - forward, every sequence in one tile pair (Lq, Lk ≤ 64): it gained only below a
 ///    twentieth (0.6–0.8×) and lost from 8·32 on; with 4,096 keys it lost at every
 ///    Lq from 1 to 16 (1.17–1.50×).
@@ -45,10 +42,11 @@ bool TilesMostlyPadding(const Problem& p, LowpPass pass) {
   const double fill = pass == LowpPass::backward ? 0.4 : 0.05;
   double scores = 0.0, tile_scores = 0.0;
   for (const Sequence& s : p.seqs) {
-    if (s.Lq > kLowpTile || (pass == LowpPass::forward && s.Lk > kLowpTile)) return false;
+    if (pass == LowpPass::forward && (s.Lq > kLowpTile || s.Lk > kLowpTile)) return false;
     if (s.Lq == 0 || s.Lk == 0) continue;
     scores += static_cast<double>(s.Lq) * s.Lk;
-    tile_scores += static_cast<double>(kLowpTile) * kLowpTile * ((s.Lk + kLowpTile - 1) / kLowpTile);
+    tile_scores += static_cast<double>(kLowpTile * ((s.Lq + kLowpTile - 1) / kLowpTile)) * kLowpTile *
+                   ((s.Lk + kLowpTile - 1) / kLowpTile);
   }
   return scores < fill * tile_scores;
 }

@@ -31,9 +31,9 @@ enum class LowpPass { forward, backward };
 /// three tile products per product; on vdpbf16ps that would be slower than the f32
 /// kernel). LowpPath::f32 (the portable path) otherwise, for calls that return
 /// explicit probabilities, and on vdpbf16ps (unless ATTN_ISA forces it) for calls
-/// whose tile pairs their scores would fill only in small part: a forward whose
-/// sequences each fit in one 64×64 tile pair, a backward whose sequences each fit in
-/// one query tile (TilesMostlyPadding in attention.cpp). The choice depends on the shapes only, never
+/// whose 64×64 tile pairs their scores would fill only in small part: a backward of
+/// any shape, a forward whose sequences each fit in one tile pair (TilesMostlyPadding
+/// in attention.cpp). The choice depends on the shapes only, never
 /// on the thread count, so results stay bitwise identical for any thread count.
 LowpPath lowp_kernel(const Problem& p, const AttentionOptions& options, LowpPass pass);
 

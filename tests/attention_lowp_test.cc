@@ -425,8 +425,8 @@ std::vector<uint16_t> BackwardUnder(LowpCall& c, const AttentionOptions& o, cons
 
 // Where vdpbf16ps is the default path (AMD Zen 4/5), a bf16 call whose scores fill its
 // tile pairs in small part runs on the f32 kernel (attention.cpp, TilesMostlyPadding:
-// the backward below two fifths of the pairs when every sequence fits in one query tile,
-// the forward below a twentieth when every sequence fits in one tile pair), and every
+// the backward below two fifths of the pairs, the forward below a twentieth when every
+// sequence fits in one tile pair), and every
 // other call on the tiles: each pass is bitwise
 // the result of the path ATTN_ISA forces, for 1 and 2 threads alike, and the
 // workspace estimates are that path's.
@@ -450,11 +450,14 @@ TEST(LowPrecisionAttention, ShortCallsOnVdpbf16psTakeTheF32KernelByShape) {
       {3, 32, 32, false, true},   // 1024, a quarter
       {1, 40, 40, false, true},   // 1600, just under two fifths
       {2, 41, 40, false, false},  // 1640, just over: the tiles
-      {1, 65, 3, false, false},   // two query tiles
-      {1, 100, 5, false, false},  // two query tiles, padded keys: the tiles
-      {1, 7, 200, false, true},   // 1400 of 4 pairs' 16384: the backward on f32, not the forward
+      {1, 65, 3, false, true},    // 195 of 2 pairs' 8192: the backward on f32, not the forward
+      {1, 7, 200, false, true},   // 1400 of 4 pairs' 16384
       {2, 25, 300, false, true},  // 0.366 of 5 pairs
       {1, 28, 300, false, false}, // 0.410 of 5 pairs: the tiles
+      {1, 150, 26, false, true},  // 0.317 of 3 pairs (more queries would put ALiBi rows past the
+                                  // tiles' |lse| limit, where they decline)
+      {1, 70, 70, false, true},   // 0.299 of 4 pairs
+      {2, 90, 90, false, false},  // 0.494 of 4 pairs: the tiles
   };
   for (const Case& cs : cases)
     for (const OptionCase& oc : option_cases()) {
