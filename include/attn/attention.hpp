@@ -225,10 +225,11 @@ size_t attention_workspace_bytes(const TensorView& q, const TensorView& k, const
 /// with d padded to 32, per-row lse and D, and one tile scratch per thread. On the
 /// portable f32 kernel: K (in two layouts) and V packed in f32; scale·q, dout and a
 /// dQ accumulator packed per query tile (d and dv padded to whole vectors); per-row
-/// statistics and one tile scratch per thread; bf16/f16 inputs there (and f32 inputs with
-/// Precision::bf16, and every call the bf16 kernels leave to it: softcap, a dbias,
-/// f16 without AMX) add f32 copies of q, k, v, out, dout, dq, dk and dv, and a
-/// bf16/f16 mask its f32 copy. The bf16 kernels also hand a call whose q, k, v or dout
+/// statistics and one tile scratch per thread; bf16/f16 inputs there (and every call
+/// the bf16 kernels leave to it: softcap, a dbias, f16 without AMX, calls that would
+/// fill their tiles only in small part) are widened where they are packed, and f32
+/// inputs with Precision::bf16 rounded there, at no extra memory; a bf16/f16 mask
+/// adds its f32 copy. The bf16 kernels also hand a call whose q, k, v or dout
 /// holds a NaN or ±∞, or whose lse reaches ±128, to the portable path; those values
 /// are not known here, so that call can take the portable path's bytes instead. The
 /// packed tiles and the scratch are held per calling thread and reused by later calls
