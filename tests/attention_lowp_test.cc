@@ -141,36 +141,44 @@ TEST(LowPrecisionConvert, F8E4M3MatchesItsDefinition) {
   EXPECT_EQ(f8e4m3_to_f32(0x7e), kF8E4M3Max);
 }
 
-TEST(LowPrecisionAttention, EveryOptionEqualsTheF32KernelRoundedOnce) {
-  const ScopedIsa portable("f32");  // the portable path (AMX: attention_amx_test.cc)
-  std::mt19937_64 rng = make_rng(3);
-  for (DType dt : {DType::bf16, DType::f16}) {
-    for (const Shape& s : kShapes) {
+// Calls f(c, o, store, s) for a fresh call c in bf16 and in f16 of every shape s of
+// kShapes under every option case o (its tensors in store), random values from `salt`.
+template <class F>
+void ForEveryDtypeShapeAndOption(uint64_t salt, F&& f) {
+  std::mt19937_64 rng = make_rng(salt);
+  for (const DType dt : {DType::bf16, DType::f16})
+    for (const Shape& s : kShapes)
       for (const OptionCase& oc : option_cases()) {
         SCOPED_TRACE(std::string(dtype_name(dt)) + " " + oc.name + " Lq=" + std::to_string(s.Lq) +
                      " Lk=" + std::to_string(s.Lk) + " d=" + std::to_string(s.d));
         LowpCall c(dt, s.B, s.Lq, s.Lk, s.Hq, s.Hkv, s.d, s.dv, rng);
         OptionStore store;
         const AttentionOptions o = oc.make(store, c, rng);
-        attention(c.view(c.q, s.Lq, s.Hq, s.d), c.view(c.k, s.Lk, s.Hkv, s.d), c.view(c.v, s.Lk, s.Hkv, s.dv),
-                  c.view(c.out, s.Lq, s.Hq, s.dv), o, c.lse_view());
-        std::vector<float> out32(c.out.size()), lse32(c.lse.size());
-        attention(c.view32(c.q32, s.Lq, s.Hq, s.d), c.view32(c.k32, s.Lk, s.Hkv, s.d),
-                  c.view32(c.v32, s.Lk, s.Hkv, s.dv), c.view32(out32, s.Lq, s.Hq, s.dv), f32_twin(o, c, store.twin),
-                  TensorView(lse32.data(), DType::f32, {s.B, s.Hq, s.Lq}));
-        for (size_t i = 0; i < out32.size(); ++i) ASSERT_EQ(c.out[i], c.to(out32[i])) << "out " << i;
-        for (size_t i = 0; i < lse32.size(); ++i) ASSERT_EQ(bits(c.lse[i]), bits(lse32[i])) << "lse " << i;
-        // The reference takes the same dtypes and agrees within the output's rounding.
-        std::vector<uint16_t> ref(c.out.size());
-        attention_reference(c.view(c.q, s.Lq, s.Hq, s.d), c.view(c.k, s.Lk, s.Hkv, s.d),
-                            c.view(c.v, s.Lk, s.Hkv, s.dv), c.view(ref, s.Lq, s.Hq, s.dv), o);
-        const float ulp = dt == DType::bf16 ? 1.0f / 128 : 1.0f / 1024;
-        for (size_t i = 0; i < ref.size(); ++i)
-          ASSERT_LE(std::fabs(c.from(ref[i]) - c.from(c.out[i])), ulp * std::max(1.0f, std::fabs(c.from(ref[i]))))
-              << i;
+        f(c, o, store, s);
       }
-    }
-  }
+}
+
+TEST(LowPrecisionAttention, EveryOptionEqualsTheF32KernelRoundedOnce) {
+  const ScopedIsa portable("f32");  // the portable path (AMX: attention_amx_test.cc)
+  ForEveryDtypeShapeAndOption(3, [](LowpCall& c, const AttentionOptions& o, OptionStore& store, const Shape& s) {
+    const DType dt = c.dt;
+    attention(c.view(c.q, s.Lq, s.Hq, s.d), c.view(c.k, s.Lk, s.Hkv, s.d), c.view(c.v, s.Lk, s.Hkv, s.dv),
+              c.view(c.out, s.Lq, s.Hq, s.dv), o, c.lse_view());
+    std::vector<float> out32(c.out.size()), lse32(c.lse.size());
+    attention(c.view32(c.q32, s.Lq, s.Hq, s.d), c.view32(c.k32, s.Lk, s.Hkv, s.d),
+              c.view32(c.v32, s.Lk, s.Hkv, s.dv), c.view32(out32, s.Lq, s.Hq, s.dv), f32_twin(o, c, store.twin),
+              TensorView(lse32.data(), DType::f32, {s.B, s.Hq, s.Lq}));
+    for (size_t i = 0; i < out32.size(); ++i) ASSERT_EQ(c.out[i], c.to(out32[i])) << "out " << i;
+    for (size_t i = 0; i < lse32.size(); ++i) ASSERT_EQ(bits(c.lse[i]), bits(lse32[i])) << "lse " << i;
+    // The reference takes the same dtypes and agrees within the output's rounding.
+    std::vector<uint16_t> ref(c.out.size());
+    attention_reference(c.view(c.q, s.Lq, s.Hq, s.d), c.view(c.k, s.Lk, s.Hkv, s.d),
+                        c.view(c.v, s.Lk, s.Hkv, s.dv), c.view(ref, s.Lq, s.Hq, s.dv), o);
+    const float ulp = dt == DType::bf16 ? 1.0f / 128 : 1.0f / 1024;
+    for (size_t i = 0; i < ref.size(); ++i)
+      ASSERT_LE(std::fabs(c.from(ref[i]) - c.from(c.out[i])), ulp * std::max(1.0f, std::fabs(c.from(ref[i]))))
+          << i;
+  });
 }
 
 // The portable path widens bf16/f16 rows where the f32 kernel packs K/V and loads
@@ -509,37 +517,29 @@ TEST(LowPrecisionAttention, ShortCallsOnVdpbf16psTakeTheF32KernelByShape) {
 // option case; and its workspace is the f32 call's, plus the copy of a mask in the
 // input dtype.
 TEST(LowPrecisionAttention, PortableBackwardIsTheF32BackwardOfTheWidenedInputs) {
-  std::mt19937_64 rng = make_rng(31);
-  for (const DType dt : {DType::bf16, DType::f16})
-    for (const Shape& s : kShapes)
-      for (const OptionCase& oc : option_cases()) {
-        SCOPED_TRACE(std::string(dtype_name(dt)) + " " + oc.name + " Lq=" + std::to_string(s.Lq) +
-                     " Lk=" + std::to_string(s.Lk) + " d=" + std::to_string(s.d));
-        LowpCall c(dt, s.B, s.Lq, s.Lk, s.Hq, s.Hkv, s.d, s.dv, rng);
-        OptionStore store;
-        const AttentionOptions o = oc.make(store, c, rng);
-        std::vector<float> mask32;
-        const AttentionOptions o32 = f32_twin(o, c, mask32);
-        ForwardUnder(c, o, "f32", 1);  // out and lse, as the backward reads them
-        std::vector<float> out32(c.out.size()), dq32(c.q.size()), dk32(c.k.size()), dv32(c.v.size());
-        for (size_t i = 0; i < out32.size(); ++i) out32[i] = c.from(c.out[i]);
-        const TensorView q32 = c.view32(c.q32, c.Lq, c.Hq, c.d), k32 = c.view32(c.k32, c.Lk, c.Hkv, c.d),
-                         v32 = c.view32(c.v32, c.Lk, c.Hkv, c.dv), o32v = c.view32(out32, c.Lq, c.Hq, c.dv),
-                         g32 = c.view32(c.dout32, c.Lq, c.Hq, c.dv), dq = c.view32(dq32, c.Lq, c.Hq, c.d),
-                         dk = c.view32(dk32, c.Lk, c.Hkv, c.d), dv = c.view32(dv32, c.Lk, c.Hkv, c.dv);
-        attention_backward(q32, k32, v32, o32v, c.lse_view(), g32, dq, dk, dv, o32);
-        std::vector<uint16_t> want;
-        for (const std::vector<float>* g : {&dq32, &dk32, &dv32})
-          for (const float x : *g) want.push_back(c.to(x));
-        for (const int threads : {1, 2}) EXPECT_EQ(BackwardUnder(c, o, "f32", threads), want) << threads << " threads";
+  ForEveryDtypeShapeAndOption(31, [](LowpCall& c, const AttentionOptions& o, OptionStore& store, const Shape&) {
+    const DType dt = c.dt;
+    const AttentionOptions o32 = f32_twin(o, c, store.twin);
+    ForwardUnder(c, o, "f32", 1);  // out and lse, as the backward reads them
+    std::vector<float> out32(c.out.size()), dq32(c.q.size()), dk32(c.k.size()), dv32(c.v.size());
+    for (size_t i = 0; i < out32.size(); ++i) out32[i] = c.from(c.out[i]);
+    const TensorView q32 = c.view32(c.q32, c.Lq, c.Hq, c.d), k32 = c.view32(c.k32, c.Lk, c.Hkv, c.d),
+                     v32 = c.view32(c.v32, c.Lk, c.Hkv, c.dv), o32v = c.view32(out32, c.Lq, c.Hq, c.dv),
+                     g32 = c.view32(c.dout32, c.Lq, c.Hq, c.dv), dq = c.view32(dq32, c.Lq, c.Hq, c.d),
+                     dk = c.view32(dk32, c.Lk, c.Hkv, c.d), dv = c.view32(dv32, c.Lk, c.Hkv, c.dv);
+    attention_backward(q32, k32, v32, o32v, c.lse_view(), g32, dq, dk, dv, o32);
+    std::vector<uint16_t> want;
+    for (const std::vector<float>* g : {&dq32, &dk32, &dv32})
+      for (const float x : *g) want.push_back(c.to(x));
+    for (const int threads : {1, 2}) EXPECT_EQ(BackwardUnder(c, o, "f32", threads), want) << threads << " threads";
 
-        const CallViews t(c);
-        const ScopedEnv path("ATTN_ISA", "f32");
-        const size_t mask_copy = !o.mask.empty() && o.mask.dtype() == dt ? sizeof(float) * o.mask.numel() : 0;
-        EXPECT_EQ(attention_backward_workspace_bytes(t.q, t.k, t.v, t.out, t.lse, t.dout, t.dq, t.dk, t.dv, o, 1),
-                  attention_backward_workspace_bytes(q32, k32, v32, o32v, c.lse_view(), g32, dq, dk, dv, o32, 1) +
-                      mask_copy);
-      }
+    const CallViews t(c);
+    const ScopedEnv path("ATTN_ISA", "f32");
+    const size_t mask_copy = !o.mask.empty() && o.mask.dtype() == dt ? sizeof(float) * o.mask.numel() : 0;
+    EXPECT_EQ(attention_backward_workspace_bytes(t.q, t.k, t.v, t.out, t.lse, t.dout, t.dq, t.dk, t.dv, o, 1),
+              attention_backward_workspace_bytes(q32, k32, v32, o32v, c.lse_view(), g32, dq, dk, dv, o32, 1) +
+                  mask_copy);
+  });
 }
 
 TEST(LowPrecisionAttention, MixedDtypesAreErrors) {
