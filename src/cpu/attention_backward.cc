@@ -201,8 +201,8 @@ struct KeyTile {
 /// vectors that hold a key are read (QkRows stops at the last key's vector; the dQ
 /// product reads nk rows), so a short tile zeros and scans no more than that vector's
 /// padding, as the forward's PackTile. bf16/f16 rows (and f32 ones rounded under
-/// Precision::bf16) are widened through buf (max(d, dv) floats): K once, into its
-/// rows, which the K panel is then transposed from.
+/// Precision::bf16) are widened through buf (max(d, dv) floats) into rows, which the
+/// panels are then transposed from (V through the K rows' space, where it fits).
 KeyTile PackKeyTile(const Problem& p, int dp, int b, int hk, int kt, float* dst, float* buf) {
   const Sequence& seq = p.seqs[b];
   const int j0 = kt * kBk, nk = std::min(kBk, seq.Lk - j0);
@@ -217,11 +217,18 @@ KeyTile PackKeyTile(const Problem& p, int dp, int b, int hk, int kt, float* dst,
     PackPanel(p.v + v0, p.v_row, nk, p.dv, vpanel, zero_to);
     PackRows(p.k + k0, p.k_row, nk, p.d, dp, krows, zero_to);
   } else {
-    PackRowsFrom([&](int j) { return RowF32(p.dtype, p.k, k0 + j * p.k_row, p.d, buf, round); }, nk, p.d, dp, krows,
-                 zero_to);
+    const auto k_row = [&](int j) { return RowF32(p.dtype, p.k, k0 + j * p.k_row, p.d, buf, round); };
+    const auto v_row = [&](int j) { return RowF32(p.dtype, p.v, v0 + j * p.v_row, p.dv, buf, round); };
+    if (p.dv <= dp) {
+      // V widened into the K rows' space first, so that its panel is PackPanel's vector
+      // transpose too rather than a float at a time.
+      PackRowsFrom(v_row, nk, p.dv, dp, krows, zero_to);
+      PackPanel(krows, dp, nk, p.dv, vpanel, zero_to);
+    } else {
+      PackPanelRows(v_row, nk, p.dv, vpanel, 0, zero_to);
+    }
+    PackRowsFrom(k_row, nk, p.d, dp, krows, zero_to);
     PackPanel(krows, dp, nk, p.d, dst, zero_to);
-    PackPanelRows([&](int j) { return RowF32(p.dtype, p.v, v0 + j * p.v_row, p.dv, buf, round); }, nk, p.dv, vpanel,
-                  0, zero_to);
   }
   bool finite = AllFinite(krows, size_t(zero_to) * dp);  // K, row by row
   for (int c = 0; c < p.dv && finite; ++c) finite = AllFinite(vpanel + size_t(c) * kBk, zero_to);
