@@ -106,6 +106,25 @@ TEST(AttentionErrors, NonContiguousLastDimension) {
   }, {"q must have a contiguous last dimension"});
 }
 
+// A view with no elements has no layout to check: zero strides (what PyTorch gives an
+// empty tensor made from an empty NumPy array) are accepted, and the call writes the
+// rows there are (none, or zeros and lse −∞ without keys).
+TEST(AttentionErrors, EmptyViewsTakeAnyStrides) {
+  Call c;
+  c.qv = TensorView(c.q.data(), DType::f32, {c.B, 0, c.Hq, c.d}, {0, 0, 0, 0});
+  c.ov = TensorView(c.out.data(), DType::f32, {c.B, 0, c.Hq, c.dv}, {0, 0, 0, 0});
+  c.lv = TensorView(c.lse.data(), DType::f32, {c.B, c.Hq, 0});
+  c.pv = TensorView();
+  EXPECT_NO_THROW(c.run());
+  Call n;
+  n.kv = TensorView(n.k.data(), DType::f32, {n.B, 0, n.Hkv, n.d}, {0, 0, 0, 0});
+  n.vv = TensorView(n.v.data(), DType::f32, {n.B, 0, n.Hkv, n.dv}, {0, 0, 0, 0});
+  n.pv = TensorView();
+  n.run();
+  for (float x : n.out) EXPECT_EQ(x, 0.0f);
+  for (float x : n.lse) EXPECT_EQ(x, -std::numeric_limits<float>::infinity());
+}
+
 TEST(AttentionErrors, NullPointerWithElements) {
   expect_error([](Call& c) { c.kv = TensorView(nullptr, DType::f32, {c.B, c.Lk, c.Hkv, c.d}); },
                {"k has a null data pointer"});
