@@ -233,6 +233,7 @@ def _like(x, template):
 
 
 _PRECISIONS = {"f32": 0, "bf16": 1, "bf16x3": 2}
+_ALIGNMENTS = {"top_left": 1, "bottom_right": 2}  # the kernels' causal codes (_causal_code)
 
 
 def _precision(precision):
@@ -244,6 +245,85 @@ def _precision(precision):
 def _is_bf16(x):
     """True for a torch.bfloat16 tensor (passed to the kernels as its int16 bits)."""
     return _is_torch(x) and str(x.dtype) == "torch.bfloat16"
+
+
+def _fast_mask(attn_mask):
+    """attn_mask as _array makes it for the kernels, or None where _array rejects it
+    (the checked path then says why)."""
+    try:
+        return _array(attn_mask, "attn_mask", kinds=("f", "b"))
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+_torch_fast = None  # (torch, to_dlpack, {torch dtype: bf16?}) once a torch tensor has been seen
+
+
+def _fast_operand(x):
+    """(x as the kernels' positional entry takes it, its shape) for a NumPy array or a
+    CPU torch tensor of float32, float16 or bfloat16, else None. A tensor goes as a
+    DLPack capsule, read in place: ~0.4 µs against ~1.4 for .numpy(), and no buffer
+    to describe on the other side."""
+    global _torch_fast
+    if type(x) is _np.ndarray:
+        return x, x.shape
+    if _torch_fast is None:
+        if not _is_torch(x):
+            return None
+        import torch
+        import torch.utils.dlpack
+        _torch_fast = (torch, torch.utils.dlpack.to_dlpack,
+                       {torch.float32: False, torch.float16: False, torch.bfloat16: True})
+    if getattr(x, "dtype", None) not in _torch_fast[2] or not x.is_cpu:
+        return None
+    try:
+        return _torch_fast[1](x.detach() if x.requires_grad else x), x.shape
+    except Exception:  # e.g. a tensor with its negative bit set: the checked path says what is wrong
+        return None
+
+
+def _forward_fast(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, seed, precision,
+                  return_lse):
+    """The forward of a call with no option beyond these, on 4-D [B, H, L, d] inputs:
+    (out like query, lse as a NumPy array or None), or None when the call is not such
+    a call or the kernels reject its arguments. The library checks every argument
+    itself; this path skips the Python-side checks and conversions, which at one
+    token cost ~10x the kernel's call (~50 µs against ~5 on a Cascade Lake core), and
+    its positional entry skips pybind11's matching of 25 keywords (~4 µs). A rejected call is left to the checked path, whose messages name the
+    arguments in PyTorch's terms (the kernels check before they write, and out is
+    this call's own)."""
+    if precision not in _PRECISIONS or causal_alignment not in _ALIGNMENTS:
+        return None
+    q, k, v = _fast_operand(query), _fast_operand(key), _fast_operand(value)
+    if q is None or k is None or v is None:
+        return None
+    (q, q_shape), (k, k_shape), (v, v_shape) = q, k, v
+    if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4:
+        return None
+    if k_shape[1] != q_shape[1] and not enable_gqa:
+        return None
+    mask = None
+    if attn_mask is not None:
+        mask = _fast_mask(attn_mask)
+        if mask is None or mask.ndim > 4:
+            return None
+    out_shape = (q_shape[0], q_shape[1], q_shape[2], v_shape[3])
+    bf16 = False
+    if type(q) is _np.ndarray:
+        out = out_arg = _np.empty(out_shape, dtype=q.dtype)
+    else:
+        torch, to_dlpack, is_bf16 = _torch_fast
+        bf16 = is_bf16[query.dtype]
+        out = torch.empty(out_shape, dtype=query.dtype)
+        out_arg = to_dlpack(out)
+    lse = _np.empty(out_shape[:3], dtype=_np.float32) if return_lse else None
+    try:
+        _attn.forward_heads_major(q, k, v, out_arg, lse, mask, None if scale is None else float(scale),
+                                  _ALIGNMENTS[causal_alignment] if is_causal else 0, bf16, _PRECISIONS[precision])
+    except (Error, TypeError, ValueError):
+        return None
+    _last_seed.value = 0 if seed is None else int(seed)
+    return out, lse
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -308,10 +388,18 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if return_seed:
             result += (last_dropout_seed(),)
         return result if len(result) > 1 else result[0]
-    call = _prepare_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
-                         window, softcap, alibi_slopes, seed, block_mask, precision)
-    out, lse = _run_forward(call, return_lse)
-    result = (_like(out, query),) + ((_like(lse, query),) if return_lse else ())
+    fast = None
+    if not dropout_p and window is None and not softcap and alibi_slopes is None and block_mask is None:
+        fast = _forward_fast(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, seed,
+                             precision, return_lse)
+    if fast is not None:
+        out, lse = fast
+    else:
+        call = _prepare_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
+                             window, softcap, alibi_slopes, seed, block_mask, precision)
+        out, lse = _run_forward(call, return_lse)
+        out = _like(out, query)
+    result = (out,) + ((_like(lse, query),) if return_lse else ())
     if return_seed:
         result += (last_dropout_seed(),)
     return result if len(result) > 1 else result[0]

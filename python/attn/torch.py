@@ -214,6 +214,15 @@ def _traced(*args):
     return False
 
 
+def _eager_cpu(query, key, value, attn_mask):
+    """Whether a call is eager on plain CPU tensors (and so needs no custom operator):
+    _traced's answer, cheaper for the common case."""
+    for t in (query, key, value, attn_mask):
+        if t is not None and (type(t) is not _torch.Tensor or not t.is_cpu):
+            return False
+    return not ((_is_compiling is not None and _is_compiling()) or _dispatch_mode() is not None)
+
+
 def _needs_grad(*tensors):
     return _torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -231,6 +240,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     forward and backward alike): None follows ``torch.get_float32_matmul_precision()``,
     "highest" → "f32", "high" → "bf16x3", "medium" → "bf16"."""
     precision = _float32_precision(precision)
+    if (not dropout_p and window is None and not softcap and alibi_slopes is None and block_mask is None
+            and _eager_cpu(query, key, value, attn_mask) and not _needs_grad(query, key, value, attn_mask)):
+        # The common eager inference call, on the lean path (_attn._forward_fast): at
+        # one token the checked path below cost ~5x PyTorch's own call. A call that
+        # path rejects comes back None and takes the checked path, which says why.
+        fast = _attn._forward_fast(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, seed,
+                                   precision, False)
+        if fast is not None:
+            return fast[0]
     _attn._precision(precision)  # an unknown name is a ValueError here, before any work
     if dropout_p > 0 and seed is None:
         seed = secrets.randbits(63)

@@ -1,6 +1,6 @@
 // The compiled half of the Python package `attn` (module attn._attn): thin
 // bindings from buffer-protocol objects (NumPy arrays, and PyTorch tensors through
-// their NumPy views) and from DeviceTensors (CUDA memory) to attn's TensorViews,
+// their NumPy views or DLPack capsules) and from DeviceTensors (CUDA memory) to attn's TensorViews,
 // without copying, and the kernels run with the GIL released. The pure-Python half (python/attn/__init__.py) turns
 // PyTorch's calling convention into these calls.
 #include <pybind11/pybind11.h>
@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attn/attention.hpp"
@@ -49,10 +50,63 @@ DeviceTensor make_device_tensor(uintptr_t ptr, const std::string& dtype, const s
               .on(attn::Device::cuda(device, reinterpret_cast<void*>(stream)))};
 }
 
+// DLPack's tensor, as torch.utils.dlpack.to_dlpack hands it over in a PyCapsule named
+// "dltensor" (the first member of its DLManagedTensor). Declared here, not included:
+// it is DLPack's stable ABI (dlpack.h, unchanged since v0.6), and these three
+// structs are all attn reads of it. The capsule is read, not consumed: its owner
+// frees the tensor when the capsule goes, after the call.
+struct DLDevice {
+  int32_t device_type;  // 1: kDLCPU
+  int32_t device_id;
+};
+struct DLDataType {
+  uint8_t code;  // 0 int, 1 uint, 2 float, 4 bfloat, 6 bool
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;  // in elements; null: packed row-major
+  uint64_t byte_offset;
+};
+
+attn::TensorView view_of_dlpack(const py::object& capsule, const char* name) {
+  auto* t = static_cast<const DLTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
+  if (t == nullptr) {
+    PyErr_Clear();
+    throw py::type_error(std::string(name) + ": expected an unused DLPack capsule (\"dltensor\")");
+  }
+  if (t->device.device_type != 1) throw py::value_error(std::string(name) + ": expected a CPU tensor");
+  attn::DType dtype;
+  const DLDataType d = t->dtype;
+  if (d.lanes != 1) throw py::type_error(std::string(name) + ": vector element types are not supported");
+  if (d.code == 2 && d.bits == 32) dtype = attn::DType::f32;
+  else if (d.code == 2 && d.bits == 16) dtype = attn::DType::f16;
+  else if (d.code == 4 && d.bits == 16) dtype = attn::DType::bf16;
+  else
+    throw py::type_error(std::string(name) + ": unsupported element type (DLPack code " + std::to_string(d.code) +
+                         ", " + std::to_string(d.bits) + " bits); expected float32, float16 or bfloat16");
+  if (t->ndim < 0 || t->ndim > attn::TensorView::kMaxRank)
+    throw py::value_error(std::string(name) + ": at most 8 dimensions are supported");
+  std::vector<int64_t> shape(t->shape, t->shape + t->ndim), strides(t->ndim);
+  int64_t packed = 1;  // the stride of dimension i in a packed row-major tensor
+  for (int i = t->ndim - 1; i >= 0; --i) {
+    strides[i] = t->strides != nullptr ? t->strides[i] : packed;
+    if (strides[i] < 0) throw py::value_error(std::string(name) + ": negative strides are not supported");
+    packed *= shape[i];
+  }
+  return attn::TensorView(static_cast<const char*>(t->data) + t->byte_offset, dtype, shape, strides);
+}
+
 // A view of a buffer-protocol object: element type from its format, strides in
 // elements. Never copies; rejects what the kernels cannot read in place.
 attn::TensorView view_of(const py::object& obj, const char* name, bool writable, bool int16_is_bf16 = false) {
   if (obj.is_none()) return {};
+  if (PyCapsule_CheckExact(obj.ptr())) return view_of_dlpack(obj, name);
   if (py::isinstance<DeviceTensor>(obj)) return obj.cast<const DeviceTensor&>().view;
   py::buffer buffer = py::reinterpret_borrow<py::buffer>(obj);
   py::buffer_info info;
@@ -117,6 +171,16 @@ attn::AttentionOptions make_options(std::optional<float> scale, int causal, int 
   return o;
 }
 
+// The same view with dimensions 1 and 2 exchanged: PyTorch's [B, H, L, d] as the
+// kernels' [B, L, H, d], by strides alone (forward_heads_major).
+attn::TensorView heads_major(const attn::TensorView& t) {
+  if (t.empty() || t.rank() != 4) return t;  // the library's own checks name a wrong rank
+  std::vector<int64_t> shape = t.shape(), strides = t.strides();
+  std::swap(shape[1], shape[2]);
+  std::swap(strides[1], strides[2]);
+  return attn::TensorView(t.data(), t.dtype(), shape, strides);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_attn, m) {
@@ -168,6 +232,29 @@ PYBIND11_MODULE(_attn, m) {
       py::arg("block_q") = 0, py::arg("block_k") = 0, py::arg("block_table") = py::none(),
       py::arg("block_tiles") = py::none(), py::arg("precision") = 0,
       "Fused attention forward on BSHD views (or packed [total, H, d] with cu_seqlens); writes out, lse, probs.");
+
+  m.def(
+      "forward_heads_major",
+      [](const py::object& q, const py::object& k, const py::object& v, const py::object& out,
+         const py::object& lse, const py::object& mask, std::optional<float> scale, int causal, bool bf16,
+         int precision) {
+        // The eager calls from PyTorch code with no option beyond these, at a fraction
+        // of forward's cost for a short sequence: positional arguments only (pybind11
+        // matches 25 keywords by name in ~4 µs) and PyTorch's layout taken as it is.
+        attn::AttentionOptions o;
+        o.precision = static_cast<attn::Precision>(precision);
+        o.scale = scale;
+        o.causal = causal == 0 ? attn::Causal::None : causal == 1 ? attn::Causal::TopLeft : attn::Causal::BottomRight;
+        o.mask = view_of(mask, "attn_mask", false, bf16);
+        const attn::TensorView qv = heads_major(view_of(q, "query", false, bf16)),
+                               kv = heads_major(view_of(k, "key", false, bf16)),
+                               vv = heads_major(view_of(v, "value", false, bf16)),
+                               ov = heads_major(view_of(out, "out", true, bf16)), lv = view_of(lse, "lse", true);
+        py::gil_scoped_release release;
+        attn::attention(qv, kv, vv, ov, o, lv, {});
+      },
+      "forward on [B, H, L, d] views (out too; lse [B, H, L] or None), positional: (q, k, v, out, lse, mask, "
+      "scale, causal, bf16, precision).");
 
   m.def(
       "backward",
