@@ -282,6 +282,11 @@ def _fast_operand(x):
         return None
 
 
+def _lean_options(dropout_p, window, softcap, alibi_slopes, block_mask):
+    """Whether a call's options leave it to _forward_fast (none it does not take)."""
+    return not dropout_p and window is None and not softcap and alibi_slopes is None and block_mask is None
+
+
 def _forward_fast(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, seed, precision,
                   return_lse):
     """The forward of a call with no option beyond these, on 4-D [B, H, L, d] inputs:
@@ -289,9 +294,9 @@ def _forward_fast(query, key, value, attn_mask, is_causal, scale, enable_gqa, ca
     a call or the kernels reject its arguments. The library checks every argument
     itself; this path skips the Python-side checks and conversions, which at one
     token cost ~10x the kernel's call (~50 µs against ~5 on a Cascade Lake core), and
-    its positional entry skips pybind11's matching of 25 keywords (~4 µs). A rejected call is left to the checked path, whose messages name the
-    arguments in PyTorch's terms (the kernels check before they write, and out is
-    this call's own)."""
+    its positional entry skips pybind11's matching of 25 keywords (~4 µs). A rejected
+    call is left to the checked path, whose messages name the arguments in PyTorch's
+    terms (the kernels check before they write, and out is this call's own)."""
     if precision not in _PRECISIONS or causal_alignment not in _ALIGNMENTS:
         return None
     q, k, v = _fast_operand(query), _fast_operand(key), _fast_operand(value)
@@ -389,7 +394,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             result += (last_dropout_seed(),)
         return result if len(result) > 1 else result[0]
     fast = None
-    if not dropout_p and window is None and not softcap and alibi_slopes is None and block_mask is None:
+    if _lean_options(dropout_p, window, softcap, alibi_slopes, block_mask):
         fast = _forward_fast(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, seed,
                              precision, return_lse)
     if fast is not None:

@@ -240,7 +240,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     forward and backward alike): None follows ``torch.get_float32_matmul_precision()``,
     "highest" → "f32", "high" → "bf16x3", "medium" → "bf16"."""
     precision = _float32_precision(precision)
-    if (not dropout_p and window is None and not softcap and alibi_slopes is None and block_mask is None
+    if (_attn._lean_options(dropout_p, window, softcap, alibi_slopes, block_mask)
             and _eager_cpu(query, key, value, attn_mask) and not _needs_grad(query, key, value, attn_mask)):
         # The common eager inference call, on the lean path (_attn._forward_fast): at
         # one token the checked path below cost ~5x PyTorch's own call. A call that

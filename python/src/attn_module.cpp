@@ -142,6 +142,11 @@ attn::TensorView view_of(const py::object& obj, const char* name, bool writable,
   return attn::TensorView(info.ptr, dtype, shape, strides);
 }
 
+// The Python layer's causal code (attn._causal_code: 0 none, 1 top-left, 2 bottom-right).
+attn::Causal causal_of(int code) {
+  return code == 0 ? attn::Causal::None : code == 1 ? attn::Causal::TopLeft : attn::Causal::BottomRight;
+}
+
 attn::AttentionOptions make_options(std::optional<float> scale, int causal, int window_left, int window_right,
                                     const py::object& mask, const py::object& alibi_slopes, float softcap,
                                     const py::object& cu_seqlens_q, const py::object& cu_seqlens_k,
@@ -153,7 +158,7 @@ attn::AttentionOptions make_options(std::optional<float> scale, int causal, int 
   // left to the library's own check, which names "precision").
   o.precision = static_cast<attn::Precision>(precision);
   o.scale = scale;
-  o.causal = causal == 0 ? attn::Causal::None : causal == 1 ? attn::Causal::TopLeft : attn::Causal::BottomRight;
+  o.causal = causal_of(causal);
   o.window = {window_left, window_right};
   o.mask = view_of(mask, "attn_mask", false, bf16);
   o.alibi_slopes = view_of(alibi_slopes, "alibi_slopes", false);
@@ -244,7 +249,7 @@ PYBIND11_MODULE(_attn, m) {
         attn::AttentionOptions o;
         o.precision = static_cast<attn::Precision>(precision);
         o.scale = scale;
-        o.causal = causal == 0 ? attn::Causal::None : causal == 1 ? attn::Causal::TopLeft : attn::Causal::BottomRight;
+        o.causal = causal_of(causal);
         o.mask = view_of(mask, "attn_mask", false, bf16);
         const attn::TensorView qv = heads_major(view_of(q, "query", false, bf16)),
                                kv = heads_major(view_of(k, "key", false, bf16)),
@@ -331,7 +336,7 @@ PYBIND11_MODULE(_attn, m) {
         }
         attn::AttentionOptions o;
         o.scale = scale;
-        o.causal = causal == 0 ? attn::Causal::None : causal == 1 ? attn::Causal::TopLeft : attn::Causal::BottomRight;
+        o.causal = causal_of(causal);
         o.window = {window_left, window_right};
         o.softcap = softcap;
         o.alibi_slopes = view_of(alibi_slopes, "alibi_slopes", false);
