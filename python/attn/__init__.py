@@ -290,9 +290,9 @@ def _lean_options(dropout_p, window, softcap, alibi_slopes, block_mask):
 def _forward_fast(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, seed, precision,
                   return_lse):
     """The forward of a call with no option beyond these, on 4-D [B, H, L, d] inputs:
-    (out like query, lse as a NumPy array or None), or None when the call is not such
-    a call or the kernels reject its arguments. The library checks every argument
-    itself; this path skips the Python-side checks and conversions, which at one
+    (out like query, lse as a NumPy array or None, the kernels' q, k, v and mask
+    arguments for _backward_fast), or None when the call is not such a call or the
+    kernels reject its arguments. The library checks every argument itself; this path skips the Python-side checks and conversions, which at one
     token cost ~10x the kernel's call (~50 µs against ~5 on a Cascade Lake core), and
     its positional entry skips pybind11's matching of 25 keywords (~4 µs). A rejected
     call is left to the checked path, whose messages name the arguments in PyTorch's
@@ -328,7 +328,34 @@ def _forward_fast(query, key, value, attn_mask, is_causal, scale, enable_gqa, ca
     except (Error, TypeError, ValueError):
         return None
     _last_seed.value = 0 if seed is None else int(seed)
-    return out, lse
+    return out, lse, (q, k, v, mask)
+
+
+def _backward_fast(args, lse, query, key, value, out, grad_out, causal, scale, precision):
+    """dq, dk, dv of a call _forward_fast ran with return_lse on torch tensors: args are
+    the kernels' q, k, v (capsules) and mask it returned (a capsule is read, not
+    consumed, so the forward's serve again; out's is made anew, as one held until the
+    backward kept out's memory alive past the caller's tensor and each call then took
+    fresh pages: 32 page faults a call at N = 64), lse its lse; then its query,
+    key, value and out, grad_out (out's shape), the kernels' causal code, scale and
+    precision. New tensors of query's, key's and value's shapes and dtype, or None when
+    the kernels reject the call (the caller then takes the checked path, which says
+    why). Positional all through, for the reason _forward_fast gives."""
+    torch, to_dlpack, is_bf16 = _torch_fast
+    if grad_out.dim() and grad_out.stride(-1) != 1:  # e.g. the all-zero strides of out.sum()'s gradient
+        grad_out = grad_out.contiguous()
+    o, g = _fast_operand(out), _fast_operand(grad_out)
+    if o is None or g is None:
+        return None
+    q, k, v, mask = args
+    grads = [torch.empty(t.shape, dtype=query.dtype) for t in (query, key, value)]
+    try:
+        _attn.backward_heads_major(q, k, v, o[0], lse, g[0], *(to_dlpack(d) for d in grads), mask,
+                                   None if scale is None else float(scale), causal, is_bf16[query.dtype],
+                                   _PRECISIONS[precision])
+    except (Error, TypeError, ValueError):
+        return None
+    return grads
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -398,7 +425,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         fast = _forward_fast(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, seed,
                              precision, return_lse)
     if fast is not None:
-        out, lse = fast
+        out, lse, _ = fast
     else:
         call = _prepare_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
                              window, softcap, alibi_slopes, seed, block_mask, precision)

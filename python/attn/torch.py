@@ -34,17 +34,28 @@ import attn as _attn
 
 
 class _Attention(_torch.autograd.Function):
-    # On the CPU the forward checks and converts its arguments once (attn._prepare_call)
-    # and keeps the checked call with its NumPy out and lse for the backward, which
-    # then converts only grad_out: at one token the public attention_backward's second
-    # round of conversions and checks cost more than its kernel. CUDA tensors (here
-    # with PyTorch older than 2.4, which has no custom operators) take the public
-    # functions.
+    # A lean call (options _attn._lean_options takes, eager on plain CPU tensors, no
+    # gradient wanted for the mask) runs on the kernels' positional entries
+    # (_attn._forward_fast, _attn._backward_fast), which at one token cost a fraction of
+    # the checked path's conversions. Any other CPU call, or a lean one the kernels
+    # reject, checks and converts its arguments once (attn._prepare_call) and keeps
+    # the checked call with its NumPy out and lse for the backward, which then
+    # converts only grad_out. CUDA tensors (here with PyTorch older than 2.4, which
+    # has no custom operators) take the public functions.
     @staticmethod
-    def forward(ctx, query, key, value, attn_mask, options):
+    def forward(ctx, query, key, value, attn_mask, options, lean):
         mask = None if attn_mask is None else attn_mask.detach()
         ctx.mask_is_float = attn_mask is not None and attn_mask.dtype == _torch.float32
         ctx.options = options
+        ctx.lean_lse = None
+        if lean:
+            fast = _attn._forward_fast(query, key, value, mask, options["is_causal"], options["scale"],
+                                       options["enable_gqa"], options["causal_alignment"], None,
+                                       options["precision"], True)
+            if fast is not None:
+                out, ctx.lean_lse, ctx.lean_args = fast
+                ctx.save_for_backward(query, key, value, out, None, attn_mask)  # PyTorch's in-place checks
+                return out
         if query.is_cuda:
             ctx.call = None
             out, lse = _attn.scaled_dot_product_attention(query.detach(), key.detach(), value.detach(), mask,
@@ -64,7 +75,15 @@ class _Attention(_torch.autograd.Function):
         query, key, value, out, lse, attn_mask = ctx.saved_tensors
         want_mask = ctx.mask_is_float and ctx.needs_input_grad[3]
         mask = None if attn_mask is None else attn_mask.detach()
-        if ctx.call is None:
+        if ctx.lean_lse is not None:
+            o = ctx.options
+            grads = _attn._backward_fast(ctx.lean_args, ctx.lean_lse, query, key, value, out, grad_out,
+                                         _attn._causal_code(o["is_causal"], o["causal_alignment"]), o["scale"],
+                                         o["precision"])
+            if grads is None:  # rejected: the checked function says why
+                grads = _attn.attention_backward(grad_out.contiguous(), query.detach(), key.detach(), value.detach(),
+                                                 out.detach(), ctx.lean_lse, mask, **o)
+        elif ctx.call is None:
             grads = _attn.attention_backward(grad_out.contiguous(), query.detach(), key.detach(), value.detach(), out,
                                              lse, mask, return_mask_grad=want_mask, **ctx.options)
         else:
@@ -72,7 +91,7 @@ class _Attention(_torch.autograd.Function):
             grad = _attn._array(grad_out.contiguous(), "grad_out")
             grads = [_attn._like(x, query) for x in _attn._run_backward(ctx.call, ctx.out, grad, ctx.lse, mask,
                                                                           want_mask)]
-        return grads[0], grads[1], grads[2], grads[3] if want_mask else None, None
+        return grads[0], grads[1], grads[2], grads[3] if want_mask else None, None, None
 
 
 def _as_numpy_ready(t):
@@ -227,6 +246,14 @@ def _needs_grad(*tensors):
     return _torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _options(dropout_p, is_causal, scale, enable_gqa, causal_alignment, window, softcap, alibi_slopes, seed, block_mask,
+             precision):
+    """A call's options as attn.scaled_dot_product_attention's keywords."""
+    return dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                causal_alignment=causal_alignment, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                seed=seed, block_mask=block_mask, precision=precision)
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, causal_alignment="top_left", window=None, softcap=None,
                                  alibi_slopes=None, seed=None, block_mask=None, precision=None):
@@ -240,15 +267,21 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     forward and backward alike): None follows ``torch.get_float32_matmul_precision()``,
     "highest" → "f32", "high" → "bf16x3", "medium" → "bf16"."""
     precision = _float32_precision(precision)
-    if (_attn._lean_options(dropout_p, window, softcap, alibi_slopes, block_mask)
-            and _eager_cpu(query, key, value, attn_mask) and not _needs_grad(query, key, value, attn_mask)):
-        # The common eager inference call, on the lean path (_attn._forward_fast): at
-        # one token the checked path below cost ~5x PyTorch's own call. A call that
-        # path rejects comes back None and takes the checked path, which says why.
-        fast = _attn._forward_fast(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, seed,
-                                   precision, False)
-        if fast is not None:
-            return fast[0]
+    lean = (_attn._lean_options(dropout_p, window, softcap, alibi_slopes, block_mask)
+            and _eager_cpu(query, key, value, attn_mask))
+    if lean:
+        # The common eager call, on the lean path (_attn._forward_fast): at one token
+        # the checked path below cost ~5x PyTorch's own call. A call that path
+        # rejects takes the checked path, which says why.
+        if not _needs_grad(query, key, value, attn_mask):
+            fast = _attn._forward_fast(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment,
+                                       seed, precision, False)
+            if fast is not None:
+                return fast[0]
+        elif attn_mask is None or not attn_mask.requires_grad:  # a mask's own gradient needs the checked dbias
+            return _Attention.apply(query, key, value, attn_mask,
+                                    _options(dropout_p, is_causal, scale, enable_gqa, causal_alignment, window,
+                                             softcap, alibi_slopes, seed, block_mask, precision), True)
     _attn._precision(precision)  # an unknown name is a ValueError here, before any work
     if dropout_p > 0 and seed is None:
         seed = secrets.randbits(63)
@@ -273,11 +306,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                           causal_alignment == "bottom_right", left, right, float(softcap or 0.0), int(seed or 0),
                           table, tiles, bq, bk, precision)
         return out
-    options = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-                   causal_alignment=causal_alignment, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                   seed=seed, block_mask=block_mask, precision=precision)
+    options = _options(dropout_p, is_causal, scale, enable_gqa, causal_alignment, window, softcap, alibi_slopes, seed,
+                       block_mask, precision)
     if traced or _needs_grad(query, key, value, attn_mask):
-        return _Attention.apply(query, key, value, attn_mask, options)
+        return _Attention.apply(query, key, value, attn_mask, options, False)
     return _attn.scaled_dot_product_attention(query, key, value, attn_mask, **options)
 
 

@@ -262,6 +262,33 @@ PYBIND11_MODULE(_attn, m) {
       "scale, causal, bf16, precision).");
 
   m.def(
+      "backward_heads_major",
+      [](const py::object& q, const py::object& k, const py::object& v, const py::object& out,
+         const py::object& lse, const py::object& dout, const py::object& dq, const py::object& dk,
+         const py::object& dv, const py::object& mask, std::optional<float> scale, int causal, bool bf16,
+         int precision) {
+        // forward_heads_major's backward, for the same eager calls when they want a
+        // gradient: positional, and PyTorch's [B, H, L, d] taken as it is.
+        attn::AttentionOptions o;
+        o.precision = static_cast<attn::Precision>(precision);
+        o.scale = scale;
+        o.causal = causal_of(causal);
+        o.mask = view_of(mask, "attn_mask", false, bf16);
+        const attn::TensorView qv = heads_major(view_of(q, "query", false, bf16)),
+                               kv = heads_major(view_of(k, "key", false, bf16)),
+                               vv = heads_major(view_of(v, "value", false, bf16)),
+                               ov = heads_major(view_of(out, "out", false, bf16)), lv = view_of(lse, "lse", false),
+                               gv = heads_major(view_of(dout, "grad_out", false, bf16)),
+                               dqv = heads_major(view_of(dq, "dq", true, bf16)),
+                               dkv = heads_major(view_of(dk, "dk", true, bf16)),
+                               dvv = heads_major(view_of(dv, "dv", true, bf16));
+        py::gil_scoped_release release;
+        attn::attention_backward(qv, kv, vv, ov, lv, gv, dqv, dkv, dvv, o, {});
+      },
+      "backward on [B, H, L, d] views (lse [B, H, L]), positional: (q, k, v, out, lse, grad_out, dq, dk, dv, "
+      "mask, scale, causal, bf16, precision).");
+
+  m.def(
       "backward",
       [](const py::object& q, const py::object& k, const py::object& v, const py::object& out,
          const py::object& lse, const py::object& dout, const py::object& dq, const py::object& dk,

@@ -1,6 +1,6 @@
-"""The lean forward path (attn._forward_fast): plain eager calls on 4-D inputs skip the
-Python-side checks and go to the kernels' positional entry (torch tensors as DLPack
-capsules). It must give bitwise the result of the checked path, take the calls it is
+"""The lean path (attn._forward_fast, attn._backward_fast): plain eager calls on 4-D
+inputs skip the Python-side checks and go to the kernels' positional entries (torch
+tensors as DLPack capsules), with or without a gradient. It must give bitwise the result of the checked path, take the calls it is
 meant for, leave every other call and every error to the checked path, and keep the
 checked path's messages."""
 import numpy as np
@@ -97,6 +97,55 @@ def test_strided_and_grad_requiring_tensors(rng, count_checked):
     assert lean.is_contiguous()
 
 
+def grads_of(fn, q, k, v, grad, **options):
+    """(out, dq, dk, dv) of fn on fresh leaves made from q, k, v; grad None: out.sum()'s
+    gradient (all-zero strides), else out.backward(grad)."""
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = fn(q, k, v, **options)
+    if grad is None:
+        out.sum().backward()
+    else:
+        out.backward(grad)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
+def test_gradients_on_the_lean_path_match_the_checked_path_bitwise(rng, count_checked, dtype):
+    for n, case in enumerate(cases(rng)):
+        b, hq, hkv, lq, lk, d, dv = case.pop("shape")
+        q, k, v = (torch.from_numpy(x).to(TORCH_DTYPES[dtype]) for x in inputs(rng, (b, hq, hkv, lq, lk, d, dv)))
+        masks = [None, torch.from_numpy(rng.random((lq, lk)) < 0.7),
+                 torch.from_numpy(rand(rng, b, 1, lq, lk)).to(q.dtype if n % 2 else torch.float32)]
+        for mask in masks:
+            # grad_out: out.sum()'s (strides 0), or random and strided ([B, L, H, dv] memory).
+            grad = None if n % 2 else torch.from_numpy(rand(rng, b, lq, hq, dv)).to(q.dtype).transpose(1, 2)
+            before = count_checked[0]
+            lean = grads_of(attn.torch.scaled_dot_product_attention, q, k, v, grad, attn_mask=mask, **case)
+            assert count_checked[0] == before, "a plain call that wants a gradient took the checked path"
+            slow = grads_of(lambda *a, **o: checked(attn.torch.scaled_dot_product_attention, *a, **o), q, k, v, grad,
+                            attn_mask=mask, **case)
+            for x, y in zip(lean, slow):
+                assert x.dtype == q.dtype and x.shape == y.shape and torch.equal(x, y), case
+        # And they are attention's gradients: float64 autograd through the reference.
+        g = torch.from_numpy(rand(rng, b, hq, lq, dv))
+        got = grads_of(attn.torch.scaled_dot_product_attention, q, k, v, g.to(q.dtype), **case)
+        want = grads_of(lambda *a, **o: reference(*a, is_causal=o["is_causal"], scale=o["scale"],
+                                                  alignment=o["causal_alignment"])[0],
+                        q.double(), k.double(), v.double(), g.double(), **case)
+        for x, y in zip(got[1:], want[1:]):
+            assert rel_err(x.double(), y) < {"f32": 1e-4, "bf16": 5e-2, "f16": 1e-2}[dtype], case
+
+
+def test_lean_gradients_survive_a_rejected_backward(rng, monkeypatch):
+    # Should the kernels' positional backward reject a call, the checked backward runs.
+    q, k, v = (torch.from_numpy(rand(rng, 1, 2, 5, 16)) for _ in range(3))
+    want = grads_of(attn.torch.scaled_dot_product_attention, q, k, v, None, is_causal=True)
+    monkeypatch.setattr(attn, "_backward_fast", lambda *args: None)
+    got = grads_of(attn.torch.scaled_dot_product_attention, q, k, v, None, is_causal=True)
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
+
+
 def test_other_calls_take_the_checked_path(rng, count_checked):
     q, k, v = (torch.from_numpy(rand(rng, 1, 2, 5, 16)) for _ in range(3))
     calls = [dict(dropout_p=0.1, seed=3), dict(softcap=5.0), dict(alibi_slopes=np.ones(2, np.float32)),
@@ -108,10 +157,11 @@ def test_other_calls_take_the_checked_path(rng, count_checked):
     attn.scaled_dot_product_attention(rand(rng, 2, 1, 2, 5, 16), rand(rng, 2, 1, 2, 5, 16), rand(rng, 2, 1, 2, 5, 16))
     attn.scaled_dot_product_attention(rand(rng, 2, 5, 16), rand(rng, 2, 5, 16), rand(rng, 2, 5, 16))
     assert count_checked[0] == len(calls) + 2
-    # A gradient wanted: the autograd function, which keeps its checked call for the backward.
+    # A float mask that wants its own gradient: the checked path's dbias.
     q.requires_grad_()
-    attn.torch.scaled_dot_product_attention(q, k, v).sum().backward()
-    assert count_checked[0] == len(calls) + 3 and q.grad is not None
+    mask = torch.from_numpy(rand(rng, 5, 5)).requires_grad_()
+    attn.torch.scaled_dot_product_attention(q, k, v, mask).sum().backward()
+    assert count_checked[0] == len(calls) + 3 and q.grad is not None and mask.grad is not None
 
 
 def error_of(fn):
