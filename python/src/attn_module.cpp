@@ -186,6 +186,21 @@ attn::TensorView heads_major(const attn::TensorView& t) {
   return attn::TensorView(t.data(), t.dtype(), shape, strides);
 }
 
+attn::TensorView heads_major_view(const py::object& obj, const char* name, bool writable, bool bf16) {
+  return heads_major(view_of(obj, name, writable, bf16));
+}
+
+// The options of the heads-major entries' calls: a mask, scale, causal code, precision.
+attn::AttentionOptions lean_options(const py::object& mask, std::optional<float> scale, int causal, bool bf16,
+                                    int precision) {
+  attn::AttentionOptions o;
+  o.precision = static_cast<attn::Precision>(precision);  // checked by the library
+  o.scale = scale;
+  o.causal = causal_of(causal);
+  o.mask = view_of(mask, "attn_mask", false, bf16);
+  return o;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_attn, m) {
@@ -246,15 +261,11 @@ PYBIND11_MODULE(_attn, m) {
         // The eager calls from PyTorch code with no option beyond these, at a fraction
         // of forward's cost for a short sequence: positional arguments only (pybind11
         // matches 25 keywords by name in ~4 µs) and PyTorch's layout taken as it is.
-        attn::AttentionOptions o;
-        o.precision = static_cast<attn::Precision>(precision);
-        o.scale = scale;
-        o.causal = causal_of(causal);
-        o.mask = view_of(mask, "attn_mask", false, bf16);
-        const attn::TensorView qv = heads_major(view_of(q, "query", false, bf16)),
-                               kv = heads_major(view_of(k, "key", false, bf16)),
-                               vv = heads_major(view_of(v, "value", false, bf16)),
-                               ov = heads_major(view_of(out, "out", true, bf16)), lv = view_of(lse, "lse", true);
+        const attn::AttentionOptions o = lean_options(mask, scale, causal, bf16, precision);
+        const attn::TensorView qv = heads_major_view(q, "query", false, bf16),
+                               kv = heads_major_view(k, "key", false, bf16),
+                               vv = heads_major_view(v, "value", false, bf16),
+                               ov = heads_major_view(out, "out", true, bf16), lv = view_of(lse, "lse", true);
         py::gil_scoped_release release;
         attn::attention(qv, kv, vv, ov, o, lv, {});
       },
@@ -269,19 +280,14 @@ PYBIND11_MODULE(_attn, m) {
          int precision) {
         // forward_heads_major's backward, for the same eager calls when they want a
         // gradient: positional, and PyTorch's [B, H, L, d] taken as it is.
-        attn::AttentionOptions o;
-        o.precision = static_cast<attn::Precision>(precision);
-        o.scale = scale;
-        o.causal = causal_of(causal);
-        o.mask = view_of(mask, "attn_mask", false, bf16);
-        const attn::TensorView qv = heads_major(view_of(q, "query", false, bf16)),
-                               kv = heads_major(view_of(k, "key", false, bf16)),
-                               vv = heads_major(view_of(v, "value", false, bf16)),
-                               ov = heads_major(view_of(out, "out", false, bf16)), lv = view_of(lse, "lse", false),
-                               gv = heads_major(view_of(dout, "grad_out", false, bf16)),
-                               dqv = heads_major(view_of(dq, "dq", true, bf16)),
-                               dkv = heads_major(view_of(dk, "dk", true, bf16)),
-                               dvv = heads_major(view_of(dv, "dv", true, bf16));
+        const attn::AttentionOptions o = lean_options(mask, scale, causal, bf16, precision);
+        const attn::TensorView qv = heads_major_view(q, "query", false, bf16),
+                               kv = heads_major_view(k, "key", false, bf16),
+                               vv = heads_major_view(v, "value", false, bf16),
+                               ov = heads_major_view(out, "out", false, bf16), lv = view_of(lse, "lse", false),
+                               gv = heads_major_view(dout, "grad_out", false, bf16),
+                               dqv = heads_major_view(dq, "dq", true, bf16), dkv = heads_major_view(dk, "dk", true, bf16),
+                               dvv = heads_major_view(dv, "dv", true, bf16);
         py::gil_scoped_release release;
         attn::attention_backward(qv, kv, vv, ov, lv, gv, dqv, dkv, dvv, o, {});
       },
