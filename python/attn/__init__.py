@@ -292,8 +292,9 @@ def _forward_fast(query, key, value, attn_mask, is_causal, scale, enable_gqa, ca
     """The forward of a call with no option beyond these, on 4-D [B, H, L, d] inputs:
     (out like query, lse as a NumPy array or None, the kernels' q, k, v and mask
     arguments for _backward_fast), or None when the call is not such a call or the
-    kernels reject its arguments. The library checks every argument itself; this path skips the Python-side checks and conversions, which at one
-    token cost ~10x the kernel's call (~50 µs against ~5 on a Cascade Lake core), and
+    kernels reject its arguments. The library checks every argument itself; this
+    path skips the Python-side checks and conversions, which at one token cost ~10x
+    the kernel's call (~50 µs against ~5 on a Cascade Lake core), and
     its positional entry skips pybind11's matching of 25 keywords (~4 µs). A rejected
     call is left to the checked path, whose messages name the arguments in PyTorch's
     terms (the kernels check before they write, and out is this call's own)."""
