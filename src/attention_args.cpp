@@ -427,7 +427,8 @@ BackwardProblem make_backward_problem(const char* fn, const TensorView& q, const
                                       const TensorView& lse, const TensorView& dout,
                                       const TensorView& dq, const TensorView& dk,
                                       const TensorView& dv, const AttentionOptions& opt,
-                                      const TensorView& dbias, const UserMods* mods, bool on_device) {
+                                      const TensorView& dbias, const UserMods* mods, bool on_device,
+                                      bool grads_f32) {
   Checker c(fn);
   if (on_device && !q.empty()) c.set_device(q.device(), "q");
   if (lse.empty()) c.fail("lse is required (the forward's logsumexp), got none");
@@ -437,8 +438,8 @@ BackwardProblem make_backward_problem(const char* fn, const TensorView& q, const
   const bool varlen = !opt.cu_seqlens_q.empty();
 
   // Each gradient has exactly the shape of its tensor; any strides, last one 1.
-  auto like = [&](const TensorView& g, const char* name, const TensorView& t, const char* tname) {
-    c.tensor(g, name, p.dtype, t.rank(), "(the shape of its tensor)");
+  auto like = [&](const TensorView& g, const char* name, const TensorView& t, const char* tname, DType dtype) {
+    c.tensor(g, name, dtype, t.rank(), "(the shape of its tensor)");
     c.last_contiguous(g, name);
     for (int i = 0; i < t.rank(); ++i) {
       if (g.size(i) != t.size(i)) {
@@ -447,10 +448,11 @@ BackwardProblem make_backward_problem(const char* fn, const TensorView& q, const
       }
     }
   };
-  like(dout, "dout", out, "out");
-  like(dq, "dq", q, "q");
-  like(dk, "dk", k, "k");
-  like(dv, "dv", v, "v");
+  bp.grads_f32 = grads_f32;
+  like(dout, "dout", out, "out", p.dtype);
+  like(dq, "dq", q, "q", bp.grad_dtype());
+  like(dk, "dk", k, "k", bp.grad_dtype());
+  like(dv, "dv", v, "v", bp.grad_dtype());
   const int o = varlen ? 0 : 1;
   bp.dout = dout.data_as<const float>();
   bp.dout_row = dout.stride(o), bp.dout_head = dout.stride(o + 1);

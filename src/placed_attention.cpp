@@ -9,10 +9,10 @@
 
 #include "attention_lowp.hpp"
 #include "cpu/attention_backward.hpp"
+#include "cpu/attention_backward_amx.hpp"
 #include "cpu/attention_forward.hpp"
 #include "cpu/attention_forward_amx.hpp"
 #include "problem.hpp"
-#include "tensor/convert.hpp"
 
 namespace attn::detail {
 namespace {
@@ -44,15 +44,6 @@ void place(Problem& p, const Placement& w, const char* fn) {
   }
 }
 
-// An f32 copy of a tensor (rounded to bf16 first when asked) and its view.
-struct F32Copy {
-  std::vector<float> data;
-  TensorView view;
-  F32Copy(const TensorView& t, bool round_bf16) : data(to_f32_contiguous(t, round_bf16)) {
-    view = contiguous_f32_view(data.data(), t);
-  }
-};
-
 bool is_lowp(DType t) { return t == DType::bf16 || t == DType::f16; }
 
 }  // namespace
@@ -68,18 +59,14 @@ void attention_placed(const TensorView& q, const TensorView& k, const TensorView
   const TensorView out_twin(out.data(), q.dtype(), out.shape(), out.strides());
   Problem p = make_problem(fn, q, k, v, is_lowp(q.dtype()) ? out_twin : out, options, lse, {}, nullptr);
   place(p, where, fn);
+  // Both kernels write out in f32 for bf16/f16 inputs when asked (and read those
+  // inputs where they pack them), so no input is copied.
+  p.out_f32 = true;
   if (needs_widening(p, options)) {
     if (const LowpPath path = lowp_kernel(p, options, LowpPass::forward); path != LowpPath::f32) {
-      p.out_f32 = true;
       if (attention_forward_amx(p, num_threads(), path)) return;
       // Declined (a NaN or ±∞ in q, k or v): the portable path's exact semantics.
     }
-    const bool round = q.dtype() == DType::f32 && options.precision == Precision::bf16;
-    const F32Copy q32(q, round), k32(k, round), v32(v, round);
-    AttentionOptions o = options;
-    o.precision = Precision::f32;
-    attention_placed(q32.view, k32.view, v32.view, out, lse, o, where);
-    return;
   }
   attention_forward_cpu(p, num_threads());
 }
@@ -90,21 +77,18 @@ void attention_backward_placed(const TensorView& q, const TensorView& k, const T
                                const AttentionOptions& options, const Placement& where) {
   const char* fn = "attention_backward_placed";
   check_options(fn, options);
-  for (const TensorView* g : {&dq, &dk, &dv}) {
-    if (g->empty() || g->dtype() != DType::f32) throw Error(std::string(fn) + ": dq, dk and dv must be f32");
-  }
-  const bool round = q.dtype() == DType::f32 && options.precision == Precision::bf16;
-  if (is_lowp(q.dtype()) || round) {
-    // The backward computes in f32 on widened copies in every case (as
-    // attention_backward's portable path); here the gradients stay f32.
-    const F32Copy q32(q, round), k32(k, round), v32(v, round), out32(out, false), dout32(dout, false);
-    AttentionOptions o = options;
-    o.precision = Precision::f32;
-    attention_backward_placed(q32.view, k32.view, v32.view, out32.view, lse, dout32.view, dq, dk, dv, o, where);
-    return;
-  }
-  BackwardProblem bp = make_backward_problem(fn, q, k, v, out, lse, dout, dq, dk, dv, options, {}, nullptr);
+  // The gradients stay f32 (contributions are summed before rounding): the kernels
+  // write them so (grads_f32), and read bf16/f16 inputs where they pack them, as
+  // attention_backward does, so no input is copied.
+  BackwardProblem bp = make_backward_problem(fn, q, k, v, out, lse, dout, dq, dk, dv, options, {}, nullptr,
+                                             /*on_device=*/false, /*grads_f32=*/true);
   place(bp.fwd, where, fn);
+  if (needs_widening(bp.fwd, options)) {
+    if (const LowpPath path = lowp_kernel(bp.fwd, options, LowpPass::backward); path != LowpPath::f32) {
+      if (attention_backward_amx(bp, num_threads(), path)) return;
+      // Declined (see attention_backward_amx.hpp): the portable path.
+    }
+  }
   attention_backward_cpu(bp, num_threads());
 }
 

@@ -99,8 +99,8 @@ struct Problem {
   // ALiBi and dropout read these global positions. 0, 0, 0, Hq for an ordinary call.
   int64_t q_pos0 = 0, k_pos0 = 0;
   int h0 = 0, heads_total = 0;
-  // out is f32 although dtype is bf16 (a placed call's partial result on the AMX
-  // path, merged before it is rounded). The portable path never sets it.
+  // out is f32 although dtype is bf16/f16: a placed call's partial result, merged
+  // before it is rounded. Both forward kernels (tiles and portable) honour it.
   bool out_f32 = false;
   // What the caller allows for f32 inputs (AttentionOptions::precision).
   Precision precision = Precision::f32;
@@ -145,6 +145,11 @@ struct BackwardProblem {
   // Packed batches: the tokens of q and k, all zeroed in the gradients (tokens
   // outside every sequence included); 0 for a padded batch.
   int64_t varlen_q_tokens = 0, varlen_k_tokens = 0;
+  // dq, dk, dv are f32 although the inputs are bf16/f16: a placed call's
+  // contributions, summed across blocks before they are rounded once.
+  bool grads_f32 = false;
+  /// The dtype dq, dk and dv are stored in.
+  DType grad_dtype() const { return grads_f32 ? DType::f32 : fwd.dtype; }
 };
 
 /// Strides of a tensor of rank ≤ 4 broadcast over 4 dimensions [B, H, Lq, Lk]
@@ -176,13 +181,15 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
 
 /// The same for attention_backward(): lse is required; dout is shaped like out,
 /// dq like q, dk like k, dv like v; dbias like the (additive) mask. `on_device` as
-/// make_problem's: every tensor on q's device.
+/// make_problem's: every tensor on q's device. `grads_f32`: dq, dk and dv must be f32
+/// whatever the inputs' dtype (placed calls, BackwardProblem::grads_f32); else they
+/// have the inputs' dtype.
 BackwardProblem make_backward_problem(const char* fn, const TensorView& q, const TensorView& k,
                                       const TensorView& v, const TensorView& out,
                                       const TensorView& lse, const TensorView& dout,
                                       const TensorView& dq, const TensorView& dk,
                                       const TensorView& dv, const AttentionOptions& opt,
                                       const TensorView& dbias, const UserMods* mods,
-                                      bool on_device = false);
+                                      bool on_device = false, bool grads_f32 = false);
 
 }  // namespace attn::detail

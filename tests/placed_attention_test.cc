@@ -3,7 +3,8 @@
 // blocks, attend each pair with the whole sequence's rules, merge by log-sum-exp, and
 // the result must be one call over the whole sequence — causal (both alignments),
 // windows, ALiBi, softcap, dropout at odd key offsets, key lengths, GQA, head slices,
-// bf16 — and the blocks' gradients must sum to the whole call's gradients.
+// bf16 and f16 on every kernel path the CPU runs — and the blocks' gradients must sum
+// to the whole call's gradients.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "attention_harness.hpp"
+#include "lowp_harness.hpp"
 #include "attn/attention.hpp"
 #include "placed_attention.hpp"
 #include "tensor/convert.hpp"
@@ -30,12 +32,20 @@ struct Case {
   DType dtype = DType::f32;
 };
 
+// x as the bits of a 16-bit dtype (bf16, f16), and back.
+uint16_t to16(DType dt, float x) {
+  uint16_t h;
+  detail::store_f32(dt, &h, 0, x);
+  return h;
+}
+float from16(DType dt, uint16_t h) { return detail::load_f32(dt, &h, 0); }
+
 // Whole-sequence tensors, and views of their blocks (rows [a, b) of dimension 1).
 struct Inputs {
   const Case& c;
   std::vector<float> q, k, v, dout, alibi;
   std::vector<int32_t> key_lengths;
-  std::vector<uint16_t> q16, k16, v16;  // bf16 copies when c.dtype is bf16
+  std::vector<uint16_t> q16, k16, v16;  // 16-bit copies when c.dtype is bf16 or f16
   Inputs(const Case& cs, std::mt19937_64& rng) : c(cs) {
     std::uniform_real_distribution<float> u(-1.5f, 1.5f);
     q.resize(size_t(c.B) * c.Lq * c.Hq * c.d);
@@ -44,9 +54,13 @@ struct Inputs {
     dout.resize(size_t(c.B) * c.Lq * c.Hq * c.dv);
     for (auto* t : {&q, &k, &v, &dout})
       for (float& x : *t) x = u(rng);
-    if (c.dtype == DType::bf16) {
+    if (c.dtype != DType::f32) {  // the f32 tensors hold the 16-bit values exactly
       for (auto [src, dst] : {std::pair{&q, &q16}, {&k, &k16}, {&v, &v16}}) {
-        for (float& x : *src) x = detail::round_to_bf16(x), dst->push_back(detail::f32_to_bf16(x));
+        dst->resize(src->size());
+        for (size_t i = 0; i < src->size(); ++i) {
+          detail::store_f32(c.dtype, dst->data(), int64_t(i), (*src)[i]);
+          (*src)[i] = detail::load_f32(c.dtype, dst->data(), int64_t(i));
+        }
       }
     }
     if (c.alibi)
@@ -54,12 +68,21 @@ struct Inputs {
     if (c.key_lengths)
       for (int b = 0; b < c.B; ++b) key_lengths.push_back(int32_t(rng() % (c.Lk + 1)));
   }
+  // The values of `from` for case cs (same shapes; 16-bit copies made when cs wants them).
+  Inputs(const Case& cs, const Inputs& from)
+      : c(cs), q(from.q), k(from.k), v(from.v), dout(from.dout), alibi(from.alibi), key_lengths(from.key_lengths) {
+    if (c.dtype != DType::f32) {
+      for (auto [src, dst] : {std::pair{&q, &q16}, {&k, &k16}, {&v, &v16}}) {
+        for (float x : *src) dst->push_back(to16(c.dtype, x));
+      }
+    }
+  }
   TensorView view(const std::vector<float>& f32, const std::vector<uint16_t>& b16, int L, int H, int D, int a,
                   int b, int h0 = 0, int h1 = -1) const {
     if (h1 < 0) h1 = H;
     const std::vector<int64_t> strides{int64_t(L) * H * D, int64_t(H) * D, D, 1};
     const int64_t at = int64_t(a) * H * D + int64_t(h0) * D;
-    if (c.dtype == DType::bf16) return TensorView(b16.data() + at, DType::bf16, {c.B, b - a, h1 - h0, D}, strides);
+    if (c.dtype != DType::f32) return TensorView(b16.data() + at, c.dtype, {c.B, b - a, h1 - h0, D}, strides);
     return TensorView(f32.data() + at, DType::f32, {c.B, b - a, h1 - h0, D}, strides);
   }
   TensorView qv(int a, int b, int h0 = 0, int h1 = -1) const { return view(q, q16, c.Lq, c.Hq, c.d, a, b, h0, h1); }
@@ -88,21 +111,21 @@ Whole run_whole(const Inputs& in) {
   if (c.key_lengths) o.key_lengths = TensorView(in.key_lengths.data(), DType::i32, {c.B});
   const TensorView lse(w.lse.data(), DType::f32, {c.B, c.Hq, c.Lq});
   const TensorView out(w.out.data(), DType::f32, {c.B, c.Lq, c.Hq, c.dv});
-  if (c.dtype == DType::bf16) {
-    // Outputs in bf16 as attention() gives them, widened for comparison.
+  if (c.dtype != DType::f32) {
+    // Outputs in the inputs' dtype as attention() gives them, widened for comparison.
     std::vector<uint16_t> o16(w.out.size()), dout16(in.dout.size()), g[3];
-    for (size_t i = 0; i < in.dout.size(); ++i) dout16[i] = detail::f32_to_bf16(in.dout[i]);
-    const TensorView ov(o16.data(), DType::bf16, {c.B, c.Lq, c.Hq, c.dv});
+    for (size_t i = 0; i < in.dout.size(); ++i) dout16[i] = to16(c.dtype, in.dout[i]);
+    const TensorView ov(o16.data(), c.dtype, {c.B, c.Lq, c.Hq, c.dv});
     attention(in.qv(0, c.Lq), in.kv(0, c.Lk), in.vv(0, c.Lk), ov, o, lse);
     g[0].resize(w.dq.size()), g[1].resize(w.dk.size()), g[2].resize(w.dv.size());
     attention_backward(in.qv(0, c.Lq), in.kv(0, c.Lk), in.vv(0, c.Lk), ov, lse,
-                       TensorView(dout16.data(), DType::bf16, {c.B, c.Lq, c.Hq, c.dv}),
-                       TensorView(g[0].data(), DType::bf16, {c.B, c.Lq, c.Hq, c.d}),
-                       TensorView(g[1].data(), DType::bf16, {c.B, c.Lk, c.Hkv, c.d}),
-                       TensorView(g[2].data(), DType::bf16, {c.B, c.Lk, c.Hkv, c.dv}), o);
-    for (size_t i = 0; i < o16.size(); ++i) w.out[i] = detail::bf16_to_f32(o16[i]);
+                       TensorView(dout16.data(), c.dtype, {c.B, c.Lq, c.Hq, c.dv}),
+                       TensorView(g[0].data(), c.dtype, {c.B, c.Lq, c.Hq, c.d}),
+                       TensorView(g[1].data(), c.dtype, {c.B, c.Lk, c.Hkv, c.d}),
+                       TensorView(g[2].data(), c.dtype, {c.B, c.Lk, c.Hkv, c.dv}), o);
+    for (size_t i = 0; i < o16.size(); ++i) w.out[i] = from16(c.dtype, o16[i]);
     for (auto [src, dst] : {std::pair{&g[0], &w.dq}, {&g[1], &w.dk}, {&g[2], &w.dv}})
-      for (size_t i = 0; i < src->size(); ++i) (*dst)[i] = detail::bf16_to_f32((*src)[i]);
+      for (size_t i = 0; i < src->size(); ++i) (*dst)[i] = from16(c.dtype, (*src)[i]);
     return w;
   }
   attention(in.qv(0, c.Lq), in.kv(0, c.Lk), in.vv(0, c.Lk), out, o, lse);
@@ -126,8 +149,8 @@ void run_blocks(const Inputs& in, const Whole& whole, Whole& w, int h0, int h1) 
   const AttentionOptions o = in.options(h0, h1);
   // Whole-call out (in the inputs' dtype) and lse for the backward's blocks.
   std::vector<uint16_t> out16, dout16;
-  for (float x : whole.out) out16.push_back(detail::f32_to_bf16(x));
-  for (float x : in.dout) dout16.push_back(detail::f32_to_bf16(x));
+  for (float x : whole.out) out16.push_back(to16(c.dtype, x));
+  for (float x : in.dout) dout16.push_back(to16(c.dtype, x));
   const std::vector<float> no_f32;
   const std::vector<uint16_t> no_b16;
   for (size_t qb = 0; qb + 1 < c.q_cuts.size(); ++qb) {
@@ -152,10 +175,10 @@ void run_blocks(const Inputs& in, const Whole& whole, Whole& w, int h0, int h1) 
       merge_attention_states(accv, acc_lv, partv, part_lv, accv, acc_lv);
       // Backward of the block: dq contribution, and the block's dk, dv.
       std::vector<float> dk(size_t(c.B) * m * Hk * c.d), dv(size_t(c.B) * m * Hk * c.dv);
-      const TensorView outv = c.dtype == DType::bf16
+      const TensorView outv = c.dtype != DType::f32
                                   ? in.view(no_f32, out16, c.Lq, c.Hq, c.dv, qa, qe, h0, h1)
                                   : in.view(whole.out, no_b16, c.Lq, c.Hq, c.dv, qa, qe, h0, h1);
-      const TensorView doutv = c.dtype == DType::bf16
+      const TensorView doutv = c.dtype != DType::f32
                                    ? in.view(no_f32, dout16, c.Lq, c.Hq, c.dv, qa, qe, h0, h1)
                                    : in.view(in.dout, no_b16, c.Lq, c.Hq, c.dv, qa, qe, h0, h1);
       detail::attention_backward_placed(in.qv(qa, qe, h0, h1), in.kv(ka, ke, kh0, kh1), in.vv(ka, ke, kh0, kh1), outv,
@@ -211,11 +234,12 @@ void check(const Case& c, uint64_t salt) {
   } else {
     run_blocks(in, whole, blocks, 0, c.Hq);
   }
-  // f32: the same arithmetic up to the merge's roundings. bf16: whole-call outputs are
-  // rounded to bf16, the blocks' stay f32 until compared (and the AMX path rounds P).
-  const double bar = c.dtype == DType::bf16 ? 1e-2 : 2e-6;
+  // f32: the same arithmetic up to the merge's roundings. bf16/f16: whole-call outputs
+  // are rounded to the dtype, the blocks' stay f32 until compared (and the bf16 tile
+  // paths round P).
+  const double bar = c.dtype == DType::bf16 ? 1e-2 : c.dtype == DType::f16 ? 2e-3 : 2e-6;
   EXPECT_LE(rel(blocks.out, whole.out, 1e-3), bar);
-  EXPECT_LE(rel(blocks.lse, whole.lse, 1e-3), c.dtype == DType::bf16 ? 1e-3 : 2e-6);
+  EXPECT_LE(rel(blocks.lse, whole.lse, 1e-3), c.dtype == DType::f32 ? 2e-6 : 1e-3);
   for (size_t i = 0; i < whole.lse.size(); ++i) {
     ASSERT_EQ(std::isinf(whole.lse[i]), std::isinf(blocks.lse[i])) << "lse " << i;
   }
@@ -285,13 +309,115 @@ TEST(PlacedAttention, HeadSlicesDrawTheirOwnHeadsDropoutAndSlopes) {
   check(c, 7);
 }
 
-TEST(PlacedAttention, Bf16BlocksKeepF32PartialResults) {
-  Case c = base("bf16, causal, window");
-  c.dtype = DType::bf16;
+// bf16 and f16 blocks on every kernel path this CPU runs ("f32": the portable kernel,
+// which reads the 16-bit rows where it packs them; "amx", "avx512bf16": the tile
+// kernels, f16 on AMX only), partial results and gradients kept in f32.
+struct LowpPlacement {
+  const char* path;
+  DType dtype;
+};
+class PlacedLowp : public ::testing::TestWithParam<LowpPlacement> {};
+INSTANTIATE_TEST_SUITE_P(Paths, PlacedLowp,
+                         ::testing::Values(LowpPlacement{"f32", DType::bf16}, LowpPlacement{"f32", DType::f16},
+                                           LowpPlacement{"amx", DType::bf16}, LowpPlacement{"amx", DType::f16},
+                                           LowpPlacement{"avx512bf16", DType::bf16}),
+                         [](const ::testing::TestParamInfo<LowpPlacement>& info) {
+                           return std::string(info.param.path) + "_" + dtype_name(info.param.dtype);
+                         });
+
+TEST_P(PlacedLowp, BlocksKeepF32PartialResults) {
+  SKIP_UNLESS_PATH(GetParam().path);
+  const ScopedIsa isa(GetParam().path);
+  Case c = base("causal, window");
+  c.dtype = GetParam().dtype;
   c.d = 32, c.dv = 32;
   c.opt.causal = Causal::TopLeft;
   c.opt.window = {30, 0};
   check(c, 8);
+}
+
+TEST_P(PlacedLowp, LongBlocksWithGqaDropoutAlibiAndKeyLengths) {
+  SKIP_UNLESS_PATH(GetParam().path);
+  const ScopedIsa isa(GetParam().path);
+  Case c = base("Lq = 150, Lk = 333, bottom-right causal, GQA 2, dropout, alibi, key lengths, head slices");
+  c.dtype = GetParam().dtype;
+  c.B = 2, c.Lq = 150, c.Lk = 333, c.Hq = 4, c.Hkv = 2, c.d = 64, c.dv = 64;
+  c.q_cuts = {0, 64, 71, 150};
+  c.k_cuts = {0, 17, 128, 200, 333};
+  c.opt.causal = Causal::BottomRight;
+  c.opt.dropout_p = 0.1f, c.opt.seed = 21;
+  c.alibi = c.key_lengths = true;
+  c.head_slice = 2;
+  check(c, 10);
+}
+
+// Whole's shape with zero gradients: run_blocks sums the blocks' into them.
+Whole zeroed_like(const Whole& w) {
+  Whole z = w;
+  for (auto* g : {&z.dq, &z.dk, &z.dv}) std::fill(g->begin(), g->end(), 0.0f);
+  return z;
+}
+
+Case portable_case() {
+  Case c = base("Lq = 90, Lk = 140, bottom-right causal, GQA 2, dropout");
+  c.Lq = 90, c.Lk = 140, c.Hq = 4, c.Hkv = 2, c.d = 48, c.dv = 40;
+  c.q_cuts = {0, 33, 90};
+  c.k_cuts = {0, 70, 71, 140};
+  c.opt.causal = Causal::BottomRight;
+  c.opt.dropout_p = 0.15f, c.opt.seed = 5;
+  return c;
+}
+
+void expect_same_blocks(const Whole& a, const Whole& b) {
+  EXPECT_EQ(a.out, b.out);
+  EXPECT_EQ(a.lse, b.lse);
+  EXPECT_EQ(a.dq, b.dq);
+  EXPECT_EQ(a.dk, b.dk);
+  EXPECT_EQ(a.dv, b.dv);
+}
+
+// On the portable path a bf16 (or f16) block is bitwise the f32 block of its widened
+// values, forward and backward: the kernel widens the rows where it packs them, with
+// the result the f32 copies it once made gave.
+TEST(PlacedAttention, PortableLowpBlocksEqualTheirWidenedF32Blocks) {
+  const ScopedIsa isa("f32");
+  for (const DType dt : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    Case c = portable_case();
+    c.dtype = dt;
+    std::mt19937_64 rng = make_rng(11);
+    const Inputs in(c, rng);  // values exact in dt
+    const Whole whole = run_whole(in);  // out holds dt's values
+    Case c32 = c;
+    c32.dtype = DType::f32;
+    Inputs wide(c32, in);
+    for (float& x : wide.dout) x = from16(dt, to16(dt, x));  // as run_blocks hands dout to 16-bit blocks
+    Whole a = zeroed_like(whole), b = zeroed_like(whole);
+    run_blocks(in, whole, a, 0, c.Hq);
+    run_blocks(wide, whole, b, 0, c.Hq);
+    expect_same_blocks(a, b);
+  }
+}
+
+// Likewise f32 blocks under Precision::bf16 (rounded where packed) against blocks of
+// inputs rounded to bf16 beforehand.
+TEST(PlacedAttention, PrecisionBf16BlocksEqualBlocksOfRoundedInputs) {
+  const ScopedIsa isa("f32");
+  Case c = portable_case();
+  c.opt.precision = Precision::bf16;
+  std::mt19937_64 rng = make_rng(12);
+  const Inputs raw(c, rng);
+  Case c_rounded = c;
+  c_rounded.opt.precision = Precision::f32;
+  Inputs rounded(c_rounded, raw);
+  for (auto* t : {&rounded.q, &rounded.k, &rounded.v})
+    for (float& x : *t) x = detail::round_to_bf16(x);
+  ASSERT_NE(rounded.q, raw.q);
+  const Whole whole = run_whole(raw);
+  Whole a = zeroed_like(whole), b = zeroed_like(whole);
+  run_blocks(raw, whole, a, 0, c.Hq);
+  run_blocks(rounded, whole, b, 0, c.Hq);
+  expect_same_blocks(a, b);
 }
 
 TEST(PlacedAttention, LongerBlocksThanOneTile) {

@@ -502,9 +502,9 @@ void BackwardItem(const BwdShared& sh, int b, int hk, int kt) {
   const BackwardProblem& bp = sh.bp;
   const int j0 = kt * kBk, nk = std::min(kBk, seq.Lk - j0);
   for (int j = 0; j < nk; ++j) {
-    StoreRowF32(p.dtype, bp.dk, seq.dk_offset + hk * bp.dk_head + int64_t{j0 + j} * bp.dk_row, w.dk + size_t(j) * dp,
+    StoreRowF32(bp.grad_dtype(), bp.dk, seq.dk_offset + hk * bp.dk_head + int64_t{j0 + j} * bp.dk_row, w.dk + size_t(j) * dp,
                 p.d);
-    StoreRowF32(p.dtype, bp.dv, seq.dv_offset + hk * bp.dv_head + int64_t{j0 + j} * bp.dv_row, w.dv + size_t(j) * dvp,
+    StoreRowF32(bp.grad_dtype(), bp.dv, seq.dv_offset + hk * bp.dv_head + int64_t{j0 + j} * bp.dv_row, w.dv + size_t(j) * dvp,
                 p.dv);
   }
 }
@@ -624,16 +624,16 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
 #pragma omp single
     {
       if (bp.varlen_q_tokens > 0 || bp.varlen_k_tokens > 0) {  // tokens outside every sequence: 0
-        ZeroRows(p.dtype, bp.dq, 0, bp.dq_row, bp.dq_head, bp.varlen_q_tokens, p.Hq, p.d);
-        ZeroRows(p.dtype, bp.dk, 0, bp.dk_row, bp.dk_head, bp.varlen_k_tokens, p.Hkv, p.d);
-        ZeroRows(p.dtype, bp.dv, 0, bp.dv_row, bp.dv_head, bp.varlen_k_tokens, p.Hkv, p.dv);
+        ZeroRows(bp.grad_dtype(), bp.dq, 0, bp.dq_row, bp.dq_head, bp.varlen_q_tokens, p.Hq, p.d);
+        ZeroRows(bp.grad_dtype(), bp.dk, 0, bp.dk_row, bp.dk_head, bp.varlen_k_tokens, p.Hkv, p.d);
+        ZeroRows(bp.grad_dtype(), bp.dv, 0, bp.dv_row, bp.dv_head, bp.varlen_k_tokens, p.Hkv, p.dv);
       }
       for (int b = 0; b < p.B; ++b) {  // keys beyond key_lengths[b] get no gradient
         const Sequence& seq = p.seqs[b];
         const int64_t extra = seq.Lk_rows - seq.Lk;
-        ZeroRows(p.dtype, bp.dk, seq.dk_offset + int64_t{seq.Lk} * bp.dk_row, bp.dk_row, bp.dk_head, extra, p.Hkv,
+        ZeroRows(bp.grad_dtype(), bp.dk, seq.dk_offset + int64_t{seq.Lk} * bp.dk_row, bp.dk_row, bp.dk_head, extra, p.Hkv,
                  p.d);
-        ZeroRows(p.dtype, bp.dv, seq.dv_offset + int64_t{seq.Lk} * bp.dv_row, bp.dv_row, bp.dv_head, extra, p.Hkv,
+        ZeroRows(bp.grad_dtype(), bp.dv, seq.dv_offset + int64_t{seq.Lk} * bp.dv_row, bp.dv_row, bp.dv_head, extra, p.Hkv,
                  p.dv);
       }
     }
@@ -657,7 +657,7 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
       const Sequence& seq = p.seqs[b];
       const float* dq_sum = pk.QueryTile(pack, p, b, h, qt) + size_t{kBq} * (pk.dp + pk.dvp);
       for (int r = 0, i0 = qt * kBq; r < std::min(kBq, seq.Lq - i0); ++r) {
-        StoreRowF32(p.dtype, bp.dq, seq.dq_offset + h * bp.dq_head + int64_t{i0 + r} * bp.dq_row,
+        StoreRowF32(bp.grad_dtype(), bp.dq, seq.dq_offset + h * bp.dq_head + int64_t{i0 + r} * bp.dq_row,
                     dq_sum + size_t(r) * pk.dp, p.d);
       }
     }

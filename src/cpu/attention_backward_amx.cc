@@ -146,11 +146,12 @@ HWY_INLINE ATTN_AMX __m512 LoadAsF32(DType dt, const float* base, int64_t at, __
   return dt == DType::f16 ? _mm512_cvtph_ps(x) : Bf16x16ToF32(x);
 }
 
-/// n f32 values into a bf16 or f16 (rounded to nearest even) or f32 tensor at element at.
-inline ATTN_AMX void StoreAs(const Problem& p, float* base, int64_t at, const float* src, int n) {
-  if (p.dtype == DType::bf16) {
+/// n f32 values into a gradient tensor of dtype dt (BackwardProblem::grad_dtype):
+/// bf16 or f16 (rounded to nearest even) or f32, at element at.
+inline ATTN_AMX void StoreAs(DType dt, float* base, int64_t at, const float* src, int n) {
+  if (dt == DType::bf16) {
     F32ToBf16(src, n, reinterpret_cast<bf16*>(base) + at);
-  } else if (p.dtype == DType::f16) {
+  } else if (dt == DType::f16) {
     bf16* dst = reinterpret_cast<bf16*>(base) + at;
     for (int c = 0; c < n; c += 16) {
       const __mmask16 m = static_cast<__mmask16>(n - c >= 16 ? 0xFFFFu : (1u << (n - c)) - 1);
@@ -162,9 +163,9 @@ inline ATTN_AMX void StoreAs(const Problem& p, float* base, int64_t at, const fl
   }
 }
 
-/// Zeros n elements of a gradient tensor (bf16, f16 or f32 storage) at element at.
-inline void ZeroAs(const Problem& p, float* base, int64_t at, int n) {
-  if (p.dtype != DType::f32) {  // +0 is all zero bits in both 16-bit formats
+/// Zeros n elements of a gradient tensor of dtype dt (bf16, f16 or f32) at element at.
+inline void ZeroAs(DType dt, float* base, int64_t at, int n) {
+  if (dt != DType::f32) {  // +0 is all zero bits in both 16-bit formats
     std::fill_n(reinterpret_cast<bf16*>(base) + at, n, bf16{0});
   } else {
     std::fill_n(base + at, n, 0.0f);
@@ -453,7 +454,7 @@ ATTN_AMX void TilePair(const BwdAmxShared& sh, BwdAmxScratch& w, int b, int h, i
 /// Writes the first nk columns of acc ([width][64] f32, transposed) as nk rows of
 /// `width` elements into a gradient tensor (element at + j·row for row j), through
 /// buf (2·64·64 floats), 128 columns at a time.
-ATTN_AMX void WriteTransposed(const Problem& p, const float* acc, int width, int nk, float* buf, float* base,
+ATTN_AMX void WriteTransposed(DType dt, const float* acc, int width, int nk, float* buf, float* base,
                               int64_t at, int64_t row) {
   constexpr int kChunk = 2 * kBk;
   for (int c0 = 0; c0 < width; c0 += kChunk) {
@@ -461,7 +462,7 @@ ATTN_AMX void WriteTransposed(const Problem& p, const float* acc, int width, int
     for (int j = 0; j < nk; ++j) {  // written in order: see PackQueryTile's transposes
       for (int c = 0; c < n; ++c) buf[j * kChunk + c] = acc[static_cast<size_t>(c0 + c) * kBk + j];
     }
-    for (int j = 0; j < nk; ++j) StoreAs(p, base, at + j * row + c0, buf + j * kChunk, n);
+    for (int j = 0; j < nk; ++j) StoreAs(dt, base, at + j * row + c0, buf + j * kChunk, n);
   }
 }
 
@@ -507,9 +508,9 @@ ATTN_AMX void BackwardItem(const BwdAmxShared& sh, int b, int hk, int kb) {
   for (int kt = kt0; kt < kt1; ++kt) {
     const int nk = std::min(kBk, seq.Lk - kt * kBk);
     const int64_t key0 = int64_t{kt} * kBk;
-    WriteTransposed(p, w.dkt + static_cast<size_t>(kt - kt0) * dp * kBk, p.d, nk, w.s,
+    WriteTransposed(bp.grad_dtype(), w.dkt + static_cast<size_t>(kt - kt0) * dp * kBk, p.d, nk, w.s,
                     bp.dk + 0, seq.dk_offset + hk * bp.dk_head + key0 * bp.dk_row, bp.dk_row);
-    WriteTransposed(p, w.dvt + static_cast<size_t>(kt - kt0) * dvp * kBk, p.dv, nk, w.s,
+    WriteTransposed(bp.grad_dtype(), w.dvt + static_cast<size_t>(kt - kt0) * dvp * kBk, p.dv, nk, w.s,
                     bp.dv + 0, seq.dv_offset + hk * bp.dv_head + key0 * bp.dv_row, bp.dv_row);
   }
 }
@@ -578,19 +579,19 @@ bool BackwardAmxImpl(const BackwardProblem& bp, int threads, bool tiles) {
       {
         if (bp.varlen_q_tokens > 0 || bp.varlen_k_tokens > 0) {  // tokens outside every sequence: 0
           for (int64_t t = 0; t < bp.varlen_q_tokens; ++t)
-            for (int h = 0; h < p.Hq; ++h) ZeroAs(p, bp.dq, t * bp.dq_row + h * bp.dq_head, p.d);
+            for (int h = 0; h < p.Hq; ++h) ZeroAs(bp.grad_dtype(), bp.dq, t * bp.dq_row + h * bp.dq_head, p.d);
           for (int64_t t = 0; t < bp.varlen_k_tokens; ++t)
             for (int hk = 0; hk < p.Hkv; ++hk) {
-              ZeroAs(p, bp.dk, t * bp.dk_row + hk * bp.dk_head, p.d);
-              ZeroAs(p, bp.dv, t * bp.dv_row + hk * bp.dv_head, p.dv);
+              ZeroAs(bp.grad_dtype(), bp.dk, t * bp.dk_row + hk * bp.dk_head, p.d);
+              ZeroAs(bp.grad_dtype(), bp.dv, t * bp.dv_row + hk * bp.dv_head, p.dv);
             }
         }
         for (int b = 0; b < p.B; ++b) {  // keys beyond key_lengths[b] get no gradient
           const Sequence& seq = p.seqs[b];
           for (int64_t j = seq.Lk; j < seq.Lk_rows; ++j)
             for (int hk = 0; hk < p.Hkv; ++hk) {
-              ZeroAs(p, bp.dk, seq.dk_offset + hk * bp.dk_head + j * bp.dk_row, p.d);
-              ZeroAs(p, bp.dv, seq.dv_offset + hk * bp.dv_head + j * bp.dv_row, p.dv);
+              ZeroAs(bp.grad_dtype(), bp.dk, seq.dk_offset + hk * bp.dk_head + j * bp.dk_row, p.d);
+              ZeroAs(bp.grad_dtype(), bp.dv, seq.dv_offset + hk * bp.dv_head + j * bp.dv_row, p.dv);
             }
         }
       }
@@ -598,13 +599,13 @@ bool BackwardAmxImpl(const BackwardProblem& bp, int threads, bool tiles) {
 #pragma omp for schedule(monotonic : dynamic, 1)
       for (int n = 0; n < ni; ++n) BackwardItem(sh, items[n].b, items[n].h, items[n].t);
       if (tiles) ReleaseTiles();
-      // dQ out of its accumulator, in the output dtype.
+      // dQ out of its accumulator, in the gradients' dtype.
 #pragma omp for schedule(static)
       for (int n = 0; n < nq; ++n) {
         const auto [b, h, qt] = qpacks[n];
         const Sequence& seq = p.seqs[b];
         for (int i = qt * kBq; i < std::min(seq.Lq, (qt + 1) * kBq); ++i) {
-          StoreAs(p, bp.dq, seq.dq_offset + h * bp.dq_head + int64_t{i} * bp.dq_row, sh.dq + lay.Row(p, b, h, i) * lay.dp,
+          StoreAs(bp.grad_dtype(), bp.dq, seq.dq_offset + h * bp.dq_head + int64_t{i} * bp.dq_row, sh.dq + lay.Row(p, b, h, i) * lay.dp,
                   p.d);
         }
       }
