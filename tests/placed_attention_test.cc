@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,7 @@ struct Case {
 
 // x as the bits of a 16-bit dtype (bf16, f16), and back.
 uint16_t to16(DType dt, float x) {
+  if (dt != DType::bf16 && dt != DType::f16) throw std::logic_error("to16: dt must be bf16 or f16");
   uint16_t h;
   detail::store_f32(dt, &h, 0, x);
   return h;
@@ -149,8 +151,10 @@ void run_blocks(const Inputs& in, const Whole& whole, Whole& w, int h0, int h1) 
   const AttentionOptions o = in.options(h0, h1);
   // Whole-call out (in the inputs' dtype) and lse for the backward's blocks.
   std::vector<uint16_t> out16, dout16;
-  for (float x : whole.out) out16.push_back(to16(c.dtype, x));
-  for (float x : in.dout) dout16.push_back(to16(c.dtype, x));
+  if (c.dtype != DType::f32) {
+    for (float x : whole.out) out16.push_back(to16(c.dtype, x));
+    for (float x : in.dout) dout16.push_back(to16(c.dtype, x));
+  }
   const std::vector<float> no_f32;
   const std::vector<uint16_t> no_b16;
   for (size_t qb = 0; qb + 1 < c.q_cuts.size(); ++qb) {
