@@ -184,6 +184,92 @@ TEST(Decoding, PaddingMasksEqualTheFullForwardsMasks) {
     }
 }
 
+// Rows [t0, t0 + n) of a mask [L, K] or [BH, L, K], as their own contiguous tensor.
+Tensor mask_rows(const Tensor& m, int64_t t0, int64_t n) {
+  const auto& s = m.shape();
+  const bool three = s.size() == 3;
+  const int64_t BH = three ? s[0] : 1, L = s[s.size() - 2], K = s.back(), bytes = dtype_size(m.dtype());
+  Tensor out(m.dtype(), three ? std::vector<int64_t>{BH, n, K} : std::vector<int64_t>{n, K});
+  for (int64_t g = 0; g < BH; ++g)
+    std::memcpy(static_cast<char*>(out.data()) + g * n * K * bytes, static_cast<const char*>(m.data()) + (g * L + t0) * K * bytes,
+                n * K * bytes);
+  return out;
+}
+
+// A random mask over positions in PyTorch's sense (boolean: true = not allowed, about
+// a third; f32: added, −∞ about a third, small values elsewhere), [L, K] or [BH, L, K].
+Tensor random_attn_mask(DType dt, std::vector<int64_t> shape, nn::Rng& rng) {
+  Tensor m(dt, shape);
+  for (int64_t n = 0; n < m.numel(); ++n) {
+    const bool off = rng.uniform(0.0f, 1.0f) < 0.33f;
+    if (dt == DType::boolean) m.data_as<uint8_t>()[n] = off;
+    else m.data_as<float>()[n] = off ? -INFINITY : rng.uniform(-0.5f, 0.5f);
+  }
+  return m;
+}
+
+// attn_mask in forward_cached: each chunk passes its rows of the full forward's mask
+// (e.g. a tree of draft tokens), with and without a padding mask, boolean and f32,
+// [L, L] and [B·H, L, L]; rows that see no position (out_proj.bias in both) included.
+TEST(Decoding, AttnMasksEqualTheFullForwardsRows) {
+  nn::Rng rng = nn_rng(97);
+  const int64_t B = 2, L = 17, H = 6;
+  for (const Storage& st : {storages()[0], storages()[2], storages()[4]})
+    for (int kind = 0; kind < 4; ++kind) {  // boolean 2-D; f32 3-D; boolean 3-D + f32 padding; f32 2-D + boolean padding
+      nn::MultiheadAttentionConfig cfg;
+      cfg.embed_dim = 36;
+      cfg.num_heads = H;
+      cfg.num_kv_heads = 3;
+      cfg.batch_first = kind % 2 == 0;
+      cfg.rope = nn::RopeStyle::interleaved;
+      nn::MultiheadAttention mha(cfg, rng);
+      randomize(mha, rng);
+      mha.eval();
+      const bool three = kind == 1 || kind == 2;
+      const DType am_type = kind == 0 || kind == 2 ? DType::boolean : DType::f32;
+      Tensor am = random_attn_mask(am_type, three ? std::vector<int64_t>{B * H, L, L} : std::vector<int64_t>{L, L}, rng);
+      Tensor kpm_storage;
+      if (kind >= 2) kpm_storage = random_attn_mask(kind == 2 ? DType::f32 : DType::boolean, {B, L}, rng);
+      const TensorView kpm = kind >= 2 ? kpm_storage.view() : TensorView();
+      Tensor x = random_tensor(cfg.batch_first ? std::vector<int64_t>{B, L, 36} : std::vector<int64_t>{L, B, 36}, rng);
+      Tensor full = mha.forward(x, x, x, kpm, false, am.view(), true, /*is_causal=*/true).output;
+      nn::KVCache cache = mha.make_cache(B, 20, st.config);
+      Tensor y = decode_in_chunks(x, cfg.batch_first, {5, 1, 3, 8}, [&](const Tensor& chunk) {
+        const int64_t n = chunk.shape()[cfg.batch_first ? 1 : 0];
+        return mha.forward_cached(chunk, cache, kpm, mask_rows(am, cache.length, n).view());
+      });
+      EXPECT_LT(max_rel_diff(y.data_as<float>(), full.data_as<float>(), y.numel()), st.tol)
+          << st.name() << " kind " << kind << " " << seed_note();
+      // Without the attn_mask the masked positions would be seen: the comparison can fail.
+      nn::KVCache bare = mha.make_cache(B, 20, st.config);
+      Tensor unmasked = decode_in_chunks(x, cfg.batch_first, {L},
+                                         [&](const Tensor& chunk) { return mha.forward_cached(chunk, bare, kpm); });
+      EXPECT_GT(max_rel_diff(unmasked.data_as<float>(), full.data_as<float>(), y.numel()), 10 * st.tol);
+    }
+}
+
+// The decoder's tgt_mask and memory_mask: rows of forward()'s masks, chunk by chunk.
+TEST(Decoding, TransformerDecoderAttnMasksEqualTheFullForwards) {
+  nn::Rng rng = nn_rng(98);
+  for (const Storage& st : {storages()[0], storages()[3]})
+    for (bool norm_first : {false, true}) {
+      auto dec = small_decoder(rng, /*batch_first=*/true, norm_first, nn::RopeStyle::none);
+      const int64_t B = 2, T = 11, S = 13;
+      Tensor tgt = random_tensor({B, T, 16}, rng), memory = random_tensor({B, S, 16}, rng);
+      Tensor tgt_mask = random_attn_mask(DType::boolean, {T, T}, rng);
+      Tensor memory_mask = random_attn_mask(DType::f32, {B * 4, T, S}, rng);
+      Tensor full = dec->forward(tgt, memory, tgt_mask.view(), memory_mask.view(), {}, {}, /*tgt_is_causal=*/true);
+      std::vector<nn::DecoderLayerCache> caches = dec->make_cache(memory, T, st.config);
+      Tensor y = decode_in_chunks(tgt, true, {1, 3, 1, 6}, [&](const Tensor& chunk) {
+        const int64_t t0 = caches[0].self_attn.length, n = chunk.shape()[1];
+        return dec->forward_cached(chunk, caches, {}, {}, mask_rows(tgt_mask, t0, n).view(),
+                                   mask_rows(memory_mask, t0, n).view());
+      });
+      EXPECT_LT(max_rel_diff(y.data_as<float>(), full.data_as<float>(), y.numel()), 2 * st.tol)
+          << st.name() << " norm_first " << norm_first << " " << seed_note();
+    }
+}
+
 TEST(Decoding, TransformerDecoderPaddingMasksEqualTheFullForwards) {
   nn::Rng rng = nn_rng(96);
   for (const Storage& st : {storages()[0], storages()[1], storages()[3]})
@@ -287,6 +373,19 @@ TEST(Decoding, ErrorsNameTheArgument) {
     const TensorView transposed(strided.data(), DType::f32, {2, 8}, {1, 2});
     throws_with([&] { mha.forward_cached(random_tensor({2, 1, 16}, rng), room, transposed); }, "contiguous");
     throws_with([&] { mha.forward_memory_cached(random_tensor({2, 1, 16}, rng), cache, 0, none.view()); }, "forward_memory_cached: key_padding_mask must be [2, K] with K ≥ 3");
+    // attn_mask: [T, K] or [B·H, T, K], K ≥ positions and key_padding_mask's K, boolean or f32, contiguous
+    Tensor rows_wrong(DType::boolean, {2, 8}), narrow(DType::boolean, {1, 3}), heads_wrong(DType::f32, {4, 1, 8});
+    Tensor am_ints(DType::i32, {1, 8}), wide(DType::boolean, {1, 9}), kpm8(DType::boolean, {2, 8}), am_strided(DType::f32, {8, 2});
+    const TensorView am_transposed(am_strided.data(), DType::f32, {1, 8}, {1, 2});
+    auto x1 = [&] { return random_tensor({2, 1, 16}, rng); };
+    throws_with([&] { mha.forward_cached(x1(), room, {}, rows_wrong.view()); }, "forward_cached: attn_mask must be [1, K] or [8, 1, K] with K ≥ 4");
+    throws_with([&] { mha.forward_cached(x1(), room, {}, narrow.view()); }, "K ≥ 4");
+    throws_with([&] { mha.forward_cached(x1(), room, {}, heads_wrong.view()); }, "attn_mask must be [1, K] or [8, 1, K]");
+    throws_with([&] { mha.forward_cached(x1(), room, {}, am_ints.view()); }, "attn_mask must be boolean or f32");
+    throws_with([&] { mha.forward_cached(x1(), room, {}, am_transposed); }, "attn_mask must be contiguous");
+    throws_with([&] { mha.forward_cached(x1(), room, kpm8.view(), wide.view()); }, "as many columns");
+    Tensor narrower(DType::boolean, {1, 2});
+    throws_with([&] { mha.forward_memory_cached(x1(), cache, 0, {}, narrower.view()); }, "forward_memory_cached: attn_mask must be [1, K] or [8, 1, K] with K ≥ 3");
     EXPECT_EQ(room.length, 3);
     EXPECT_EQ(cache.length, before);
   }
@@ -306,6 +405,9 @@ TEST(Decoding, ErrorsNameTheArgument) {
     throws_with([&] { dec.forward_cached(random_tensor({2, 1, 16}, rng), caches, {}, mem_short.view()); }, "memory_key_padding_mask must be [2, K] with K ≥ 5");
     Tensor tgt_short(DType::boolean, {2, 0});
     throws_with([&] { dec.forward_cached(random_tensor({2, 2, 16}, rng), caches, tgt_short.view()); }, "tgt_key_padding_mask");
+    Tensor tgt_mask_short(DType::boolean, {2, 1}), mem_mask_rows(DType::f32, {3, 5});
+    throws_with([&] { dec.forward_cached(random_tensor({2, 2, 16}, rng), caches, {}, {}, tgt_mask_short.view()); }, "tgt_mask must be [2, K] or [8, 2, K] with K ≥ 2");
+    throws_with([&] { dec.forward_cached(random_tensor({2, 2, 16}, rng), caches, {}, {}, {}, mem_mask_rows.view()); }, "memory_mask must be [2, K] or [8, 2, K] with K ≥ 5");
     EXPECT_EQ(caches[0].self_attn.length, 0);
   }
   caches.pop_back();

@@ -13,6 +13,38 @@ namespace attn::nn {
 
 namespace {
 std::string str(int64_t v) { return std::to_string(v); }
+
+/// PyTorch's two masks, already checked, as the one mask attn's kernels take:
+/// kpm [B, S] (or empty) and am [L, S] or [B·H, L, S] (or empty), boolean true = *not
+/// allowed* or f32 added, into [B', H', L', S] (B' = B when either has a batch
+/// dimension, H' = H for a 3-D am, L' = L with an am), boolean with attn's sense (true
+/// = may attend) when neither is f32, else f32 with −∞ where a boolean removes.
+Tensor combine_masks(const TensorView& kpm, const TensorView& am, int64_t B, int64_t H, int64_t L, int64_t S) {
+  const bool am3d = !am.empty() && am.rank() == 3;
+  const bool additive = (!kpm.empty() && kpm.dtype() == DType::f32) || (!am.empty() && am.dtype() == DType::f32);
+  const int64_t Bm = (!kpm.empty() || am3d) ? B : 1, Hm = am3d ? H : 1, Lm = am.empty() ? 1 : L;
+  Tensor mask(additive ? DType::f32 : DType::boolean, {Bm, Hm, Lm, S});
+  for (int64_t b = 0; b < Bm; ++b)
+    for (int64_t h = 0; h < Hm; ++h)
+      for (int64_t i = 0; i < Lm; ++i)
+        for (int64_t j = 0; j < S; ++j) {
+          bool masked = false;  // PyTorch: true in a boolean mask = ignore / not allowed
+          float add = 0.0f;
+          if (!am.empty()) {
+            const int64_t idx = am3d ? ((b * H + h) * L + i) * S + j : i * S + j;
+            if (am.dtype() == DType::boolean) masked |= am.data_as<uint8_t>()[idx] != 0;
+            else add += am.data_as<float>()[idx];
+          }
+          if (!kpm.empty()) {
+            if (kpm.dtype() == DType::boolean) masked |= kpm.data_as<uint8_t>()[b * S + j] != 0;
+            else add += kpm.data_as<float>()[b * S + j];
+          }
+          const int64_t o = ((b * Hm + h) * Lm + i) * S + j;
+          if (additive) mask.data_as<float>()[o] = masked ? -std::numeric_limits<float>::infinity() : add;
+          else mask.data_as<uint8_t>()[o] = masked ? 0 : 1;  // attn: true = may attend
+        }
+  return mask;
+}
 }  // namespace
 
 MultiheadAttention::MultiheadAttention(const MultiheadAttentionConfig& config, Rng& rng)
@@ -107,7 +139,6 @@ void MultiheadAttention::build_mask(const Shapes& s, const TensorView& kpm, cons
       throw Error(std::string("MultiheadAttention: ") + what + " must be boolean or f32, got " + m.describe());
     if (!m.is_contiguous()) throw Error(std::string("MultiheadAttention: ") + what + " must be contiguous, got " + m.describe());
   };
-  bool am3d = false;
   if (!kpm.empty()) {
     expect_mask(kpm, "key_padding_mask");
     const bool ok = s.unbatched ? (kpm.rank() == 1 && kpm.size(0) == S)
@@ -119,35 +150,13 @@ void MultiheadAttention::build_mask(const Shapes& s, const TensorView& kpm, cons
   }
   if (!am.empty()) {
     expect_mask(am, "attn_mask");
-    am3d = am.rank() == 3;
     const bool ok = (am.rank() == 2 && am.size(0) == L && am.size(1) == S) ||
-                    (am3d && am.size(0) == B * H && am.size(1) == L && am.size(2) == S);
+                    (am.rank() == 3 && am.size(0) == B * H && am.size(1) == L && am.size(2) == S);
     if (!ok)
       throw Error("MultiheadAttention: attn_mask must be [" + str(L) + ", " + str(S) + "] or [" + str(B * H) + ", " +
                   str(L) + ", " + str(S) + "] ([batch·heads, target, source]), got " + am.describe());
   }
-  const bool additive = (!kpm.empty() && kpm.dtype() == DType::f32) || (!am.empty() && am.dtype() == DType::f32);
-  const int64_t Bm = (!kpm.empty() || am3d) ? B : 1, Hm = am3d ? H : 1, Lm = am.empty() ? 1 : L;
-  mask_ = Tensor(additive ? DType::f32 : DType::boolean, {Bm, Hm, Lm, S});
-  for (int64_t b = 0; b < Bm; ++b)
-    for (int64_t h = 0; h < Hm; ++h)
-      for (int64_t i = 0; i < Lm; ++i)
-        for (int64_t j = 0; j < S; ++j) {
-          bool masked = false;  // PyTorch: true in a boolean mask = ignore / not allowed
-          float add = 0.0f;
-          if (!am.empty()) {
-            const int64_t idx = am3d ? ((b * H + h) * L + i) * S + j : i * S + j;
-            if (am.dtype() == DType::boolean) masked |= am.data_as<uint8_t>()[idx] != 0;
-            else add += am.data_as<float>()[idx];
-          }
-          if (!kpm.empty()) {
-            if (kpm.dtype() == DType::boolean) masked |= kpm.data_as<uint8_t>()[b * S + j] != 0;
-            else add += kpm.data_as<float>()[b * S + j];
-          }
-          const int64_t o = ((b * Hm + h) * Lm + i) * S + j;
-          if (additive) mask_.data_as<float>()[o] = masked ? -std::numeric_limits<float>::infinity() : add;
-          else mask_.data_as<uint8_t>()[o] = masked ? 0 : 1;  // attn: true = may attend
-        }
+  mask_ = combine_masks(kpm, am, B, H, L, S);
   opt_.mask = mask_.view();
 }
 
@@ -363,7 +372,33 @@ TensorView cached_padding_mask(const TensorView& kpm, int64_t batch, int64_t pos
   return storage.view();
 }
 
-Tensor MultiheadAttention::forward_cached(const TensorView& x, KVCache& cache, const TensorView& key_padding_mask) {
+TensorView cached_attention_mask(const TensorView& kpm, const std::string& kpm_name, const TensorView& am,
+                                 const std::string& am_name, int64_t batch, int64_t heads, int64_t rows,
+                                 int64_t positions, Tensor& storage) {
+  Tensor padding;
+  const TensorView kpm_view = cached_padding_mask(kpm, batch, positions, kpm_name, padding);
+  if (am.empty()) {
+    storage = std::move(padding);
+    return kpm_view;
+  }
+  if (am.dtype() != DType::boolean && am.dtype() != DType::f32)
+    throw Error(am_name + " must be boolean or f32, got " + am.describe());
+  const bool ok = (am.rank() == 2 && am.size(0) == rows) || (am.rank() == 3 && am.size(0) == batch * heads && am.size(1) == rows);
+  const int64_t K = am.rank() >= 2 ? am.size(am.rank() - 1) : 0;
+  if (!ok || K < positions)
+    throw Error(am_name + " must be [" + str(rows) + ", K] or [" + str(batch * heads) + ", " + str(rows) +
+                ", K] with K ≥ " + str(positions) + " ([batch·heads, this call's positions, every position it attends to]), got " +
+                am.describe());
+  if (!am.is_contiguous()) throw Error(am_name + " must be contiguous, got " + am.describe());
+  if (!kpm.empty() && kpm.size(1) != K)
+    throw Error(am_name + " and " + kpm_name + " must have as many columns (positions), got " + am.describe() +
+                " and " + kpm.describe());
+  storage = combine_masks(kpm, am, batch, heads, rows, K);
+  return storage.view();
+}
+
+Tensor MultiheadAttention::forward_cached(const TensorView& x, KVCache& cache, const TensorView& key_padding_mask,
+                                          const TensorView& attn_mask) {
   if (kdim_ != E_ || vdim_ != E_)
     throw Error("MultiheadAttention.forward_cached: self-attention only (kdim and vdim must equal embed_dim)");
   const Shapes s = cached_shapes(x, "forward_cached");
@@ -375,8 +410,9 @@ Tensor MultiheadAttention::forward_cached(const TensorView& x, KVCache& cache, c
   opt.causal = Causal::BottomRight;
   opt.window = cfg_.window;
   Tensor mask;
-  opt.mask = cached_padding_mask(key_padding_mask, s.B, cache.length + s.L,
-                                 "MultiheadAttention.forward_cached: key_padding_mask", mask);
+  opt.mask = cached_attention_mask(key_padding_mask, "MultiheadAttention.forward_cached: key_padding_mask", attn_mask,
+                                   "MultiheadAttention.forward_cached: attn_mask", s.B, cfg_.num_heads, s.L,
+                                   cache.length + s.L, mask);
   Tensor y = attend_cached(x, s, cache.view(), cache.seqlens, cache.length, /*append=*/true, opt);
   cache.set_length(cache.length + s.L);
   return y;
@@ -408,15 +444,16 @@ KVCache MultiheadAttention::make_memory_cache(const TensorView& key, const Tenso
 }
 
 Tensor MultiheadAttention::forward_memory_cached(const TensorView& x, const KVCache& memory, int64_t position,
-                                                 const TensorView& key_padding_mask) {
+                                                 const TensorView& key_padding_mask, const TensorView& attn_mask) {
   const Shapes s = cached_shapes(x, "forward_memory_cached");
   check_cache_heads(memory, s.B, Hkv_, hd_, "forward_memory_cached");
   if (position < 0) throw Error("MultiheadAttention.forward_memory_cached: position must be ≥ 0, got " + str(position));
   AttentionOptions opt;
   opt.causal = Causal::None;
   Tensor mask;
-  opt.mask = cached_padding_mask(key_padding_mask, s.B, memory.length,
-                                 "MultiheadAttention.forward_memory_cached: key_padding_mask", mask);
+  opt.mask = cached_attention_mask(key_padding_mask, "MultiheadAttention.forward_memory_cached: key_padding_mask",
+                                   attn_mask, "MultiheadAttention.forward_memory_cached: attn_mask", s.B,
+                                   cfg_.num_heads, s.L, memory.length, mask);
   return attend_cached(x, s, memory.view(), memory.seqlens, position, /*append=*/false, opt);
 }
 

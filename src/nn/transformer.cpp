@@ -161,32 +161,34 @@ DecoderLayerCache TransformerDecoderLayer::make_cache(const TensorView& memory, 
 
 Tensor TransformerDecoderLayer::forward_cached(const TensorView& tgt, DecoderLayerCache& cache,
                                                const TensorView& tgt_key_padding_mask,
-                                               const TensorView& memory_key_padding_mask) {
+                                               const TensorView& memory_key_padding_mask, const TensorView& tgt_mask,
+                                               const TensorView& memory_mask) {
   if (training())
     throw Error("TransformerDecoderLayer.forward_cached: decoding is inference; call eval() first (dropout is off there)");
   expect_f32(tgt, 3, "TransformerDecoderLayer.forward_cached: tgt");
   const int64_t position = cache.self_attn.length;  // of tgt's first row, before self_attn appends
-  {  // Both masks checked before the self-attention appends to its cache.
+  {  // Every mask checked before the self-attention appends to its cache.
     const int64_t B = tgt.size(cfg_.batch_first ? 0 : 1), T = tgt.size(cfg_.batch_first ? 1 : 0);
+    const std::string name = "TransformerDecoderLayer.forward_cached: ";
     Tensor unused;
-    cached_padding_mask(tgt_key_padding_mask, B, position + T, "TransformerDecoderLayer.forward_cached: tgt_key_padding_mask",
-                        unused);
-    cached_padding_mask(memory_key_padding_mask, B, cache.cross_attn.length,
-                        "TransformerDecoderLayer.forward_cached: memory_key_padding_mask", unused);
+    cached_attention_mask(tgt_key_padding_mask, name + "tgt_key_padding_mask", tgt_mask, name + "tgt_mask", B,
+                          self_attn.config().num_heads, T, position + T, unused);
+    cached_attention_mask(memory_key_padding_mask, name + "memory_key_padding_mask", memory_mask, name + "memory_mask", B,
+                          multihead_attn.config().num_heads, T, cache.cross_attn.length, unused);
   }
   auto cross = [&](const TensorView& x) {
-    return multihead_attn.forward_memory_cached(x, cache.cross_attn, position, memory_key_padding_mask);
+    return multihead_attn.forward_memory_cached(x, cache.cross_attn, position, memory_key_padding_mask, memory_mask);
   };
   if (cfg_.norm_first) {
     Tensor a = norm1.forward(tgt);
-    Tensor h1 = self_attn.forward_cached(a, cache.self_attn, tgt_key_padding_mask);
+    Tensor h1 = self_attn.forward_cached(a, cache.self_attn, tgt_key_padding_mask, tgt_mask);
     add_into(h1, clone(tgt));
     Tensor h2 = cross(norm2.forward(h1));
     add_into(h2, h1);
     Tensor out = ff.forward(norm3.forward(h2));
     return std::move(add_into(out, h2));
   }
-  Tensor h1 = self_attn.forward_cached(tgt, cache.self_attn, tgt_key_padding_mask);
+  Tensor h1 = self_attn.forward_cached(tgt, cache.self_attn, tgt_key_padding_mask, tgt_mask);
   add_into(h1, clone(tgt));
   Tensor y1 = norm1.forward(h1);
   Tensor h2 = cross(y1);
@@ -290,13 +292,14 @@ std::vector<DecoderLayerCache> TransformerDecoder::make_cache(const TensorView& 
 
 Tensor TransformerDecoder::forward_cached(const TensorView& tgt, std::vector<DecoderLayerCache>& caches,
                                           const TensorView& tgt_key_padding_mask,
-                                          const TensorView& memory_key_padding_mask) {
+                                          const TensorView& memory_key_padding_mask, const TensorView& tgt_mask,
+                                          const TensorView& memory_mask) {
   if (caches.size() != layers.size())
     throw Error("TransformerDecoder.forward_cached: caches must hold one cache per layer (" + std::to_string(layers.size()) +
                 "), got " + std::to_string(caches.size()) + "; use make_cache");
-  Tensor x = layers[0]->forward_cached(tgt, caches[0], tgt_key_padding_mask, memory_key_padding_mask);
+  Tensor x = layers[0]->forward_cached(tgt, caches[0], tgt_key_padding_mask, memory_key_padding_mask, tgt_mask, memory_mask);
   for (size_t i = 1; i < layers.size(); ++i)
-    x = layers[i]->forward_cached(x, caches[i], tgt_key_padding_mask, memory_key_padding_mask);
+    x = layers[i]->forward_cached(x, caches[i], tgt_key_padding_mask, memory_key_padding_mask, tgt_mask, memory_mask);
   return norm ? norm->forward(x) : std::move(x);
 }
 

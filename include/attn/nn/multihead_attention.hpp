@@ -72,6 +72,19 @@ KVCache allocate_kv_cache(int64_t batch, int64_t capacity, int64_t Hkv, int64_t 
 TensorView cached_padding_mask(const TensorView& key_padding_mask, int64_t batch, int64_t positions,
                                const std::string& name, Tensor& storage);
 
+/// A cached call's two PyTorch-style masks as the one mask attn::attention_with_kvcache
+/// takes: key_padding_mask [batch, K] as in cached_padding_mask, and attn_mask [rows, K]
+/// or [batch·heads, rows, K] (row i = the call's query i, column j = position j;
+/// boolean true = *not allowed*, or f32 added), K ≥ positions, the same K in both.
+/// Without an attn_mask this is cached_padding_mask. With one, the two are combined
+/// into `storage` as [B', H', rows, K] (B' = batch when either mask has a batch
+/// dimension, H' = heads for a 3-D attn_mask): boolean (attn: true = may attend) when
+/// neither is f32, else f32 with −∞ where a boolean removes. Throws attn::Error
+/// starting with kpm_name or am_name for a bad mask.
+TensorView cached_attention_mask(const TensorView& key_padding_mask, const std::string& kpm_name,
+                                 const TensorView& attn_mask, const std::string& am_name, int64_t batch,
+                                 int64_t heads, int64_t rows, int64_t positions, Tensor& storage);
+
 struct MultiheadAttentionOutput {
   Tensor output;   ///< like query: [B, L, E] / [L, B, E] / unbatched [L, E]
   Tensor weights;  ///< when need_weights: [B, L, S] averaged over heads, or [B, H, L, S]
@@ -119,9 +132,14 @@ class MultiheadAttention : public Module {
   /// rows. key_padding_mask [B, K], K ≥ cache.length + T, column j = position j (a
   /// padded batch's pad positions, e.g. left padding): boolean, true = *ignore* that
   /// position (as in forward()); or f32, added to the scores. A mask of the final
-  /// length serves every step. A query that sees no position outputs out_proj.bias.
-  /// Returns [B, T, E] / [T, B, E].
-  Tensor forward_cached(const TensorView& x, KVCache& cache, const TensorView& key_padding_mask = {});
+  /// length serves every step. attn_mask [T, K] or [B·H, T, K], K ≥ cache.length + T
+  /// (and key_padding_mask's K when both are given): row i = this call's position
+  /// cache.length + i, column j = position j; boolean, true = *not allowed*, or f32,
+  /// added, on top of the causal order and the window (e.g. a tree of draft tokens in
+  /// speculative decoding, each seeing only its ancestors). A query that sees no
+  /// position outputs out_proj.bias. Returns [B, T, E] / [T, B, E].
+  Tensor forward_cached(const TensorView& x, KVCache& cache, const TensorView& key_padding_mask = {},
+                        const TensorView& attn_mask = {});
 
   /// Cross-attention for decoding, step 1: the keys and values of key [B, S, kdim]
   /// and value [B, S, vdim] (or [S, B, ·]; RoPE at positions 0 … S−1), projected once
@@ -129,10 +147,12 @@ class MultiheadAttention : public Module {
   KVCache make_memory_cache(const TensorView& key, const TensorView& value, const KVCacheConfig& storage = {}) const;
   /// Cross-attention for decoding, step 2: x [B, T, E] (or [T, B, E]) attends to
   /// every position of `memory` but those key_padding_mask removes ([B, K], K ≥ S,
-  /// as in forward_cached: the source sentences' padding); its queries rotate at
-  /// positions `position` … position+T−1. Nothing is appended. Returns x's shape.
+  /// as in forward_cached: the source sentences' padding) and attn_mask ([T, K] or
+  /// [B·H, T, K], K ≥ S, as in forward_cached; row i = x's row i) remove; its queries
+  /// rotate at positions `position` … position+T−1. Nothing is appended. Returns x's
+  /// shape.
   Tensor forward_memory_cached(const TensorView& x, const KVCache& memory, int64_t position,
-                               const TensorView& key_padding_mask = {});
+                               const TensorView& key_padding_mask = {}, const TensorView& attn_mask = {});
 
   const MultiheadAttentionConfig& config() const { return cfg_; }
   int64_t head_dim() const { return hd_; }

@@ -86,8 +86,12 @@ class TransformerDecoderLayer : public Module {
   /// cross-attention reads cache.cross_attn (see MultiheadAttention::forward_cached).
   /// tgt_key_padding_mask [B, K ≥ positions so far + T] and memory_key_padding_mask
   /// [B, K ≥ S]: boolean, true = ignore that position, or f32, added (as forward()'s).
+  /// tgt_mask [T, K] or [B·H, T, K] (K ≥ positions so far + T) and memory_mask [T, K]
+  /// or [B·H, T, K] (K ≥ S): the rows of forward()'s masks for these T positions
+  /// (see MultiheadAttention::forward_cached); tgt_mask applies with the causal order.
   Tensor forward_cached(const TensorView& tgt, DecoderLayerCache& cache, const TensorView& tgt_key_padding_mask = {},
-                        const TensorView& memory_key_padding_mask = {});
+                        const TensorView& memory_key_padding_mask = {}, const TensorView& tgt_mask = {},
+                        const TensorView& memory_mask = {});
 
   /// The cross-attention weights of the last forward, averaged over heads [B, T, S],
   /// or per head [B, H, T, S] when set_keep_cross_weights(true, false) was called.
@@ -133,10 +137,11 @@ class TransformerDecoder : public Module {
   std::vector<DecoderLayerCache> make_cache(const TensorView& memory, int64_t capacity,
                                             const KVCacheConfig& storage = {}) const;
   /// The next T target positions through every layer and the final norm
-  /// (TransformerDecoderLayer::forward_cached, with the same padding masks);
+  /// (TransformerDecoderLayer::forward_cached, with the same masks);
   /// caches.size() must be the layer count.
   Tensor forward_cached(const TensorView& tgt, std::vector<DecoderLayerCache>& caches,
-                        const TensorView& tgt_key_padding_mask = {}, const TensorView& memory_key_padding_mask = {});
+                        const TensorView& tgt_key_padding_mask = {}, const TensorView& memory_key_padding_mask = {},
+                        const TensorView& tgt_mask = {}, const TensorView& memory_mask = {});
 
   std::vector<std::unique_ptr<TransformerDecoderLayer>> layers;
   std::unique_ptr<LayerNorm> norm;
