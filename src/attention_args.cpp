@@ -89,7 +89,7 @@ void bind_qkv(const Checker& c, const TensorView& q, const TensorView& k, const 
   c.tensor(q, "q", dt, rank, qlay);
   c.tensor(k, "k", dt, rank, klay);
   c.tensor(v, "v", dt, rank, vlay);
-  c.tensor(out, "out", dt, rank, olay);
+  c.tensor(out, "out", p->out_f32 ? DType::f32 : dt, rank, olay);  // out_f32: see make_problem
   c.last_contiguous(q, "q");
   c.last_contiguous(k, "k");
   c.last_contiguous(v, "v");
@@ -394,7 +394,7 @@ void bind_mask_layout(const Checker& c, const TensorView& m, const char* name, P
 
 Problem make_problem(const char* fn, const TensorView& q, const TensorView& k, const TensorView& v,
                      const TensorView& out, const AttentionOptions& opt, const TensorView& lse,
-                     const TensorView& probs, const UserMods* mods, bool on_device) {
+                     const TensorView& probs, const UserMods* mods, bool on_device, bool out_f32) {
   Checker c(fn);
   // The call runs where q is (a function that runs on the CPU only keeps the default,
   // so that a device tensor is an error, never a host read of device memory).
@@ -410,6 +410,7 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k, c
            (opt.cu_seqlens_q.empty() ? "cu_seqlens_k" : "cu_seqlens_q"));
   }
   Problem p;
+  p.out_f32 = out_f32;
   bind_qkv(c, q, k, v, out, opt, &e, &p);
   bind_scalars(c, opt, &p);
   bind_sequences(c, q, k, v, out, opt, &e, &p);

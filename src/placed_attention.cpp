@@ -44,24 +44,17 @@ void place(Problem& p, const Placement& w, const char* fn) {
   }
 }
 
-bool is_lowp(DType t) { return t == DType::bf16 || t == DType::f16; }
-
 }  // namespace
 
 void attention_placed(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                       const TensorView& lse, const AttentionOptions& options, const Placement& where) {
   const char* fn = "attention_placed";
   check_options(fn, options);
-  if (out.empty() || out.dtype() != DType::f32) throw Error(std::string(fn) + ": out must be f32");
   if (lse.empty()) throw Error(std::string(fn) + ": lse is required");
-  // make_problem checks out against the inputs' dtype: show it a twin of out in that
-  // dtype (same shape and strides) and point the problem at the f32 data afterwards.
-  const TensorView out_twin(out.data(), q.dtype(), out.shape(), out.strides());
-  Problem p = make_problem(fn, q, k, v, is_lowp(q.dtype()) ? out_twin : out, options, lse, {}, nullptr);
+  // out stays f32 whatever the inputs' dtype (out_f32): both kernels write it so, and
+  // read bf16/f16 inputs where they pack them, so no input is copied.
+  Problem p = make_problem(fn, q, k, v, out, options, lse, {}, nullptr, /*on_device=*/false, /*out_f32=*/true);
   place(p, where, fn);
-  // Both kernels write out in f32 for bf16/f16 inputs when asked (and read those
-  // inputs where they pack them), so no input is copied.
-  p.out_f32 = true;
   if (needs_widening(p, options)) {
     if (const LowpPath path = lowp_kernel(p, options, LowpPass::forward); path != LowpPath::f32) {
       if (attention_forward_amx(p, num_threads(), path)) return;

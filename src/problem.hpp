@@ -173,11 +173,13 @@ void bind_mask_layout(const Checker& c, const TensorView& m, const char* name, P
 /// `fn` names the public function in messages. Every tensor must be in host memory,
 /// unless `on_device` (the CUDA path), where every tensor must be on q's device
 /// (cu_seqlens and key_lengths may also be in host memory; device copies are read
-/// through a synchronous copy). The pointers are then device pointers.
+/// through a synchronous copy). The pointers are then device pointers. `out_f32`: out
+/// must be f32 whatever the inputs' dtype (placed calls, Problem::out_f32); else it
+/// has q's dtype.
 Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
                      const TensorView& v, const TensorView& out, const AttentionOptions& opt,
                      const TensorView& lse, const TensorView& probs, const UserMods* mods,
-                     bool on_device = false);
+                     bool on_device = false, bool out_f32 = false);
 
 /// The same for attention_backward(): lse is required; dout is shaped like out,
 /// dq like q, dk like k, dv like v; dbias like the (additive) mask. `on_device` as

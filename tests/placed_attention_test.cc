@@ -433,5 +433,33 @@ TEST(PlacedAttention, LongerBlocksThanOneTile) {
   check(c, 9);
 }
 
+// Placed outputs are f32 whatever the inputs' dtype; the checks see them as they
+// are: a 16-bit out is refused, and an f32 out is checked for overlap over its 4-byte
+// elements (its upper half over k is caught, which a 2-byte reading would miss).
+TEST(PlacedAttention, OutIsCheckedAsF32) {
+  const int B = 1, L = 8, H = 2, d = 16;
+  std::vector<uint16_t> q16(B * L * H * d, 0x3f80), k16(q16), v16(q16), o16(q16.size());
+  std::vector<float> lse(B * H * L), out(B * L * H * d);
+  auto t16 = [&](std::vector<uint16_t>& x) { return TensorView(x.data(), DType::bf16, {B, L, H, d}); };
+  const TensorView lv(lse.data(), DType::f32, {B, H, L});
+  detail::Placement where;
+  where.Lq_total = where.Lk_total = L;
+  auto message = [&](const TensorView& q, const TensorView& k, const TensorView& o) -> std::string {
+    try {
+      detail::attention_placed(q, k, t16(v16), o, lv, {}, where);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_NE(message(t16(q16), t16(k16), t16(o16)).find("out"), std::string::npos);
+  EXPECT_EQ(message(t16(q16), t16(k16), TensorView(out.data(), DType::f32, {B, L, H, d})), "");
+  // k laid in the upper half of an f32 out's bytes: disjoint as 2-byte elements, not as 4.
+  std::vector<float> shared(B * L * H * d);
+  const TensorView k_inside(reinterpret_cast<uint16_t*>(shared.data()) + B * L * H * d, DType::bf16, {B, L, H, d});
+  const std::string overlap = message(t16(q16), k_inside, TensorView(shared.data(), DType::f32, {B, L, H, d}));
+  EXPECT_NE(overlap.find("overlap"), std::string::npos) << overlap;
+}
+
 }  // namespace
 }  // namespace attn::testing
