@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Builds attn's wheel with `pip install .` (PEP 517, scikit-build-core, build isolation)
 # into a fresh virtual environment and imports it from there, outside the checkout, so
-# that a missing file in the wheel or a wrong install rule fails here. Part of
-# scripts/test.sh (the README's test command); ATTN_SKIP_WHEEL=1 skips it.
+# that a missing file in the wheel or a wrong install rule fails here. Part of CI
+# (.ci/run), after the README's test command; about 4–5 minutes on 2 cores.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
+bash "$root/scripts/install-deps.sh"
 venv="$root/build/wheel-venv"
 rm -rf "$venv"
 /usr/bin/python3 -m venv "$venv"
