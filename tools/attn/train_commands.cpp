@@ -160,6 +160,16 @@ Command add_train_command(CLI::App& app) {
               std::printf("attn train: resuming %s at step %lld\n", a->out.c_str(), static_cast<long long>(s.step));
             }
             if (a->steps > 0) o.steps = a->steps;
+            // A resumed run trains from its step to --steps: a checkpoint already there
+            // (or past it) has nothing left to train, which is a usage error rather than a
+            // silent re-save with a progress line of 0 steps.
+            if (a->resume && s.step >= o.steps) {
+              const std::string more = "; pass --steps N with N > " + std::to_string(s.step);
+              throw Error(a->steps > 0 ? "--steps " + std::to_string(o.steps) + " is not past the checkpoint's step " +
+                                             std::to_string(s.step) + ": a resumed run trains from its step to --steps" + more
+                                       : "the run in --out is complete (step " + std::to_string(s.step) + " of its " +
+                                             std::to_string(o.steps) + "): nothing is left to train" + more);
+            }
             if (a->batch > 0) o.batch_size = a->batch;
             if (a->lr > 0) o.lr = a->lr;
             o.max_seconds = a->seconds;

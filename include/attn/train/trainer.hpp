@@ -14,7 +14,7 @@ namespace attn::train {
 
 struct Progress {
   int64_t step = 0, total_steps = 0;
-  double loss = 0;             ///< running mean of the recent training loss
+  double loss = 0;             ///< running mean of the recent training loss (0 until a step has run)
   double accuracy = -1;        ///< latest validation exact-match accuracy (−1 before the first)
   double steps_per_second = 0;
   double elapsed_seconds = 0, eta_seconds = 0;
@@ -59,7 +59,8 @@ Session new_session(const TaskData& data, ModelConfig config, const TrainOptions
 
 /// Trains from session.step to options.steps (or until a stop condition). Deterministic
 /// for a seed: batches are drawn from the seed and the step, and every kernel is
-/// independent of the thread count.
+/// independent of the thread count. A session already at options.steps returns at once
+/// (one final report, no step taken).
 Progress train(Session& s, const TaskData& data, const TrainOptions& options);
 
 /// Greedy exact-match accuracy on `examples` (up to `limit` of them; all when limit ≤ 0).
