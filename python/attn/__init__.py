@@ -242,6 +242,11 @@ def _precision(precision):
     return _PRECISIONS[precision]
 
 
+def _no_cuda_reference(reference):
+    if reference:
+        raise ValueError("reference=True: the float64 reference runs on the CPU; pass CPU tensors")
+
+
 def _is_bf16(x):
     """True for a torch.bfloat16 tensor (passed to the kernels as its int16 bits)."""
     return _is_torch(x) and str(x.dtype) == "torch.bfloat16"
@@ -362,7 +367,7 @@ def _backward_fast(args, lse, query, key, value, out, grad_out, causal, scale, p
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, causal_alignment="top_left", window=None, softcap=None,
                                  alibi_slopes=None, seed=None, return_lse=False, return_seed=False, block_mask=None,
-                                 precision="f32"):
+                                 precision="f32", reference=False):
     """softmax(query·keyᵀ·scale + mask)·value, fused (never forms the L×S matrix).
 
     Shapes follow PyTorch: query [..., Hq, L, d], key [..., Hkv, S, d], value [..., Hkv, S, dv];
@@ -402,6 +407,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         (each value as two bfloat16 pieces, three products per product on AMX tiles:
         ~2-2.5x the f32 kernel at ~1e-5 relative error; "high"; the f32 kernel where
         the CPU has no AMX). The result stays float32.
+    reference: compute the same call with attn's plain float64 reference instead of the
+        fused kernels (CPU only; explicit L×S scores, no SIMD, no threads: slow). Every
+        option and dtype means what it means for the kernels (inputs rounded as
+        ``precision`` says, dropout with the same decisions for a seed); the result is
+        rounded once to the output dtype. For checking a kernel, or one's own code,
+        against an independent oracle.
 
     A query that sees no key gets output 0 and lse -inf (PyTorch gives NaN). NaN and
     +inf scores make their row NaN, as in PyTorch; only -inf (or False) removes a key.
@@ -409,6 +420,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     options, naming the argument.
     """
     if _is_cuda(query):
+        _no_cuda_reference(reference)
         from . import _cuda
         _check_common(query, key, value, enable_gqa)
         left, right = _window(window)
@@ -422,14 +434,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             result += (last_dropout_seed(),)
         return result if len(result) > 1 else result[0]
     fast = None
-    if _lean_options(dropout_p, window, softcap, alibi_slopes, block_mask):
+    if not reference and _lean_options(dropout_p, window, softcap, alibi_slopes, block_mask):
         fast = _forward_fast(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, seed,
                              precision, return_lse)
     if fast is not None:
         out, lse, _ = fast
     else:
         call = _prepare_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
-                             window, softcap, alibi_slopes, seed, block_mask, precision)
+                             window, softcap, alibi_slopes, seed, block_mask, precision, reference=reference)
         out, lse = _run_forward(call, return_lse)
         out = _like(out, query)
     result = (out,) + ((_like(lse, query),) if return_lse else ())
@@ -448,9 +460,10 @@ class _Call:
 
 
 def _prepare_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, window,
-                  softcap, alibi_slopes, seed, block_mask, precision, forward=True):
+                  softcap, alibi_slopes, seed, block_mask, precision, forward=True, reference=False):
     """A checked _Call. seed: the forward's draws one when None (_seed); a backward's
-    is the forward's, already checked (_backward_seed)."""
+    is the forward's, already checked (_backward_seed). reference: run on the float64
+    reference rather than the kernels."""
     c = _Call()
     c.q = _array(query, "query")
     c.k = _array(key, "key")
@@ -465,7 +478,7 @@ def _prepare_call(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
                      window_left=left, window_right=right, mask=c.mask,
                      alibi_slopes=_alibi(alibi_slopes, c.batch, c.hq), softcap=float(softcap or 0.0),
                      dropout_p=float(dropout_p), seed=_seed(seed, dropout_p) if forward else int(seed),
-                     bf16=_is_bf16(query), precision=_precision(precision),
+                     bf16=_is_bf16(query), precision=_precision(precision), reference=bool(reference),
                      **_block_mask(block_mask, c.batch, c.hq, c.lq, c.lk))
     return c
 
@@ -512,7 +525,8 @@ def _run_backward(c, o, g, l, attn_mask, return_mask_grad):
 
 def attention_backward(grad_out, query, key, value, out, lse, attn_mask=None, dropout_p=0.0, is_causal=False,
                        scale=None, enable_gqa=False, *, causal_alignment="top_left", window=None, softcap=None,
-                       alibi_slopes=None, seed=None, return_mask_grad=False, block_mask=None, precision="f32"):
+                       alibi_slopes=None, seed=None, return_mask_grad=False, block_mask=None, precision="f32",
+                       reference=False):
     """Gradients of ``scaled_dot_product_attention`` (FlashAttention-2's backward).
 
     Takes grad_out (d loss / d out, shaped like out), the forward's inputs, its ``out`` and
@@ -521,10 +535,13 @@ def attention_backward(grad_out, query, key, value, out, lse, attn_mask=None, dr
     Returns (dq, dk, dv) shaped like query, key, value; with grouped-query heads dk and dv
     sum over each group. With ``return_mask_grad=True`` and a float32 ``attn_mask``, also
     d loss / d attn_mask, summed over the mask's broadcast dimensions. ``precision`` as
-    for the forward. Deterministic: identical for any number of threads.
+    for the forward. Deterministic: identical for any number of threads. ``reference=True``
+    computes the same gradients with the float64 reference (CPU only, slow), as for the
+    forward.
     """
     seed = _backward_seed(seed, dropout_p, "attention_backward")
     if _is_cuda(query):
+        _no_cuda_reference(reference)
         from . import _cuda
         _check_common(query, key, value, enable_gqa)
         left, right = _window(window)
@@ -534,7 +551,7 @@ def attention_backward(grad_out, query, key, value, out, lse, attn_mask=None, dr
                               softcap=float(softcap or 0.0), alibi_slopes=alibi_slopes, dropout_p=float(dropout_p),
                               seed=seed, return_mask_grad=return_mask_grad, block_mask=block_mask)
     call = _prepare_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
-                         window, softcap, alibi_slopes, seed, block_mask, precision, forward=False)
+                         window, softcap, alibi_slopes, seed, block_mask, precision, forward=False, reference=reference)
     o = _array(out, "out")
     g = _array(grad_out, "grad_out")
     l = _array(lse, "lse")
@@ -554,7 +571,7 @@ def _check_saved(c, o, g, l):
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
                      softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                     seed=None, return_lse=False, return_seed=False):
+                     seed=None, return_lse=False, return_seed=False, reference=False):
     """Attention over a packed batch of variable-length sequences, as FlashAttention's
     ``flash_attn_varlen_func``.
 
@@ -565,7 +582,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     FlashAttention, the sequences must cover the packed tokens exactly:
     cu_seqlens[0] == 0 and cu_seqlens[-1] == total (ValueError otherwise). Returns
     out [total_q, Hq, dv] (and lse [Hq, total_q] with return_lse=True, then the
-    dropout seed with return_seed=True).
+    dropout seed with return_seed=True). ``reference=True``: the float64 reference, as for
+    ``scaled_dot_product_attention``.
     """
     qa = _array(q, "q")
     ka = _array(k, "k")
@@ -592,7 +610,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                   causal=2 if causal else 0, window_left=left, window_right=right,
                   alibi_slopes=_array(alibi_slopes, "alibi_slopes", allow_none=True), softcap=float(softcap or 0.0),
                   cu_seqlens_q=cq, cu_seqlens_k=ck, dropout_p=float(dropout_p), seed=_seed(seed, dropout_p),
-                  lse=lse, bf16=_is_bf16(q))
+                  lse=lse, bf16=_is_bf16(q), reference=bool(reference))
     result = (_like(out, q),) + ((_like(lse, q),) if return_lse else ())
     if return_seed:
         result += (last_dropout_seed(),)

@@ -42,6 +42,7 @@ def scaled_dot_product_attention(
     return_seed: bool = ...,
     block_mask: Optional["BlockMask"] = ...,
     precision: str = ...,
+    reference: bool = ...,
 ) -> Union[ArrayT, Tuple[Union[ArrayT, int], ...]]: ...
 def attention_backward(
     grad_out: ArrayT,
@@ -64,6 +65,7 @@ def attention_backward(
     return_mask_grad: bool = ...,
     block_mask: Optional["BlockMask"] = ...,
     precision: str = ...,
+    reference: bool = ...,
 ) -> Tuple[ArrayT, ...]: ...
 def varlen_attention(
     q: ArrayT,
@@ -82,6 +84,7 @@ def varlen_attention(
     seed: Optional[int] = ...,
     return_lse: bool = ...,
     return_seed: bool = ...,
+    reference: bool = ...,
 ) -> Union[ArrayT, Tuple[Union[ArrayT, int], ...]]: ...
 def last_dropout_seed() -> Optional[int]: ...
 def set_num_threads(n: int) -> None: ...

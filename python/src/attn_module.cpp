@@ -232,7 +232,7 @@ PYBIND11_MODULE(_attn, m) {
          const py::object& alibi_slopes, float softcap, const py::object& cu_seqlens_q,
          const py::object& cu_seqlens_k, const py::object& key_lengths, float dropout_p, uint64_t seed,
          uint64_t offset, const py::object& lse, const py::object& probs, bool bf16, int block_q, int block_k,
-         const py::object& block_table, const py::object& block_tiles, int precision) {
+         const py::object& block_table, const py::object& block_tiles, int precision, bool reference) {
         const attn::AttentionOptions o = make_options(scale, causal, window_left, window_right, mask, alibi_slopes,
                                                 softcap, cu_seqlens_q, cu_seqlens_k, key_lengths, dropout_p,
                                                 seed, offset, bf16, block_q, block_k, block_table, block_tiles,
@@ -241,7 +241,11 @@ PYBIND11_MODULE(_attn, m) {
                                vv = view_of(v, "value", false, bf16), ov = view_of(out, "out", true, bf16),
                                lv = view_of(lse, "lse", true), pv = view_of(probs, "probs", true);
         py::gil_scoped_release release;  // the buffers stay alive: their owners are held by the caller
-        attn::attention(qv, kv, vv, ov, o, lv, pv);
+        if (reference) {
+          attn::attention_reference(qv, kv, vv, ov, o, lv, pv);
+        } else {
+          attn::attention(qv, kv, vv, ov, o, lv, pv);
+        }
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::kw_only(), py::arg("scale") = py::none(),
       py::arg("causal") = 0, py::arg("window_left") = -1, py::arg("window_right") = -1,
@@ -250,8 +254,9 @@ PYBIND11_MODULE(_attn, m) {
       py::arg("key_lengths") = py::none(), py::arg("dropout_p") = 0.0f, py::arg("seed") = 0,
       py::arg("offset") = 0, py::arg("lse") = py::none(), py::arg("probs") = py::none(), py::arg("bf16") = false,
       py::arg("block_q") = 0, py::arg("block_k") = 0, py::arg("block_table") = py::none(),
-      py::arg("block_tiles") = py::none(), py::arg("precision") = 0,
-      "Fused attention forward on BSHD views (or packed [total, H, d] with cu_seqlens); writes out, lse, probs.");
+      py::arg("block_tiles") = py::none(), py::arg("precision") = 0, py::arg("reference") = false,
+      "Fused attention forward on BSHD views (or packed [total, H, d] with cu_seqlens); writes out, lse, probs. "
+      "reference=True: the float64 reference instead (attn::attention_reference).");
 
   m.def(
       "forward_heads_major",
@@ -302,7 +307,7 @@ PYBIND11_MODULE(_attn, m) {
          const py::object& mask, const py::object& alibi_slopes, float softcap, const py::object& cu_seqlens_q,
          const py::object& cu_seqlens_k, const py::object& key_lengths, float dropout_p, uint64_t seed,
          uint64_t offset, const py::object& dbias, bool bf16, int block_q, int block_k, const py::object& block_table,
-         const py::object& block_tiles, int precision) {
+         const py::object& block_tiles, int precision, bool reference) {
         const attn::AttentionOptions o = make_options(scale, causal, window_left, window_right, mask, alibi_slopes,
                                                 softcap, cu_seqlens_q, cu_seqlens_k, key_lengths, dropout_p,
                                                 seed, offset, bf16, block_q, block_k, block_table, block_tiles,
@@ -313,7 +318,11 @@ PYBIND11_MODULE(_attn, m) {
                                dqv = view_of(dq, "dq", true, bf16), dkv = view_of(dk, "dk", true, bf16),
                                dvv = view_of(dv, "dv", true, bf16), dbv = view_of(dbias, "dbias", true);
         py::gil_scoped_release release;
-        attn::attention_backward(qv, kv, vv, ov, lv, gv, dqv, dkv, dvv, o, dbv);
+        if (reference) {
+          attn::attention_backward_reference(qv, kv, vv, ov, lv, gv, dqv, dkv, dvv, o, dbv);
+        } else {
+          attn::attention_backward(qv, kv, vv, ov, lv, gv, dqv, dkv, dvv, o, dbv);
+        }
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dout"), py::arg("dq"),
       py::arg("dk"), py::arg("dv"), py::kw_only(), py::arg("scale") = py::none(), py::arg("causal") = 0,
@@ -322,8 +331,9 @@ PYBIND11_MODULE(_attn, m) {
       py::arg("cu_seqlens_k") = py::none(), py::arg("key_lengths") = py::none(), py::arg("dropout_p") = 0.0f,
       py::arg("seed") = 0, py::arg("offset") = 0, py::arg("dbias") = py::none(), py::arg("bf16") = false,
       py::arg("block_q") = 0, py::arg("block_k") = 0, py::arg("block_table") = py::none(),
-      py::arg("block_tiles") = py::none(), py::arg("precision") = 0,
-      "Gradients of forward (FlashAttention-2's backward); writes dq, dk, dv and optionally dbias.");
+      py::arg("block_tiles") = py::none(), py::arg("precision") = 0, py::arg("reference") = false,
+      "Gradients of forward (FlashAttention-2's backward); writes dq, dk, dv and optionally dbias. "
+      "reference=True: the float64 reference instead (attn::attention_backward_reference).");
 
   m.def(
       "merge",
