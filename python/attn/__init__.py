@@ -51,6 +51,15 @@ def _is_torch(x):
     return type(x).__module__.startswith("torch")
 
 
+def _wants_autograd(*xs):
+    """Whether a torch tensor among xs requires grad while autograd records."""
+    tensors = [x for x in xs if x is not None and _is_torch(x)]
+    if not tensors or not any(getattr(x, "requires_grad", False) for x in tensors):
+        return False
+    import torch
+    return torch.is_grad_enabled()
+
+
 def _is_cuda(x):
     """A torch tensor in CUDA memory: the call runs on attn's GPU backend (attn/_cuda.py)."""
     return _is_torch(x) and getattr(x, "is_cuda", False)  # (is_cuda: ~0.05 µs; device.type: ~0.5)
@@ -414,11 +423,30 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         rounded once to the output dtype. For checking a kernel, or one's own code,
         against an independent oracle.
 
+    Torch inputs that require grad (with autograd on) make the call
+    ``attn.torch.scaled_dot_product_attention``'s, so the result is differentiable; with
+    return_lse, return_seed or reference it is not, and a warning says so.
+
     A query that sees no key gets output 0 and lse -inf (PyTorch gives NaN). NaN and
     +inf scores make their row NaN, as in PyTorch; only -inf (or False) removes a key.
     Raises TypeError for a wrong dtype and ValueError (attn.Error) for wrong shapes or
     options, naming the argument.
     """
+    if _wants_autograd(query, key, value, attn_mask):
+        # torch tensors that require grad, with autograd on: a result without a gradient
+        # would train nothing through this call (silently, next to a residual path), so
+        # the call goes to attn.torch's differentiable one, the same kernels.
+        if not (return_lse or return_seed or reference):
+            from . import torch as _attn_torch
+            return _attn_torch.scaled_dot_product_attention(
+                query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                causal_alignment=causal_alignment, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                seed=seed, block_mask=block_mask, precision=precision)
+        import warnings
+        warnings.warn("attn.scaled_dot_product_attention: with return_lse, return_seed or reference the result "
+                      "records no gradient, although an input requires grad; use "
+                      "attn.torch.scaled_dot_product_attention for gradients (or torch.no_grad() for none)",
+                      stacklevel=2)
     if _is_cuda(query):
         _no_cuda_reference(reference)
         from . import _cuda

@@ -123,8 +123,11 @@ if _HAS_CUSTOM_OP:
                  enable_gqa: bool, bottom_right: bool, window_left: int, window_right: int, softcap: float,
                  seed: int, block_table: _Optional[_torch.Tensor], block_tiles: _Optional[_torch.Tensor],
                  block_q: int, block_k: int, precision: str) -> _Tuple[_torch.Tensor, _torch.Tensor]:
+        # detached: the operator's autograd formula is registered below, and the generic
+        # function would take inputs that require grad for a request for autograd
         out, lse = _attn.scaled_dot_product_attention(
-            query, key, value, _as_numpy_ready(attn_mask), return_lse=True, alibi_slopes=_as_numpy_ready(alibi_slopes),
+            query.detach(), key.detach(), value.detach(), _as_numpy_ready(attn_mask), return_lse=True,
+            alibi_slopes=_as_numpy_ready(alibi_slopes),
             **_call_options(dropout_p, is_causal, scale, enable_gqa, bottom_right, window_left, window_right,
                             softcap, seed, block_table, block_tiles, block_q, block_k, precision, query, key))
         return out, lse

@@ -96,3 +96,23 @@ def test_dropout_is_reproduced_by_the_backward(rng):
     assert not torch.equal(a, attn.torch.scaled_dot_product_attention(q, k, v))
     with pytest.warns(UserWarning):
         assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-2, atol=5e-3, rtol=5e-2)
+
+
+def test_generic_function_on_tensors_that_require_grad_is_differentiable(rng):
+    # attn.scaled_dot_product_attention takes NumPy arrays and torch tensors alike; given
+    # tensors that require grad it must not return a result that trains nothing.
+    q, k, v = (torch.from_numpy(rand(rng, 1, 2, 9, 8)).requires_grad_() for _ in range(3))
+    mask = torch.from_numpy(rand(rng, 9, 9)).requires_grad_()
+    out = attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True, window=(4, 0))
+    assert out.requires_grad
+    g = torch.from_numpy(rand(rng, 1, 2, 9, 8))
+    (out * g).sum().backward()
+    want = reference_grads(q.detach(), k.detach(), v.detach(), g.numpy(), mask=mask.detach().numpy(), is_causal=True,
+                           window=(4, 0))
+    for got, w in zip((q.grad, k.grad, v.grad, mask.grad), want):
+        assert got is not None and rel_err(got, w) <= 1e-5
+    with torch.no_grad():  # inference: no graph, no warning
+        assert not attn.scaled_dot_product_attention(q, k, v).requires_grad
+    with pytest.warns(UserWarning, match="records no gradient"):
+        out, lse = attn.scaled_dot_product_attention(q, k, v, return_lse=True)
+    assert not out.requires_grad
