@@ -151,6 +151,13 @@ def _check_common(q, k, v, enable_gqa):
         raise ValueError("query and key must have the same head dimension d, got %d and %d" % (q.shape[-1], k.shape[-1]))
     if k.shape[-2] != v.shape[-2] or k.shape[-3] != v.shape[-3]:
         raise ValueError("key and value must have the same heads and length, got %s and %s" % (k.shape, v.shape))
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        # the kernels read rows of d contiguous values; say so in the caller's terms (the
+        # library's own message would show its [B, L, H, d] view of the array)
+        step = t.stride()[-1] if _is_torch(t) else t.strides[-1] // t.itemsize
+        if t.shape[-1] > 1 and 0 not in t.shape and step != 1:
+            raise ValueError("%s: the last dimension must be contiguous (stride 1), got a stride of %d elements; "
+                             "pass a contiguous copy (np.ascontiguousarray, or .contiguous() in torch)" % (name, step))
     hq, hkv = q.shape[-3], k.shape[-3]
     if hq == 0 or hkv == 0:
         raise ValueError("query and key/value need at least one head each, got %d and %d heads" % (hq, hkv))
@@ -487,6 +494,14 @@ class _Call:
     __slots__ = ("q", "k", "v", "q4", "k4", "v4", "batch", "hq", "lq", "lk", "dv", "mask", "options")
 
 
+def _number(x, name):
+    """x as a float, or a TypeError naming the argument."""
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise TypeError("%s: expected a number, got %r" % (name, x)) from None
+
+
 def _prepare_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, window,
                   softcap, alibi_slopes, seed, block_mask, precision, forward=True, reference=False):
     """A checked _Call. seed: the forward's draws one when None (_seed); a backward's
@@ -502,10 +517,10 @@ def _prepare_call(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     c.q4, c.k4, c.v4 = (_merge_batch(t, n, c.batch) for t, n in ((c.q, "query"), (c.k, "key"), (c.v, "value")))
     left, right = _window(window)
     c.mask = _mask(attn_mask, c.batch, c.hq, c.lq, c.lk)
-    c.options = dict(scale=None if scale is None else float(scale), causal=_causal_code(is_causal, causal_alignment),
-                     window_left=left, window_right=right, mask=c.mask,
-                     alibi_slopes=_alibi(alibi_slopes, c.batch, c.hq), softcap=float(softcap or 0.0),
-                     dropout_p=float(dropout_p), seed=_seed(seed, dropout_p) if forward else int(seed),
+    c.options = dict(scale=None if scale is None else _number(scale, "scale"),
+                     causal=_causal_code(is_causal, causal_alignment), window_left=left, window_right=right,
+                     mask=c.mask, alibi_slopes=_alibi(alibi_slopes, c.batch, c.hq),
+                     softcap=_number(softcap or 0.0, "softcap"), dropout_p=_number(dropout_p, "dropout_p"), seed=_seed(seed, dropout_p) if forward else int(seed),
                      bf16=_is_bf16(query), precision=_precision(precision), reference=bool(reference),
                      **_block_mask(block_mask, c.batch, c.hq, c.lq, c.lk))
     return c

@@ -29,8 +29,15 @@ def test_errors_name_the_argument(rng):
         attn.scaled_dot_product_attention(rand(rng, 1, 4, 4, 8), k, v)
     with pytest.raises(ValueError, match="must divide"):
         attn.scaled_dot_product_attention(rand(rng, 1, 3, 4, 8), k, v, enable_gqa=True)
-    with pytest.raises(ValueError, match="contiguous"):  # from the C++ checks (attn.Error is a ValueError)
+    # a strided last dimension, said in the caller's terms (not the kernels' [B, L, H, d] view)
+    with pytest.raises(ValueError, match=r"query: the last dimension must be contiguous \(stride 1\), got a stride of 2"):
         attn.scaled_dot_product_attention(rand(rng, 1, 2, 4, 16)[..., ::2], k, v)
+    with pytest.raises(ValueError, match="value: the last dimension must be contiguous"):
+        attn.scaled_dot_product_attention(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(rand(rng, 1, 2, 5, 24))[..., ::3])
+    with pytest.raises(TypeError, match="scale: expected a number, got 'x'"):
+        attn.scaled_dot_product_attention(q, k, v, scale="x")
+    with pytest.raises(TypeError, match="softcap: expected a number"):
+        attn.scaled_dot_product_attention(q, k, v, softcap=[1.0])
     with pytest.raises(ValueError, match="negative"):
         attn.scaled_dot_product_attention(q[:, :, ::-1], k, v)
     with pytest.raises(ValueError, match="does not broadcast"):
