@@ -626,8 +626,14 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     cu_seqlens[0] == 0 and cu_seqlens[-1] == total (ValueError otherwise). Returns
     out [total_q, Hq, dv] (and lse [Hq, total_q] with return_lse=True, then the
     dropout seed with return_seed=True). ``reference=True``: the float64 reference, as for
-    ``scaled_dot_product_attention``.
+    ``scaled_dot_product_attention``. It records no autograd (from C++,
+    ``attn::attention_backward`` with cu_seqlens gives the gradients): given torch
+    tensors that require grad it warns so.
     """
+    if _wants_autograd(q, k, v):
+        import warnings
+        warnings.warn("attn.varlen_attention records no gradient, although an input requires grad",
+                      stacklevel=2)
     qa = _array(q, "q")
     ka = _array(k, "k")
     va = _array(v, "v")
