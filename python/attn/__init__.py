@@ -520,7 +520,8 @@ def _prepare_call(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     c.options = dict(scale=None if scale is None else _number(scale, "scale"),
                      causal=_causal_code(is_causal, causal_alignment), window_left=left, window_right=right,
                      mask=c.mask, alibi_slopes=_alibi(alibi_slopes, c.batch, c.hq),
-                     softcap=_number(softcap or 0.0, "softcap"), dropout_p=_number(dropout_p, "dropout_p"), seed=_seed(seed, dropout_p) if forward else int(seed),
+                     softcap=_number(softcap or 0.0, "softcap"), dropout_p=_number(dropout_p, "dropout_p"),
+                     seed=_seed(seed, dropout_p) if forward else int(seed),
                      bf16=_is_bf16(query), precision=_precision(precision), reference=bool(reference),
                      **_block_mask(block_mask, c.batch, c.hq, c.lq, c.lk))
     return c
