@@ -29,8 +29,8 @@ from . import _attn
 from ._attn import Error, num_threads, set_num_threads
 from .masks import BlockMask, and_masks, block_mask, or_masks
 
-__all__ = ["scaled_dot_product_attention", "varlen_attention", "attention_backward", "merge_attention_states",
-           "attention_with_kvcache", "kvcache_append",
+__all__ = ["scaled_dot_product_attention", "attention_backward", "varlen_attention", "varlen_attention_backward",
+           "merge_attention_states", "attention_with_kvcache", "kvcache_append",
            "block_mask", "BlockMask", "and_masks", "or_masks",
            "last_dropout_seed", "set_num_threads", "num_threads", "cpu_info", "cuda_status", "Error", "copies_made"]
 from ._version import __version__
@@ -613,37 +613,25 @@ def _check_saved(c, o, g, l):
             raise ValueError("%s: expected shape %s, got %s" % (name, shape, t.shape))
 
 
-def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
-                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                     seed=None, return_lse=False, return_seed=False, reference=False):
-    """Attention over a packed batch of variable-length sequences, as FlashAttention's
-    ``flash_attn_varlen_func``.
+class _VarlenCall:
+    """One checked varlen call: q, k, v as NumPy views ([total, H, d]), the shapes, and
+    the options as the kernels take them (cu_seqlens included)."""
 
-    q [total_q, Hq, d], k [total_k, Hkv, d], v [total_k, Hkv, dv]; cu_seqlens_q and
-    cu_seqlens_k are int32 [B+1] prefix sums of the sequence lengths. ``causal`` is
-    bottom-right aligned (FlashAttention >= 2.1); window_size = (left, right), -1 unbounded.
-    max_seqlen_q/k are accepted for compatibility and checked when given. As in
-    FlashAttention, the sequences must cover the packed tokens exactly:
-    cu_seqlens[0] == 0 and cu_seqlens[-1] == total (ValueError otherwise). Returns
-    out [total_q, Hq, dv] (and lse [Hq, total_q] with return_lse=True, then the
-    dropout seed with return_seed=True). ``reference=True``: the float64 reference, as for
-    ``scaled_dot_product_attention``. It records no autograd (from C++,
-    ``attn::attention_backward`` with cu_seqlens gives the gradients): given torch
-    tensors that require grad it warns so.
-    """
-    if _wants_autograd(q, k, v):
-        import warnings
-        warnings.warn("attn.varlen_attention records no gradient, although an input requires grad",
-                      stacklevel=2)
-    qa = _array(q, "q")
-    ka = _array(k, "k")
-    va = _array(v, "v")
+    __slots__ = ("q", "k", "v", "options")
+
+
+def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                 window_size, softcap, alibi_slopes, seed, reference, forward=True):
+    """A checked _VarlenCall. seed: the forward's draws one when None (_seed); a
+    backward's is the forward's, already checked (_backward_seed)."""
+    c = _VarlenCall()
+    c.q, c.k, c.v = _array(q, "q"), _array(k, "k"), _array(v, "v")
     cq = _array(cu_seqlens_q, "cu_seqlens_q", kinds=("i",))
     ck = _array(cu_seqlens_k, "cu_seqlens_k", kinds=("i",))
-    for name, t in (("q", qa), ("k", ka), ("v", va)):
+    for name, t in (("q", c.q), ("k", c.k), ("v", c.v)):
         if t.ndim != 3:
             raise ValueError("%s: expected shape [total, H, d], got %s" % (name, t.shape))
-    for name, cu, total in (("cu_seqlens_q", cq, qa.shape[0]), ("cu_seqlens_k", ck, ka.shape[0])):
+    for name, cu, total in (("cu_seqlens_q", cq, c.q.shape[0]), ("cu_seqlens_k", ck, c.k.shape[0])):
         if cu.ndim != 1 or cu.size < 2:
             raise ValueError("%s: expected int32 [B+1] with B >= 1, got shape %s" % (name, cu.shape))
         # Tokens outside every sequence would be left unwritten in the output.
@@ -651,20 +639,101 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
             raise ValueError("%s must start at 0 and end at the number of packed tokens (%d), got %s[0]=%d, "
                              "%s[-1]=%d" % (name, total, name, int(cu[0]), name, int(cu[-1])))
     for name, cu, given in (("max_seqlen_q", cq, max_seqlen_q), ("max_seqlen_k", ck, max_seqlen_k)):
-        if given is not None and cu.size >= 2 and int(_np.max(_np.diff(cu))) > int(given):
-            raise ValueError("%s=%d is smaller than the longest sequence (%d)" % (name, given, int(_np.max(_np.diff(cu)))))
-    out = _np.empty((qa.shape[0], qa.shape[1], va.shape[2]), qa.dtype)
-    lse = _np.empty((qa.shape[1], qa.shape[0]), _np.float32) if return_lse else None
+        longest = int(_np.max(_np.diff(cu)))
+        if given is not None and longest > int(given):
+            raise ValueError("%s=%d is smaller than the longest sequence (%d)" % (name, given, longest))
     left, right = _window(window_size)
-    _attn.forward(qa, ka, va, out, scale=None if softmax_scale is None else float(softmax_scale),
-                  causal=2 if causal else 0, window_left=left, window_right=right,
-                  alibi_slopes=_array(alibi_slopes, "alibi_slopes", allow_none=True), softcap=float(softcap or 0.0),
-                  cu_seqlens_q=cq, cu_seqlens_k=ck, dropout_p=float(dropout_p), seed=_seed(seed, dropout_p),
-                  lse=lse, bf16=_is_bf16(q), reference=bool(reference))
+    c.options = dict(scale=None if softmax_scale is None else _number(softmax_scale, "softmax_scale"),
+                     causal=2 if causal else 0, window_left=left, window_right=right,
+                     alibi_slopes=_array(alibi_slopes, "alibi_slopes", allow_none=True),
+                     softcap=_number(softcap or 0.0, "softcap"), cu_seqlens_q=cq, cu_seqlens_k=ck,
+                     dropout_p=_number(dropout_p, "dropout_p"), bf16=_is_bf16(q),
+                     reference=bool(reference))
+    c.options["seed"] = _seed(seed, c.options["dropout_p"]) if forward else int(seed)
+    return c
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
+                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                     seed=None, return_lse=False, return_seed=False, reference=False):
+    """Attention over a packed batch of variable-length sequences, as FlashAttention's
+    ``flash_attn_varlen_func``.
+
+    q [total_q, Hq, d], k [total_k, Hkv, d], v [total_k, Hkv, dv] (Hkv divides Hq: query
+    head h reads kv head h // (Hq/Hkv)); cu_seqlens_q and cu_seqlens_k are int32 [B+1]
+    prefix sums of the sequence lengths. ``causal`` is bottom-right aligned
+    (FlashAttention >= 2.1); window_size = (left, right), -1 unbounded.
+    max_seqlen_q/k are accepted for compatibility and checked when given. As in
+    FlashAttention, the sequences must cover the packed tokens exactly:
+    cu_seqlens[0] == 0 and cu_seqlens[-1] == total (ValueError otherwise). Returns
+    out [total_q, Hq, dv] (and lse [Hq, total_q] with return_lse=True, then the
+    dropout seed with return_seed=True). ``reference=True``: the float64 reference, as for
+    ``scaled_dot_product_attention``. ``varlen_attention_backward`` gives the gradients.
+
+    Torch inputs that require grad (with autograd on) make the call
+    ``attn.torch.varlen_attention``'s, so the result is differentiable; with return_lse,
+    return_seed or reference it is not, and a warning says so.
+    """
+    if _wants_autograd(q, k, v):
+        if not (return_lse or return_seed or reference):
+            from . import torch as _attn_torch
+            return _attn_torch.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                dropout_p, softmax_scale, causal, window_size, softcap,
+                                                alibi_slopes, seed)
+        import warnings
+        warnings.warn("attn.varlen_attention: with return_lse, return_seed or reference the result records no "
+                      "gradient, although an input requires grad; use attn.torch.varlen_attention for gradients "
+                      "(or torch.no_grad() for none)", stacklevel=2)
+    c = _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                     causal, window_size, softcap, alibi_slopes, seed, reference)
+    out, lse = _run_varlen_forward(c, return_lse)
     result = (_like(out, q),) + ((_like(lse, q),) if return_lse else ())
     if return_seed:
         result += (last_dropout_seed(),)
     return result if len(result) > 1 else result[0]
+
+
+def _run_varlen_forward(c, return_lse):
+    """The forward of a prepared varlen call: out [total_q, Hq, dv] and lse [Hq, total_q]
+    (or None) as NumPy arrays."""
+    out = _np.empty((c.q.shape[0], c.q.shape[1], c.v.shape[2]), c.q.dtype)
+    lse = _np.empty((c.q.shape[1], c.q.shape[0]), _np.float32) if return_lse else None
+    _attn.forward(c.q, c.k, c.v, out, lse=lse, **c.options)
+    return out, lse
+
+
+def _run_varlen_backward(c, o, g, l):
+    """dq, dk, dv of a prepared varlen call from its out, grad_out and lse (NumPy
+    arrays), checked here against the shapes the forward gives them."""
+    total_q, hq = c.q.shape[:2]
+    for name, t, shape in (("out", o, (total_q, hq, c.v.shape[2])), ("grad_out", g, (total_q, hq, c.v.shape[2])),
+                           ("lse", l, (hq, total_q))):
+        if t.shape != shape:
+            raise ValueError("%s: expected shape %s, got %s" % (name, shape, t.shape))
+    dq = _np.empty(c.q.shape, c.q.dtype)
+    dk = _np.empty(c.k.shape, c.q.dtype)
+    dv = _np.empty(c.v.shape, c.q.dtype)
+    _attn.backward(c.q, c.k, c.v, o, l, g, dq, dk, dv, **c.options)
+    return dq, dk, dv
+
+
+def varlen_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
+                              max_seqlen_k=None, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, seed=None, reference=False):
+    """Gradients of ``varlen_attention`` (FlashAttention-2's backward, per sequence).
+
+    Takes grad_out (d loss / d out, [total_q, Hq, dv]), the forward's inputs, its ``out``
+    and ``lse`` ([Hq, total_q] float32, ``return_lse=True``), and the same options; with
+    dropout_p > 0 the ``seed`` the forward used is required (ValueError without it).
+    Returns (dq, dk, dv) shaped like q, k, v, in their dtype; with grouped-query heads dk
+    and dv sum over each group. Deterministic: identical for any number of threads.
+    ``reference=True`` computes them with the float64 reference (slow).
+    """
+    seed = _backward_seed(seed, dropout_p, "varlen_attention_backward")
+    c = _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                     causal, window_size, softcap, alibi_slopes, seed, reference, forward=False)
+    grads = _run_varlen_backward(c, _array(out, "out"), _array(grad_out, "grad_out"), _array(lse, "lse"))
+    return tuple(_like(x, q) for x in grads)
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b):

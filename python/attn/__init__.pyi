@@ -86,6 +86,26 @@ def varlen_attention(
     return_seed: bool = ...,
     reference: bool = ...,
 ) -> Union[ArrayT, Tuple[Union[ArrayT, int], ...]]: ...
+def varlen_attention_backward(
+    grad_out: ArrayT,
+    q: ArrayT,
+    k: ArrayT,
+    v: ArrayT,
+    out: ArrayT,
+    lse: ArrayT,
+    cu_seqlens_q: ArrayT,
+    cu_seqlens_k: ArrayT,
+    max_seqlen_q: Optional[int] = ...,
+    max_seqlen_k: Optional[int] = ...,
+    dropout_p: float = ...,
+    softmax_scale: Optional[float] = ...,
+    causal: bool = ...,
+    window_size: Tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: Optional[ArrayT] = ...,
+    seed: Optional[int] = ...,
+    reference: bool = ...,
+) -> Tuple[ArrayT, ArrayT, ArrayT]: ...
 def last_dropout_seed() -> Optional[int]: ...
 def set_num_threads(n: int) -> None: ...
 def num_threads() -> int: ...

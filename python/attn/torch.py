@@ -18,7 +18,8 @@ With PyTorch 2.4 or later the forward and backward are also registered as
 ``torch.library`` custom operators, ``attn::sdpa`` and ``attn::sdpa_backward``, with fake
 (meta) implementations and autograd, so ``torch.compile`` traces a model that calls
 ``attn.torch.scaled_dot_product_attention`` without graph breaks (and
-``torch.library.opcheck`` passes). Eager calls on CPU tensors skip the operator's
+``torch.library.opcheck`` passes); ``attn.torch.varlen_attention``, the packed
+variable-length attention with gradients, is ``attn::varlen`` and ``attn::varlen_backward``. Eager calls on CPU tensors skip the operator's
 dispatch, which costs more than the kernel of a short sequence: they call the kernels
 directly, through the ``torch.autograd.Function`` below when a gradient is wanted,
 with the same results. Older PyTorch (Debian's 1.13) always takes that path.
@@ -185,6 +186,52 @@ if _HAS_CUSTOM_OP:
 
     _sdpa_op.register_autograd(_backward, setup_context=_setup_context)
 
+    # Packed variable-length attention, as operators for the same reason. The output's
+    # shape depends on q and v alone, so the fake implementations need no sequence lengths.
+    @_torch.library.custom_op("attn::varlen", mutates_args=())
+    def _varlen_op(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor, cu_seqlens_q: _torch.Tensor,
+                   cu_seqlens_k: _torch.Tensor, max_seqlen_q: _Optional[int], max_seqlen_k: _Optional[int],
+                   alibi_slopes: _Optional[_torch.Tensor], dropout_p: float, softmax_scale: _Optional[float],
+                   causal: bool, window_left: int, window_right: int, softcap: float,
+                   seed: int) -> _Tuple[_torch.Tensor, _torch.Tensor]:
+        return _attn.varlen_attention(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                      max_seqlen_k, dropout_p, softmax_scale, causal, (window_left, window_right),
+                                      softcap, _as_numpy_ready(alibi_slopes), seed, return_lse=True)
+
+    @_varlen_op.register_fake
+    def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p,
+                     softmax_scale, causal, window_left, window_right, softcap, seed):
+        return q.new_empty(q.shape[:-1] + (v.shape[-1],)), q.new_empty((q.shape[1], q.shape[0]), dtype=_torch.float32)
+
+    @_torch.library.custom_op("attn::varlen_backward", mutates_args=())
+    def _varlen_backward_op(grad_out: _torch.Tensor, q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor,
+                            out: _torch.Tensor, lse: _torch.Tensor, cu_seqlens_q: _torch.Tensor,
+                            cu_seqlens_k: _torch.Tensor, max_seqlen_q: _Optional[int], max_seqlen_k: _Optional[int],
+                            alibi_slopes: _Optional[_torch.Tensor], dropout_p: float,
+                            softmax_scale: _Optional[float], causal: bool, window_left: int, window_right: int,
+                            softcap: float, seed: int) -> _Tuple[_torch.Tensor, _torch.Tensor, _torch.Tensor]:
+        return _attn.varlen_attention_backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                               max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                                               (window_left, window_right), softcap, _as_numpy_ready(alibi_slopes),
+                                               seed)
+
+    @_varlen_backward_op.register_fake
+    def _varlen_backward_fake(grad_out, q, k, v, out, lse, *options):
+        return _torch.empty_like(q), _torch.empty_like(k), _torch.empty_like(v)
+
+    _varlen_backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+    def _varlen_setup_context(ctx, inputs, output):
+        ctx.options = inputs[5:]
+        ctx.save_for_backward(*inputs[:5], output[0], output[1])
+
+    def _varlen_backward(ctx, grad_out, grad_lse):
+        q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
+        dq, dk, dv = _varlen_backward_op(grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.options)
+        return (dq, dk, dv) + (None,) * 12
+
+    _varlen_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
 
 # attn's precision for each of torch.get_float32_matmul_precision()'s settings (what
 # attn.torch does with float32 tensors when no precision= is given).
@@ -314,6 +361,63 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if traced or _needs_grad(query, key, value, attn_mask):
         return _Attention.apply(query, key, value, attn_mask, options, False)
     return _attn.scaled_dot_product_attention(query, key, value, attn_mask, **options)
+
+
+class _VarlenAttention(_torch.autograd.Function):
+    # The checked call and the forward's NumPy out and lse are kept for the backward,
+    # which then converts only grad_out (as _Attention's checked path).
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, options):
+        call = _attn._varlen_call(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, **options)
+        out, lse = _attn._run_varlen_forward(call, True)
+        ctx.call, ctx.out, ctx.lse = call, out, lse
+        result = _attn._like(out, q)
+        ctx.save_for_backward(q, k, v, result)  # PyTorch's in-place checks
+        return result
+
+    @staticmethod
+    @_once_differentiable
+    def backward(ctx, grad_out):
+        q = ctx.saved_tensors[0]  # (raises if an input was modified in place since the forward)
+        grad = _attn._array(grad_out.contiguous(), "grad_out")
+        dq, dk, dv = (_attn._like(x, q) for x in _attn._run_varlen_backward(ctx.call, ctx.out, grad, ctx.lse))
+        return dq, dk, dv, None, None, None
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
+                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                     seed=None):
+    """``attn.varlen_attention`` on CPU torch tensors, differentiable (FlashAttention's
+    ``flash_attn_varlen_func`` with its gradients).
+
+    q [total_q, Hq, d], k [total_k, Hkv, d], v [total_k, Hkv, dv] (float32, bfloat16,
+    float16), cu_seqlens_q/k int32 [B+1]; returns out [total_q, Hq, dv]. Gradients flow to
+    q, k and v (attn's fused backward, deterministic for any thread count). With
+    ``dropout_p > 0`` the forward draws a seed (or takes ``seed``) and the backward reuses
+    it. Once-differentiable, as ``scaled_dot_product_attention``. With PyTorch 2.4 or later
+    it is also the custom operator ``attn::varlen`` (with ``attn::varlen_backward``), which
+    ``torch.compile`` traces without a graph break; eager CPU calls skip its dispatch."""
+    if _traced(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+        if dropout_p > 0 and seed is None:
+            seed = secrets.randbits(63)
+        cu_q, cu_k = (t if isinstance(t, _torch.Tensor) else _torch.as_tensor(_np.asarray(t))
+                      for t in (cu_seqlens_q, cu_seqlens_k))
+        left, right = (-1, -1) if window_size is None else (int(window_size[0]), int(window_size[1]))
+        alibi = alibi_slopes if alibi_slopes is None or isinstance(alibi_slopes, _torch.Tensor) else \
+            _torch.as_tensor(_np.asarray(alibi_slopes))
+        out, _ = _varlen_op(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, alibi, float(dropout_p),
+                            None if softmax_scale is None else float(softmax_scale), bool(causal), left, right,
+                            float(softcap or 0.0), int(seed or 0))
+        return out
+    # (With dropout and no seed, the forward's _varlen_call draws one; the backward reuses that call.)
+    options = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
+                   softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                   alibi_slopes=alibi_slopes.detach() if isinstance(alibi_slopes, _torch.Tensor) else alibi_slopes,
+                   seed=seed, reference=False)
+    if not _needs_grad(q, k, v):
+        return _attn.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                      softmax_scale, causal, window_size, softcap, options["alibi_slopes"], seed)
+    return _VarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, options)
 
 
 class patch_sdpa:

@@ -22,3 +22,25 @@ def scaled_dot_product_attention(
     block_mask: Optional[Any] = ...,
     precision: Optional[str] = ...,
 ) -> torch.Tensor: ...
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    max_seqlen_q: Optional[int] = ...,
+    max_seqlen_k: Optional[int] = ...,
+    dropout_p: float = ...,
+    softmax_scale: Optional[float] = ...,
+    causal: bool = ...,
+    window_size: Tuple[int, int] = ...,
+    softcap: float = ...,
+    alibi_slopes: Optional[Any] = ...,
+    seed: Optional[int] = ...,
+) -> torch.Tensor: ...
+
+class patch_sdpa:
+    calls: int
+    def __init__(self) -> None: ...
+    def __enter__(self) -> "patch_sdpa": ...
+    def __exit__(self, *exc: Any) -> bool: ...

@@ -116,11 +116,3 @@ def test_generic_function_on_tensors_that_require_grad_is_differentiable(rng):
     with pytest.warns(UserWarning, match="records no gradient"):
         out, lse = attn.scaled_dot_product_attention(q, k, v, return_lse=True)
     assert not out.requires_grad
-
-
-def test_varlen_on_tensors_that_require_grad_warns(rng):
-    q, k, v = (torch.from_numpy(rand(rng, 7, 2, 8)).requires_grad_() for _ in range(3))
-    cu = np.array([0, 3, 7], np.int32)
-    with pytest.warns(UserWarning, match="records no gradient"):
-        out = attn.varlen_attention(q, k, v, cu, cu)
-    assert out.shape == (7, 2, 8) and not out.requires_grad

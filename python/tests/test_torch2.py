@@ -247,3 +247,45 @@ def test_fake_tensors_take_the_custom_operator():
         assert at._traced(q, k, v, None, None)
         out = at.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         assert out.shape == (2, 4, 17, 8)
+
+
+def _packed(rng, lens_q=(5, 1, 12), lens_k=(7, 3, 12), hq=4, hkv=2, d=16, grad=True):
+    mk = lambda *s: torch.from_numpy(rng.uniform(-1, 1, s).astype(np.float32)).requires_grad_(grad)
+    cu = lambda lens: torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
+    return mk(sum(lens_q), hq, d), mk(sum(lens_k), hkv, d), mk(sum(lens_k), hkv, d), cu(lens_q), cu(lens_k)
+
+
+@needs_torch2
+def test_varlen_opcheck_forward_and_backward(rng):
+    q, k, v, cq, ck = _packed(rng)
+    args = (q, k, v, cq, ck, 12, None, None, 0.0, None, True, 4, 0, 5.0, 0)
+    torch.library.opcheck(torch.ops.attn.varlen.default, args)
+    out, lse = torch.ops.attn.varlen(*args)
+    assert out.shape == (18, 4, 16) and lse.shape == (4, 18)
+    g = torch.randn_like(out)
+    bargs = (g, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach()) + args[3:]
+    torch.library.opcheck(torch.ops.attn.varlen_backward.default, bargs)
+
+
+@needs_torch2
+def test_varlen_under_torch_compile_has_no_graph_break_and_eager_gradients(rng):
+    q, k, v, cq, ck = _packed(rng)
+
+    def f(q, k, v):
+        return at.varlen_attention(q * 2, k, v, cq, ck, causal=True, window_size=(6, 0), dropout_p=0.25,
+                                   seed=99).relu()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    g = torch.from_numpy(rng.uniform(-1, 1, (18, 4, 16)).astype(np.float32))
+    out = compiled(q, k, v)
+    out.backward(g)
+    got = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    want = f(q, k, v)  # eager: attn.torch's autograd.Function, the same kernels
+    want.backward(g)
+    assert torch.equal(out, want)
+    for a, t in zip(got, (q, k, v)):
+        assert torch.equal(a, t.grad)
+    explanation = torch._dynamo.explain(f)(q, k, v)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
