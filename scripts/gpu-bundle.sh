@@ -17,6 +17,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 name=${1:-main}
+# The bundles are timed on a Hopper GPU: they need its own code (a tree that
+# scripts/configure-release.sh set up on a machine without a GPU has sm_80 alone).
+if ! grep -q "^ATTN_CUDA_ARCHITECTURES:STRING=.*90a" build/release/CMakeCache.txt; then
+  cmake --preset release -DATTN_CUDA_ARCHITECTURES="80;90a" > /dev/null
+fi
 targets=(cuda_attention_test cuda_attention_bench)
 [ "$name" = main ] && targets+=(device_errors_test)
 # The wgmma probe, where the build has it (an sm_90a build).

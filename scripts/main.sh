@@ -6,6 +6,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
-cmake --preset release >/dev/null
+bash scripts/configure-release.sh
 cmake --build build/release -j "$(nproc)"
 ./build/release/tools/attn/attn demo --out attn-demo "$@"

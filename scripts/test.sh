@@ -15,7 +15,7 @@ stage() {
 bash scripts/install-deps.sh
 stage "install-deps"
 jobs="$(nproc)"
-cmake --preset release >/dev/null
+bash scripts/configure-release.sh
 cmake --build build/release -j "$jobs"
 stage "release build"
 ctest --test-dir build/release -j "$jobs" --output-on-failure
