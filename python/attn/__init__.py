@@ -621,7 +621,7 @@ class _VarlenCall:
 
 
 def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                 window_size, softcap, alibi_slopes, seed, reference, forward=True):
+                 window_size, softcap, alibi_slopes, seed, reference, precision="f32", forward=True):
     """A checked _VarlenCall. seed: the forward's draws one when None (_seed); a
     backward's is the forward's, already checked (_backward_seed)."""
     c = _VarlenCall()
@@ -648,14 +648,14 @@ def _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                      alibi_slopes=_array(alibi_slopes, "alibi_slopes", allow_none=True),
                      softcap=_number(softcap or 0.0, "softcap"), cu_seqlens_q=cq, cu_seqlens_k=ck,
                      dropout_p=_number(dropout_p, "dropout_p"), bf16=_is_bf16(q),
-                     reference=bool(reference))
+                     precision=_precision(precision), reference=bool(reference))
     c.options["seed"] = _seed(seed, c.options["dropout_p"]) if forward else int(seed)
     return c
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
                      softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                     seed=None, return_lse=False, return_seed=False, reference=False):
+                     seed=None, return_lse=False, return_seed=False, reference=False, precision="f32"):
     """Attention over a packed batch of variable-length sequences, as FlashAttention's
     ``flash_attn_varlen_func``.
 
@@ -667,7 +667,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     FlashAttention, the sequences must cover the packed tokens exactly:
     cu_seqlens[0] == 0 and cu_seqlens[-1] == total (ValueError otherwise). Returns
     out [total_q, Hq, dv] (and lse [Hq, total_q] with return_lse=True, then the
-    dropout seed with return_seed=True). ``reference=True``: the float64 reference, as for
+    dropout seed with return_seed=True). ``reference=True``: the float64 reference, and
+    ``precision`` ("f32", "bf16", "bf16x3"; float32 inputs), as for
     ``scaled_dot_product_attention``. ``varlen_attention_backward`` gives the gradients.
 
     Torch inputs that require grad (with autograd on) make the call
@@ -679,13 +680,13 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
             from . import torch as _attn_torch
             return _attn_torch.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                 dropout_p, softmax_scale, causal, window_size, softcap,
-                                                alibi_slopes, seed)
+                                                alibi_slopes, seed, precision=precision)
         import warnings
         warnings.warn("attn.varlen_attention: with return_lse, return_seed or reference the result records no "
                       "gradient, although an input requires grad; use attn.torch.varlen_attention for gradients "
                       "(or torch.no_grad() for none)", stacklevel=2)
     c = _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                     causal, window_size, softcap, alibi_slopes, seed, reference)
+                     causal, window_size, softcap, alibi_slopes, seed, reference, precision)
     out, lse = _run_varlen_forward(c, return_lse)
     result = (_like(out, q),) + ((_like(lse, q),) if return_lse else ())
     if return_seed:
@@ -719,7 +720,8 @@ def _run_varlen_backward(c, o, g, l):
 
 def varlen_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
                               max_seqlen_k=None, dropout_p=0.0, softmax_scale=None, causal=False,
-                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, seed=None, reference=False):
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, seed=None, reference=False,
+                              precision="f32"):
     """Gradients of ``varlen_attention`` (FlashAttention-2's backward, per sequence).
 
     Takes grad_out (d loss / d out, [total_q, Hq, dv]), the forward's inputs, its ``out``
@@ -727,11 +729,12 @@ def varlen_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seql
     dropout_p > 0 the ``seed`` the forward used is required (ValueError without it).
     Returns (dq, dk, dv) shaped like q, k, v, in their dtype; with grouped-query heads dk
     and dv sum over each group. Deterministic: identical for any number of threads.
-    ``reference=True`` computes them with the float64 reference (slow).
+    ``precision`` as for the forward; ``reference=True`` computes them with the float64
+    reference (slow).
     """
     seed = _backward_seed(seed, dropout_p, "varlen_attention_backward")
     c = _varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                     causal, window_size, softcap, alibi_slopes, seed, reference, forward=False)
+                     causal, window_size, softcap, alibi_slopes, seed, reference, precision, forward=False)
     grads = _run_varlen_backward(c, _array(out, "out"), _array(grad_out, "grad_out"), _array(lse, "lse"))
     return tuple(_like(x, q) for x in grads)
 

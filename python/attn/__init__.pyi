@@ -85,6 +85,7 @@ def varlen_attention(
     return_lse: bool = ...,
     return_seed: bool = ...,
     reference: bool = ...,
+    precision: str = ...,
 ) -> Union[ArrayT, Tuple[Union[ArrayT, int], ...]]: ...
 def varlen_attention_backward(
     grad_out: ArrayT,
@@ -105,6 +106,7 @@ def varlen_attention_backward(
     alibi_slopes: Optional[ArrayT] = ...,
     seed: Optional[int] = ...,
     reference: bool = ...,
+    precision: str = ...,
 ) -> Tuple[ArrayT, ArrayT, ArrayT]: ...
 def last_dropout_seed() -> Optional[int]: ...
 def set_num_threads(n: int) -> None: ...

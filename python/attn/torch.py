@@ -192,15 +192,16 @@ if _HAS_CUSTOM_OP:
     def _varlen_op(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor, cu_seqlens_q: _torch.Tensor,
                    cu_seqlens_k: _torch.Tensor, max_seqlen_q: _Optional[int], max_seqlen_k: _Optional[int],
                    alibi_slopes: _Optional[_torch.Tensor], dropout_p: float, softmax_scale: _Optional[float],
-                   causal: bool, window_left: int, window_right: int, softcap: float,
-                   seed: int) -> _Tuple[_torch.Tensor, _torch.Tensor]:
+                   causal: bool, window_left: int, window_right: int, softcap: float, seed: int,
+                   precision: str) -> _Tuple[_torch.Tensor, _torch.Tensor]:
         return _attn.varlen_attention(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                       max_seqlen_k, dropout_p, softmax_scale, causal, (window_left, window_right),
-                                      softcap, _as_numpy_ready(alibi_slopes), seed, return_lse=True)
+                                      softcap, _as_numpy_ready(alibi_slopes), seed, return_lse=True,
+                                      precision=precision)
 
     @_varlen_op.register_fake
     def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p,
-                     softmax_scale, causal, window_left, window_right, softcap, seed):
+                     softmax_scale, causal, window_left, window_right, softcap, seed, precision):
         return q.new_empty(q.shape[:-1] + (v.shape[-1],)), q.new_empty((q.shape[1], q.shape[0]), dtype=_torch.float32)
 
     @_torch.library.custom_op("attn::varlen_backward", mutates_args=())
@@ -209,11 +210,12 @@ if _HAS_CUSTOM_OP:
                             cu_seqlens_k: _torch.Tensor, max_seqlen_q: _Optional[int], max_seqlen_k: _Optional[int],
                             alibi_slopes: _Optional[_torch.Tensor], dropout_p: float,
                             softmax_scale: _Optional[float], causal: bool, window_left: int, window_right: int,
-                            softcap: float, seed: int) -> _Tuple[_torch.Tensor, _torch.Tensor, _torch.Tensor]:
+                            softcap: float, seed: int,
+                            precision: str) -> _Tuple[_torch.Tensor, _torch.Tensor, _torch.Tensor]:
         return _attn.varlen_attention_backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                                max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                                                (window_left, window_right), softcap, _as_numpy_ready(alibi_slopes),
-                                               seed)
+                                               seed, precision=precision)
 
     @_varlen_backward_op.register_fake
     def _varlen_backward_fake(grad_out, q, k, v, out, lse, *options):
@@ -228,7 +230,7 @@ if _HAS_CUSTOM_OP:
     def _varlen_backward(ctx, grad_out, grad_lse):
         q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
         dq, dk, dv = _varlen_backward_op(grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.options)
-        return (dq, dk, dv) + (None,) * 12
+        return (dq, dk, dv) + (None,) * 13
 
     _varlen_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
@@ -386,7 +388,7 @@ class _VarlenAttention(_torch.autograd.Function):
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, dropout_p=0.0,
                      softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                     seed=None):
+                     seed=None, *, precision=None):
     """``attn.varlen_attention`` on CPU torch tensors, differentiable (FlashAttention's
     ``flash_attn_varlen_func`` with its gradients).
 
@@ -394,9 +396,13 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     float16), cu_seqlens_q/k int32 [B+1]; returns out [total_q, Hq, dv]. Gradients flow to
     q, k and v (attn's fused backward, deterministic for any thread count). With
     ``dropout_p > 0`` the forward draws a seed (or takes ``seed``) and the backward reuses
-    it. Once-differentiable, as ``scaled_dot_product_attention``. With PyTorch 2.4 or later
+    it. ``precision`` (float32 inputs) as for ``scaled_dot_product_attention``: None follows
+    ``torch.get_float32_matmul_precision()``. Once-differentiable, as
+    ``scaled_dot_product_attention``. With PyTorch 2.4 or later
     it is also the custom operator ``attn::varlen`` (with ``attn::varlen_backward``), which
     ``torch.compile`` traces without a graph break; eager CPU calls skip its dispatch."""
+    precision = _float32_precision(precision)
+    _attn._precision(precision)  # an unknown name is a ValueError here, before any work
     if _traced(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
         if dropout_p > 0 and seed is None:
             seed = secrets.randbits(63)
@@ -407,16 +413,17 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
             _torch.as_tensor(_np.asarray(alibi_slopes))
         out, _ = _varlen_op(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, alibi, float(dropout_p),
                             None if softmax_scale is None else float(softmax_scale), bool(causal), left, right,
-                            float(softcap or 0.0), int(seed or 0))
+                            float(softcap or 0.0), int(seed or 0), precision)
         return out
     # (With dropout and no seed, the forward's _varlen_call draws one; the backward reuses that call.)
     options = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
                    softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                    alibi_slopes=alibi_slopes.detach() if isinstance(alibi_slopes, _torch.Tensor) else alibi_slopes,
-                   seed=seed, reference=False)
+                   seed=seed, reference=False, precision=precision)
     if not _needs_grad(q, k, v):
         return _attn.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                      softmax_scale, causal, window_size, softcap, options["alibi_slopes"], seed)
+                                      softmax_scale, causal, window_size, softcap, options["alibi_slopes"], seed,
+                                      precision=precision)
     return _VarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, options)
 
 

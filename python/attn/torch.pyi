@@ -37,6 +37,8 @@ def varlen_attention(
     softcap: float = ...,
     alibi_slopes: Optional[Any] = ...,
     seed: Optional[int] = ...,
+    *,
+    precision: Optional[str] = ...,
 ) -> torch.Tensor: ...
 
 class patch_sdpa:

@@ -258,7 +258,7 @@ def _packed(rng, lens_q=(5, 1, 12), lens_k=(7, 3, 12), hq=4, hkv=2, d=16, grad=T
 @needs_torch2
 def test_varlen_opcheck_forward_and_backward(rng):
     q, k, v, cq, ck = _packed(rng)
-    args = (q, k, v, cq, ck, 12, None, None, 0.0, None, True, 4, 0, 5.0, 0)
+    args = (q, k, v, cq, ck, 12, None, None, 0.0, None, True, 4, 0, 5.0, 0, "bf16x3")
     torch.library.opcheck(torch.ops.attn.varlen.default, args)
     out, lse = torch.ops.attn.varlen(*args)
     assert out.shape == (18, 4, 16) and lse.shape == (4, 18)

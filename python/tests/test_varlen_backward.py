@@ -216,3 +216,50 @@ def test_low_precision_gradients(rng, dtype, monkeypatch):
         grads = attn.varlen_attention_backward(tg, tq, tk, tv, out, lse, cq, ck, causal=True)
         for got, want in zip(grads, exact):
             assert rel_err(got.float(), want) <= (3e-2 if dtype == torch.bfloat16 else 5e-3), path
+
+
+def _bf16_rounded(x):
+    return torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+
+
+def test_precision_bf16_for_float32_inputs(rng):
+    # precision="bf16" rounds q, k, v to bfloat16 inside: the float64 reference of the
+    # call equals the reference on inputs rounded beforehand, and the kernels' forward
+    # and backward stay within bfloat16's error of it.
+    q, k, v, g, cq, ck = packed_problem(rng, [17, 40], [33, 61], 4, 2, 64)
+    rq, rk, rv = (_bf16_rounded(x) for x in (q, k, v))
+    opts = dict(causal=True)
+    ref = attn.varlen_attention(q, k, v, cq, ck, precision="bf16", reference=True, **opts)
+    assert np.array_equal(ref, attn.varlen_attention(rq, rk, rv, cq, ck, reference=True, **opts))
+    assert not np.array_equal(ref, attn.varlen_attention(q, k, v, cq, ck, reference=True, **opts))
+    out, lse = attn.varlen_attention(q, k, v, cq, ck, precision="bf16", return_lse=True, **opts)
+    assert out.dtype == np.float32 and rel_err(out, ref) <= 1e-2
+    grads = attn.varlen_attention_backward(g, q, k, v, out, lse, cq, ck, precision="bf16", **opts)
+    want = per_sequence_grads(rq, rk, rv, g, cq, ck, causal=True)
+    for got, w in zip(grads, want):
+        assert got.dtype == np.float32 and rel_err(got, w) <= 3e-2
+    with pytest.raises(ValueError, match="precision must be one of"):
+        attn.varlen_attention(q, k, v, cq, ck, precision="fp8")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        attn.varlen_attention_backward(g, q, k, v, out, lse, cq, ck, precision="half")
+
+
+def test_torch_function_follows_float32_matmul_precision(rng):
+    q, k, v, g, cq, ck = packed_problem(rng, [9, 30], [12, 41], 4, 2, 32)
+    want = attn.varlen_attention(q, k, v, cq, ck, precision="bf16")
+    leaves = [torch.from_numpy(x.copy()).requires_grad_() for x in (q, k, v)]
+    get = getattr(torch, "get_float32_matmul_precision", None)
+    if get is None:
+        pytest.skip("this torch has no float32 matmul precision setting")
+    saved = get()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        out = attn.torch.varlen_attention(*leaves, cq, ck)
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    assert np.array_equal(out.detach().numpy(), want)
+    assert np.array_equal(attn.torch.varlen_attention(*leaves, cq, ck, precision="bf16").detach().numpy(), want)
+    (out * torch.from_numpy(g)).sum().backward()  # the backward takes the forward's precision
+    o, lse = attn.varlen_attention(q, k, v, cq, ck, precision="bf16", return_lse=True)
+    for leaf, w in zip(leaves, attn.varlen_attention_backward(g, q, k, v, o, lse, cq, ck, precision="bf16")):
+        assert np.array_equal(leaf.grad.numpy(), w)
