@@ -19,8 +19,8 @@ With PyTorch 2.4 or later the forward and backward are also registered as
 (meta) implementations and autograd, so ``torch.compile`` traces a model that calls
 ``attn.torch.scaled_dot_product_attention`` without graph breaks (and
 ``torch.library.opcheck`` passes); ``attn.torch.varlen_attention``, the packed
-variable-length attention with gradients, is ``attn::varlen`` and ``attn::varlen_backward``. Eager calls on CPU tensors skip the operator's
-dispatch, which costs more than the kernel of a short sequence: they call the kernels
+variable-length attention with gradients, is ``attn::varlen`` and
+``attn::varlen_backward``. Eager calls on CPU tensors skip the operator's dispatch, which costs more than the kernel of a short sequence: they call the kernels
 directly, through the ``torch.autograd.Function`` below when a gradient is wanted,
 with the same results. Older PyTorch (Debian's 1.13) always takes that path.
 """
@@ -415,15 +415,16 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                             None if softmax_scale is None else float(softmax_scale), bool(causal), left, right,
                             float(softcap or 0.0), int(seed or 0), precision)
         return out
+    if isinstance(alibi_slopes, _torch.Tensor):
+        alibi_slopes = alibi_slopes.detach()
+    if not _needs_grad(q, k, v):
+        return _attn.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                      softmax_scale, causal, window_size, softcap, alibi_slopes, seed,
+                                      precision=precision)
     # (With dropout and no seed, the forward's _varlen_call draws one; the backward reuses that call.)
     options = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
                    softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                   alibi_slopes=alibi_slopes.detach() if isinstance(alibi_slopes, _torch.Tensor) else alibi_slopes,
-                   seed=seed, reference=False, precision=precision)
-    if not _needs_grad(q, k, v):
-        return _attn.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                      softmax_scale, causal, window_size, softcap, options["alibi_slopes"], seed,
-                                      precision=precision)
+                   alibi_slopes=alibi_slopes, seed=seed, reference=False, precision=precision)
     return _VarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, options)
 
 
