@@ -7,10 +7,10 @@
 // measures the arithmetic alone; a long one (L = 8192) adds the memory system back.
 //
 // Shapes as the decode table's: B = 1, Lq = 1, Hq = 32, Hkv = 8 (or --hkv), d = dv = 128,
-// contiguous cache, one split, 1 thread. Flops: 4·Hq·L·d per call (Q·Kᵀ and P·V).
+// contiguous cache, one split (--splits to change it), 1 thread. Flops: 4·Hq·L·d per call (Q·Kᵀ and P·V).
 // Fresh random keys, values, scales and queries (never constants).
 //
-// usage: decode_rate [f32|bf16|f16|i8 ...] [--lengths L ...] [--hkv H] [--calls N] [--precision f32|bf16]
+// usage: decode_rate [f32|bf16|f16|i8 ...] [--lengths L ...] [--hkv H] [--calls N] [--precision f32|bf16] [--splits S]
 //        --hkv: kv heads (default 8, 4 query rows per kv head; 32 = multi-head, 1 row)
 #include <cstdio>
 #include <cstdlib>
@@ -34,7 +34,8 @@ struct Rate {
 };
 
 /// Median over 7 rounds of `calls` decoding calls each (after 10 warm-up calls).
-Rate time_decode(DType cache_dtype, int L, int Hkv, int calls, attn::Precision precision, std::mt19937& rng) {
+Rate time_decode(DType cache_dtype, int L, int Hkv, int calls, attn::Precision precision, int splits,
+                 std::mt19937& rng) {
   constexpr int B = 1, Hq = 32, d = 128;
   const size_t n = static_cast<size_t>(B) * L * Hkv * d;
   const size_t bytes = cache_dtype == DType::f32 ? 4 : cache_dtype == DType::i8 ? 1 : 2;
@@ -76,7 +77,7 @@ Rate time_decode(DType cache_dtype, int L, int Hkv, int calls, attn::Precision p
   const attn::TensorView qv(q.data(), DType::f32, {B, 1, Hq, d}), ov(out.data(), DType::f32, {B, 1, Hq, d});
   const attn::TensorView lens(seqlens.data(), DType::i32, {B});
   attn::KVCacheOptions kv;
-  kv.num_splits = 1;
+  kv.num_splits = splits;
   attn::AttentionOptions opt;
   opt.precision = precision;
   for (int i = 0; i < 10; ++i) attn::attention_with_kvcache(qv, cache, lens, ov, opt, kv);
@@ -95,7 +96,7 @@ Rate time_decode(DType cache_dtype, int L, int Hkv, int calls, attn::Precision p
 int main(int argc, char** argv) {
   std::vector<DType> dtypes;
   std::vector<int> lengths;
-  int calls = 0, hkv = 8;
+  int calls = 0, hkv = 8, splits = 1;
   attn::Precision precision = attn::Precision::f32;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -114,12 +115,18 @@ int main(int argc, char** argv) {
         return 2;
       }
       precision = want == "bf16" ? attn::Precision::bf16 : attn::Precision::f32;
+    } else if (a == "--splits" && i + 1 < argc) {
+      splits = std::atoi(argv[++i]);
+      if (splits < 0) {
+        std::fprintf(stderr, "decode_rate: --splits must be 0 (automatic) or more\n");
+        return 2;
+      }
     } else if (a == "--calls" && i + 1 < argc) {
       calls = std::atoi(argv[++i]);
     } else if (a == "f32" || a == "bf16" || a == "f16" || a == "i8") {
       dtypes.push_back(a == "f32" ? DType::f32 : a == "bf16" ? DType::bf16 : a == "f16" ? DType::f16 : DType::i8);
     } else {
-      std::fprintf(stderr, "usage: decode_rate [f32|bf16|f16|i8 ...] [--lengths L ...] [--hkv H] [--calls N] [--precision f32|bf16]\n");
+      std::fprintf(stderr, "usage: decode_rate [f32|bf16|f16|i8 ...] [--lengths L ...] [--hkv H] [--calls N] [--precision f32|bf16] [--splits S]\n");
       return a == "--help" || a == "-h" ? 0 : 2;
     }
   }
@@ -127,14 +134,14 @@ int main(int argc, char** argv) {
   if (lengths.empty()) lengths = {512, 8192};
   attn::set_num_threads(1);
   const attn::bench::Peak peak = attn::bench::measure_peak(1);
-  std::printf("decode_rate: B=1 Lq=1 Hq=32 Hkv=%d d=128, 1 thread, one split, precision %s; FMA peak %.1f GFLOP/s (%s)\n",
-              hkv, precision == attn::Precision::bf16 ? "bf16" : "f32", peak.f32_gflops, peak.isa);
+  std::printf("decode_rate: B=1 Lq=1 Hq=32 Hkv=%d d=128, 1 thread, %d split(s) (0: automatic), precision %s; FMA peak %.1f GFLOP/s (%s)\n",
+              hkv, splits, precision == attn::Precision::bf16 ? "bf16" : "f32", peak.f32_gflops, peak.isa);
   std::printf("| cache | L | us/call | GFLOP/s | of FMA peak |\n|---|---:|---:|---:|---:|\n");
   std::mt19937 rng(2026);
   for (DType dt : dtypes) {
     for (int L : lengths) {
       const int n = calls > 0 ? calls : std::max(3, 200 * 512 / L);
-      const Rate r = time_decode(dt, L, hkv, n, precision, rng);
+      const Rate r = time_decode(dt, L, hkv, n, precision, splits, rng);
       std::printf("| %s | %d | %.1f | %.1f | %.0f%% |\n", attn::dtype_name(dt), L, r.us_per_call, r.gflops,
                   100.0 * r.gflops / peak.f32_gflops);
     }

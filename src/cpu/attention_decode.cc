@@ -100,12 +100,17 @@ std::vector<RowChunk> RowChunks(int group, int lq) {
 /// The most query rows of one work item, over all its kv heads (kv heads × their
 /// chunk's rows).
 constexpr int kMaxItemRows = 256;
+/// Rows of a group that FinishRows combines at once: it reads each split's partial
+/// kMergeRows rows at a time, in address order (8 KiB at dv = 128), where a row at a
+/// time read 512 bytes of each split, each from another 16 KiB partial: with 64 splits
+/// of a B = 8 call merging took ~6% of the time (perf, Zen 4, from DRAM).
+constexpr int kMergeRows = 8;
 
 /// One thread's scratch, carved from its reusable buffer (workspace.hpp, kSlotDecode):
 /// a work item's running state, per kv head its rows' queries, O, m, l, a score
 /// tile and which of its keys are removed (RemovedKeys), sized for the call's largest
 /// item (item_rows rows, item_pad_rows once each head's rows are rounded up to whole
-/// vectors); FinishRow's row buffers. Allocated
+/// vectors); FinishRows's row buffers. Allocated
 /// per call, sized for any item (1.3 MiB), these were ~20% of a one-token call.
 struct Scratch {
   float *q, *s, *o, *m, *l, *alpha, *row_max, *row;
@@ -118,7 +123,7 @@ struct Scratch {
     const size_t fq = whole(static_cast<size_t>(item_rows) * dp), fs = whole(static_cast<size_t>(item_pad_rows) * kBk),
                  fo = whole(static_cast<size_t>(item_rows) * dvp), fm = whole(item_pad_rows),
                  fl = whole(static_cast<size_t>(item_pad_rows) * kLanes), fmax = whole(kMaxRows + kLanes),
-                 frow = whole(dvp), facc = whole(2 * static_cast<size_t>(dvp));
+                 frow = whole(dvp), facc = whole(2 * static_cast<size_t>(kMergeRows) * dvp);
     q = thread_scratch(kSlotDecode, fq + fs + fo + 2 * fm + fl + fmax + frow + facc);
     s = q + fq;
     o = s + fs;
@@ -186,7 +191,16 @@ struct Paths {
   bool vnni = false;             // the fixed-point passes on vpdpwssd (MulPairsAdd)
   const int16_t* q16 = nullptr;  // fixed_scores: the queries' rows as integers (FixedQueries)
   const float* qunit = nullptr;  // and each row's unit
+  // The queries' rows in the order and format the item's score pass reads (bf16 bits
+  // for bf16_dot, pair order for bf16/f16 keys on the f32 pass), made once per call
+  // (in Decode): each item then copies whole rows.
+  const void* qitem = nullptr;
+  size_t qitem_row_bytes = 0;
 };
+
+/// The order of the columns of O in a split's partial result. Items store O as their
+/// passes leave it, and FinishRows puts it in order once per row (not once per split).
+enum class ColumnOrder { kNatural, kPairs, kFixed16 };
 
 
 /// How many keys ahead of its work ComputeItem asks for a key's rows (at most kBk).
@@ -209,7 +223,7 @@ int PrefetchKeys(const Paths& paths) {
 }
 
 template <typename T>
-void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const Item& it, const RowChunk& rc,
+void ComputeItem(const DecodeProblem& p, int dp, int dvp, const Item& it, const RowChunk& rc,
                  Scratch& w, Partial out, bool prefetch, DecodeTilesScratch* tiles, const Paths& paths) {
   const bool bf16_dot = paths.bf16_dot, fixed_scores = paths.fixed_scores, fixed_pv = paths.fixed_pv;
   const Sequence& seq = p.attn.seqs[it.b];
@@ -228,26 +242,10 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
   for (int hh = 0; hh < it.heads; ++hh) {
     for (int r = 0; r < rows; ++r) {
       const int h = (it.hk0 + hh) * group + rc.g0 + r / rc.count, i = rc.i0 + r % rc.count;
-      float* to = &w.q[(static_cast<size_t>(hh) * rows + r) * dp];
-      const float* from = qs + ((static_cast<size_t>(b) * p.Hq + h) * p.Lq + i) * dp;
-      if (fixed_scores) {  // the fixed-point rows and their units (FixedQueries)
-        const size_t row = (static_cast<size_t>(b) * p.Hq + h) * p.Lq + i, at = static_cast<size_t>(hh) * rows + r;
-        std::memcpy(reinterpret_cast<int16_t*>(w.q) + at * dp, paths.q16 + row * dp, sizeof(int16_t) * dp);
-        w.qunit[at] = paths.qunit[row];
-      } else if (bf16_dot) {  // bf16 rows in their own order, unscaled (see AllBf16)
-        uint16_t* qb = reinterpret_cast<uint16_t*>(w.q) + (static_cast<size_t>(hh) * rows + r) * dp;
-        for (int x = 0; x < dp; ++x) {
-          uint32_t bits;
-          std::memcpy(&bits, &from[x], sizeof bits);
-          qb[x] = static_cast<uint16_t>(bits >> 16);
-        }
-      } else if constexpr (kPairs<T>) {  // pair order (see Bf16Pairs): evens, then odds
-        for (int x = 0; x < dp; x += 2 * kLanes) {
-          for (int j = 0; j < kLanes; ++j) to[x + j] = from[x + 2 * j], to[x + kLanes + j] = from[x + 2 * j + 1];
-        }
-      } else {
-        std::memcpy(to, from, sizeof(float) * dp);
-      }
+      const size_t row = (static_cast<size_t>(b) * p.Hq + h) * p.Lq + i, at = static_cast<size_t>(hh) * rows + r;
+      std::memcpy(reinterpret_cast<char*>(w.q) + at * paths.qitem_row_bytes,
+                  static_cast<const char*>(paths.qitem) + row * paths.qitem_row_bytes, paths.qitem_row_bytes);
+      if (fixed_scores) w.qunit[at] = paths.qunit[row];
     }
   }
   // The tile path (i8 caches on AMX-INT8, decode_amx_i8-inl.h) for up to 4 rows per
@@ -299,7 +297,9 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
   for (int j0 = first <= last ? t0 + (first - t0) / kBk * kBk : t1; j0 <= last; j0 += kBk) {
     const int cols = std::min(kBk, t1 - j0);
     keys_read += cols;
-    const int ahead = std::max(0, std::min(kBk, std::min(t1, last + 1) - (j0 + kPrefetchKeys)));
+    // Requests run past the item's end into the next split's keys (the band's, within
+    // the sequence): the item that reads them next starts with them on the way.
+    const int ahead = std::max(0, std::min(kBk, std::min(seq.Lk, hi_all + 1) - (j0 + kPrefetchKeys)));
     // Keys of the next block the tile path will read (its rows are keys0[kBk + i]).
     const int next_n = on_tiles && prefetch && cols == kBk ? std::max(0, std::min(kBk, std::min(t1, last + 1) - (j0 + kBk))) : 0;
     walk_rows(j0, next_n > 0 ? kBk + next_n : std::max(cols, ahead > 0 ? kPrefetchKeys + ahead : 0));
@@ -621,21 +621,8 @@ void ComputeItem(const DecodeProblem& p, const float* qs, int dp, int dvp, const
       const size_t at = static_cast<size_t>(hh) * rows + r;
       out.m[at] = w.m[static_cast<size_t>(hh) * rows_pad + r];
       out.l[at] = RowSum(&w.l[static_cast<size_t>(hh) * rows_pad * kLanes], r);
-      if (!on_tiles) {
-        const float* from = &w.o[at * dvp];
-        float* to = out.o + at * dvp;
-        if (fixed_pv) {  // back from Fixed16Column order; dv is a multiple of kFixedVec
-          for (int x = 0; x < p.dv; x += kFixedVec) {
-            for (int u = 0; u < kFixedVec; ++u) to[x + u] = from[x + Fixed16Column(u)];
-          }
-          std::fill(to + p.dv, to + dvp, 0.0f);
-        } else if constexpr (kPairs<T>) {  // back from pair order
-          for (int x = 0; x < dvp; x += 2 * kLanes) {
-            for (int j = 0; j < kLanes; ++j) to[x + 2 * j] = from[x + j], to[x + 2 * j + 1] = from[x + kLanes + j];
-          }
-        } else {
-          std::memcpy(to, from, sizeof(float) * dvp);
-        }
+      if (!on_tiles) {  // in the passes' column order (FinishRows puts it in order)
+        std::memcpy(out.o + at * dvp, &w.o[at * dvp], sizeof(float) * dvp);
         continue;
       }
 #if ATTN_DECODE_AMX_I8
@@ -652,46 +639,86 @@ void StoreRow(const DecodeProblem& p, int b, int i, int h, const float* o, float
   if (p.lse != nullptr) p.lse[b * p.lse_b + h * p.lse_h + i * p.lse_i] = lse_value;
 }
 
-/// Combines the splits' partial results of one row (merge_attention_states's rule,
-/// in split order) and writes out and lse. acc: dv doubles, row: dv floats of the
-/// thread's scratch (a step of a short cache spent a quarter of its time here when
-/// each row allocated its own and stored element by element).
-void FinishRow(const DecodeProblem& p, int b, int i, int h, const Partial* parts, int nsplits, int r, int dvp,
-               double* HWY_RESTRICT acc, float* HWY_RESTRICT row) {
-  bool nan = false;
-  float mx = -HUGE_VALF;
+/// The column of a partial O that holds output column x (see ColumnOrder): pair order
+/// takes each run of 2·kLanes columns as its even columns, then its odd ones
+/// (Bf16Pairs); Fixed16 order permutes each run of kFixedVec (Fixed16Column).
+int PartialColumn(ColumnOrder order, int x) {
+  switch (order) {
+    case ColumnOrder::kPairs: {
+      const int run = x / (2 * kLanes) * (2 * kLanes), u = x % (2 * kLanes);
+      return run + (u % 2) * kLanes + u / 2;
+    }
+    case ColumnOrder::kFixed16:
+#if ATTN_DECODE_FIXED16
+      return x / kFixedVec * kFixedVec + Fixed16Column(x % kFixedVec);
+#else
+      return x;  // not taken: no fixed-point passes on this target
+#endif
+    case ColumnOrder::kNatural:
+      break;
+  }
+  return x;
+}
+
+/// Combines the splits' partial results of rows r0 … r0+nr−1 (nr ≤ kMergeRows) of a
+/// group whose first item is `it` (merge_attention_states's rule, each row's splits in
+/// split order) and writes out and lse. The partials' O columns are in the passes'
+/// order: output column x is column col_src[x] (PartialColumn). acc: kMergeRows·dvp
+/// doubles, row: dv floats of the thread's scratch.
+void FinishRows(const DecodeProblem& p, const Item& it, const RowChunk& rc, const Partial* parts, int nsplits, int r0,
+                int nr, int dvp, const int* HWY_RESTRICT col_src, double* HWY_RESTRICT acc, float* HWY_RESTRICT row) {
+  float mx[kMergeRows];
+  double total[kMergeRows];
+  bool merge[kMergeRows];
+  auto store = [&](int k, const float* o, float lse_value) {
+    const int r = (r0 + k) % rc.rows(), hh = (r0 + k) / rc.rows();
+    const int h = (it.hk0 + hh) * p.group() + rc.g0 + r / rc.count, i = rc.i0 + r % rc.count;
+    StoreRow(p, it.b, i, h, o, lse_value);
+  };
+  for (int k = 0; k < nr; ++k) {
+    const int r = r0 + k;
+    bool nan = false;
+    float m_all = -HUGE_VALF;
+    for (int s = 0; s < nsplits; ++s) {
+      const float m = parts[s].m[r];
+      nan |= std::isnan(m);
+      m_all = std::max(m_all, m);
+    }
+    mx[k] = nan ? NAN : m_all;
+    merge[k] = false;
+    if (mx[k] == -HUGE_VALF) {  // no visible key in any split: out 0, lse −∞
+      std::fill(row, row + p.dv, 0.0f);
+      store(k, row, -HUGE_VALF);
+    } else if (nsplits == 1 && !nan) {
+      // One split: its weight is e^0 = 1 and the total is its l, so the double
+      // division below is o / l rounded once to f32, which f32 division gives exactly.
+      const float* HWY_RESTRICT o = parts[0].o + static_cast<size_t>(r) * dvp;
+      const float l = parts[0].l[r];
+      for (int x = 0; x < p.dv; ++x) row[x] = o[col_src[x]] / l;
+      store(k, row, static_cast<float>(mx[k] + std::log(static_cast<double>(l))));
+    } else {
+      merge[k] = true;
+      total[k] = 0;
+      std::fill(acc + static_cast<size_t>(k) * dvp, acc + static_cast<size_t>(k + 1) * dvp, 0.0);
+    }
+  }
   for (int s = 0; s < nsplits; ++s) {
-    const float m = parts[s].m[r];
-    nan |= std::isnan(m);
-    mx = std::max(mx, m);
+    for (int k = 0; k < nr; ++k) {
+      const float m = parts[s].m[r0 + k];
+      if (!merge[k] || m == -HUGE_VALF) continue;  // this split saw no key: weight 0, O not read
+      const double w = std::exp(static_cast<double>(m) - mx[k]);
+      total[k] += w * parts[s].l[r0 + k];
+      const float* HWY_RESTRICT o = parts[s].o + static_cast<size_t>(r0 + k) * dvp;
+      double* HWY_RESTRICT a = acc + static_cast<size_t>(k) * dvp;
+      for (int x = 0; x < dvp; ++x) a[x] += w * o[x];
+    }
   }
-  if (nan) mx = NAN;
-  if (mx == -HUGE_VALF) {  // no visible key in any split: out 0, lse −∞
-    std::fill(row, row + p.dv, 0.0f);
-    StoreRow(p, b, i, h, row, -HUGE_VALF);
-    return;
+  for (int k = 0; k < nr; ++k) {
+    if (!merge[k]) continue;
+    const double* a = acc + static_cast<size_t>(k) * dvp;
+    for (int x = 0; x < p.dv; ++x) row[x] = static_cast<float>(a[col_src[x]] / total[k]);
+    store(k, row, static_cast<float>(mx[k] + std::log(total[k])));
   }
-  if (nsplits == 1 && !nan) {
-    // One split: its weight is e^0 = 1 and the total is its l, so the double
-    // division below is o / l rounded once to f32, which f32 division gives exactly.
-    const float* HWY_RESTRICT o = parts[0].o + static_cast<size_t>(r) * dvp;
-    const float l = parts[0].l[r];
-    for (int x = 0; x < p.dv; ++x) row[x] = o[x] / l;
-    StoreRow(p, b, i, h, row, static_cast<float>(mx + std::log(static_cast<double>(l))));
-    return;
-  }
-  std::fill(acc, acc + p.dv, 0.0);
-  double total = 0;
-  for (int s = 0; s < nsplits; ++s) {
-    const float m = parts[s].m[r];
-    if (m == -HUGE_VALF) continue;  // this split saw no key: weight 0, O not read
-    const double w = std::exp(static_cast<double>(m) - mx);
-    total += w * parts[s].l[r];
-    const float* HWY_RESTRICT o = parts[s].o + static_cast<size_t>(r) * dvp;
-    for (int x = 0; x < p.dv; ++x) acc[x] += w * o[x];
-  }
-  for (int x = 0; x < p.dv; ++x) row[x] = static_cast<float>(acc[x] / total);
-  StoreRow(p, b, i, h, row, static_cast<float>(mx + std::log(total)));
 }
 
 /// ComputeItem asks for cache rows ahead in software only when the call reads at
@@ -812,10 +839,12 @@ void Decode(const DecodeProblem& p, int threads) {
       }
     }
   }
-  std::vector<float> parts(floats);
+  // Every item writes all of its partial, so the buffer is not cleared (a vector here
+  // cleared 4 MiB per call at B = 8, 8k keys, 32 splits).
+  float* const parts = thread_scratch(kSlotDecodeParts, floats);
   auto partial = [&](const Item& it) {
     const size_t rows = static_cast<size_t>(chunks[it.chunk].rows()) * it.heads;
-    float* base = parts.data() + it.part;
+    float* base = parts + it.part;
     return Partial{base, base + rows * dvp, base + rows * (dvp + 1)};
   };
   double bytes = 0;
@@ -852,6 +881,37 @@ void Decode(const DecodeProblem& p, int threads) {
     paths.q16 = q16.data();
     paths.qunit = qunit.data();
   }
+  // The rows each item copies (before, each item converted its own: ~2 µs per item of
+  // 32 rows, 5% of a 256-key split's time from cache).
+  std::vector<uint16_t> q_bits;
+  std::vector<float> q_pairs;
+  if (paths.fixed_scores) {
+    paths.qitem = q16.data(), paths.qitem_row_bytes = sizeof(int16_t) * dp;
+  } else if (bf16_dot) {  // bf16 rows in their own order, unscaled (see AllBf16)
+    q_bits.resize(qs.size());
+    for (size_t x = 0; x < qs.size(); ++x) {
+      uint32_t bits;
+      std::memcpy(&bits, &qs[x], sizeof bits);
+      q_bits[x] = static_cast<uint16_t>(bits >> 16);
+    }
+    paths.qitem = q_bits.data(), paths.qitem_row_bytes = sizeof(uint16_t) * dp;
+  } else if (kPairs<T>) {  // pair order (see Bf16Pairs): evens, then odds
+    q_pairs.resize(qs.size());
+    for (size_t x = 0; x < qs.size(); x += 2 * kLanes) {
+      for (int j = 0; j < kLanes; ++j) q_pairs[x + j] = qs[x + 2 * j], q_pairs[x + kLanes + j] = qs[x + 2 * j + 1];
+    }
+    paths.qitem = q_pairs.data(), paths.qitem_row_bytes = sizeof(float) * dp;
+  } else {
+    paths.qitem = qs.data(), paths.qitem_row_bytes = sizeof(float) * dp;
+  }
+  // Where each output column lies in a partial O (see ColumnOrder): out column x is
+  // partial column col_src[x].
+  const ColumnOrder order = on_tiles                ? ColumnOrder::kNatural
+                            : paths.fixed_pv        ? ColumnOrder::kFixed16
+                            : kPairs<T>             ? ColumnOrder::kPairs
+                                                    : ColumnOrder::kNatural;
+  std::vector<int> col_src(p.dv);
+  for (int x = 0; x < p.dv; ++x) col_src[x] = PartialColumn(order, x);
   int item_rows = 0, item_pad_rows = 0;  // the largest item's (see Scratch)
   for (const RowChunk& rc : chunks) {
     const int heads = ItemHeads(p, rc.rows());
@@ -870,7 +930,7 @@ void Decode(const DecodeProblem& p, int threads) {
     }
 #pragma omp for schedule(dynamic, 1)
     for (int n = 0; n < nitems; ++n) {
-      ComputeItem<T>(p, qs.data(), dp, dvp, items[n], chunks[items[n].chunk], w, partial(items[n]), prefetch,
+      ComputeItem<T>(p, dp, dvp, items[n], chunks[items[n].chunk], w, partial(items[n]), prefetch,
                      tiles.get(), paths);
     }
 #if ATTN_DECODE_AMX_I8
@@ -883,11 +943,10 @@ void Decode(const DecodeProblem& p, int threads) {
       const RowChunk& rc = chunks[it.chunk];
       ps.clear();
       for (int s = 0; s < g.count; ++s) ps.push_back(partial(items[g.first + s]));
-      for (int hh = 0; hh < it.heads; ++hh) {
-        for (int r = 0; r < rc.rows(); ++r) {
-          const int h = (it.hk0 + hh) * p.group() + rc.g0 + r / rc.count, i = rc.i0 + r % rc.count;
-          FinishRow(p, it.b, i, h, ps.data(), g.count, hh * rc.rows() + r, dvp, w.acc, w.row);
-        }
+      const int nrows = it.heads * rc.rows();
+      for (int r0 = 0; r0 < nrows; r0 += kMergeRows) {
+        FinishRows(p, it, rc, ps.data(), g.count, r0, std::min(kMergeRows, nrows - r0), dvp, col_src.data(), w.acc,
+                   w.row);
       }
     }
   });

@@ -197,7 +197,7 @@ static_assert(kFixedPvKeys <= kBk, "a pass lies within a block");
 /// block β of 8 columns), give vpmaddwd pairs whose sums land in lanes 4β + i for
 /// columns 8β + i of the lower interleave and 8β + 4 + i of the upper, i < 4; the
 /// lower's lanes fill the chunk's first kLanes floats, the upper's the next.
-/// Un-permuted once per item, when its partial result is written.
+/// Put back in order once per output row, when the splits are combined (FinishRows).
 HWY_INLINE int Fixed16Column(int u) {
   const int block = u / 8, i = u % 8;
   return i < 4 ? 4 * block + i : kLanes + 4 * block + i - 4;

@@ -41,8 +41,8 @@ constexpr bool kIsE4m3 = std::is_same_v<T, E4m3> || std::is_same_v<T, E4m3Nan>;
 /// f32. So 2·kLanes elements widen in 2 operations, where PromoteTo takes 2 per
 /// kLanes (a zero-extension and a shift: on Zen 1 the shift's one pipe was the
 /// bottleneck of P·V). The kernel's columns are then in pair order within each run of
-/// 2·kLanes: the even elements, then the odd ones (q is arranged so, and O is put
-/// back in order at the end). Used when d and dv are multiples of 2·kLanes.
+/// 2·kLanes: the even elements, then the odd ones (q is arranged so once per call, and O is put
+/// back in order when the splits are combined). Used when d and dv are multiples of 2·kLanes.
 struct Bf16Pairs {
   uint16_t bits;
 };

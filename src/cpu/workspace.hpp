@@ -22,7 +22,8 @@ enum ScratchSlot : int {
   kSlotTile = 1,      // per-worker tile buffers (Q tile, scores, output accumulator)
   kSlotWidened = 2,   // the f32 copies of the portable backward (attention_lowp.cpp)
   kSlotDecode = 3,    // per-worker state of the decode kernel (cpu/attention_decode.cc)
-  kNumSlots = 4,
+  kSlotDecodeParts = 4,  // the decode kernel's split partials of one call (owned by the calling thread)
+  kNumSlots = 5,
 };
 
 }  // namespace attn::detail
