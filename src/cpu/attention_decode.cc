@@ -906,10 +906,10 @@ void Decode(const DecodeProblem& p, int threads) {
   }
   // Where each output column lies in a partial O (see ColumnOrder): out column x is
   // partial column col_src[x].
-  const ColumnOrder order = on_tiles                ? ColumnOrder::kNatural
-                            : paths.fixed_pv        ? ColumnOrder::kFixed16
-                            : kPairs<T>             ? ColumnOrder::kPairs
-                                                    : ColumnOrder::kNatural;
+  const ColumnOrder order = on_tiles         ? ColumnOrder::kNatural
+                            : paths.fixed_pv ? ColumnOrder::kFixed16
+                            : kPairs<T>      ? ColumnOrder::kPairs
+                                             : ColumnOrder::kNatural;
   std::vector<int> col_src(p.dv);
   for (int x = 0; x < p.dv; ++x) col_src[x] = PartialColumn(order, x);
   int item_rows = 0, item_pad_rows = 0;  // the largest item's (see Scratch)
