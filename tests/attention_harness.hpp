@@ -179,7 +179,7 @@ std::vector<float> run_backward_raw(Config& s, uint64_t input_seed);
 std::vector<float> run_fused_raw(Config& s, uint64_t input_seed);
 
 /// Checks one case against the bar: every relative error ≤ 1e-6 (where the
-/// plain f32 code itself is within 0.5e-6), no NaN,
+/// plain f32 code itself is within 0.5e-6, over 32 results or more), no NaN,
 /// fully masked rows exactly 0 with lse −∞; and, as a screen for gross errors,
 /// ≤ 10× the plain f32 error plus two f32 roundings. With absolute_bar = false the
 /// 1e-6 bar is skipped: for large logits, f32 rounds each score to eps·|s| and
