@@ -10,6 +10,7 @@
 #include <memory>
 #include <ostream>
 #include <sstream>
+#include <string>
 
 #include "attn/kvcache.hpp"
 #include "tensor/convert.hpp"
@@ -43,6 +44,11 @@ void fill_random(Tensor& t, uint64_t salt) { fill_random(t.data(), t.numel(), t.
 // A row's label beside its cache dtype: nothing for the default precision.
 const char* precision_note(Precision p) {
   return p == Precision::bf16 ? " (precision bf16)" : p == Precision::bf16x3 ? " (precision bf16x3)" : "";
+}
+
+// And nothing for the automatic split count.
+std::string splits_note(int splits) {
+  return splits <= 0 ? "" : " (" + std::to_string(splits) + (splits == 1 ? " split)" : " splits)");
 }
 
 }  // namespace
@@ -163,6 +169,7 @@ std::vector<DecodeRow> run_decode_table(const DecodeOptions& o, std::ostream& lo
           DecodeConfig c;
           c.B = B, c.L = L, c.page = page, c.cache = dt, c.pages_in_order = o.pages_in_order;
           c.precision = o.precision;
+          c.splits = o.splits;
           const double gb = 2.0 * B * L * c.Hkv * c.d * dtype_size(dt) / 1e9;
           if (gb > o.max_cache_gb) {
             log << "  skip B=" << B << " L=" << L << " " << dtype_name(dt) << ": cache " << gb << " GB > "
@@ -174,8 +181,9 @@ std::vector<DecodeRow> run_decode_table(const DecodeOptions& o, std::ostream& lo
             rows.push_back(time_decode(c, o));
             const DecodeRow& r = rows.back();
             char line[200];
-            std::snprintf(line, sizeof line, "  %-4s%s B=%d L=%-6d page=%-3d threads=%d: %8.3f ms  %6.1f GB/s\n",
-                          dtype_name(dt), precision_note(c.precision), B, L, page, t, r.ms, r.gbps());
+            std::snprintf(line, sizeof line, "  %-4s%s%s B=%d L=%-6d page=%-3d threads=%d: %8.3f ms  %6.1f GB/s\n",
+                          dtype_name(dt), precision_note(c.precision), splits_note(c.splits).c_str(), B, L, page, t,
+                          r.ms, r.gbps());
             log << line << std::flush;
           }
         }
@@ -192,8 +200,8 @@ std::string format_decode_table(const std::vector<DecodeRow>& rows, const std::v
     const std::string page =
         c.page == 0 ? "contiguous" : std::to_string(c.page) + (c.pages_in_order ? " in order" : "");
     char line[200];
-    std::snprintf(line, sizeof line, "| %s%s | %d | %d | %s | %d | %.3f | %.1f | %s |\n", dtype_name(c.cache),
-                  precision_note(c.precision), c.B, c.L,
+    std::snprintf(line, sizeof line, "| %s%s%s | %d | %d | %s | %d | %.3f | %.1f | %s |\n", dtype_name(c.cache),
+                  precision_note(c.precision), splits_note(c.splits).c_str(), c.B, c.L,
                   page.c_str(), c.threads, r.ms, r.gbps(),
                   bw > 0 ? (std::to_string(static_cast<int>(100 * r.gbps() / bw + 0.5)) + "%").c_str() : "-");
     s << line;

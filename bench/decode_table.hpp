@@ -50,6 +50,7 @@ struct DecodeOptions {
   double max_cache_gb = 6.0;  // rows whose cache is larger are skipped (and said so)
   bool pages_in_order = false;  // DecodeConfig::pages_in_order of every row
   Precision precision = Precision::f32;  // DecodeConfig::precision of every row
+  int splits = 0;                        // DecodeConfig::splits of every row (0 = automatic)
   int min_reps = 5;
   double min_seconds = 0.5;
 };

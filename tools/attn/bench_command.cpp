@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "attn/attention.hpp"
+#include "attn/kvcache.hpp"
 #include "baseline.hpp"
 #include "decode_table.hpp"
 #include "commands.hpp"
@@ -35,6 +36,7 @@ struct BenchArgs {
   bool decode = false;
   bool pages_in_order = false;
   double max_cache_gb = 6.0;
+  int splits = 0;
   std::vector<int> sizes, dims, threads, batches, pages;
   std::vector<std::string> dtypes;
   std::string precision = "f32";
@@ -53,6 +55,7 @@ int run_decode(const BenchArgs& a, int all, const Write& write) {
   if (!a.pages.empty()) o.pages = a.pages;
   o.max_cache_gb = a.max_cache_gb;
   o.pages_in_order = a.pages_in_order;
+  o.splits = a.splits;
   o.precision = a.precision == "bf16" ? Precision::bf16 : a.precision == "bf16x3" ? Precision::bf16x3 : Precision::f32;
   if (a.quick) o.lengths = {1024, 8192}, o.batches = {1}, o.min_reps = 3, o.min_seconds = 0.2;
   if (!a.dtypes.empty()) {
@@ -89,7 +92,7 @@ int run_decode(const BenchArgs& a, int all, const Write& write) {
     for (const auto& r : rows) {
       j["rows"].push_back({{"cache", dtype_name(r.config.cache)}, {"B", r.config.B}, {"L", r.config.L},
                            {"page", r.config.page}, {"pages_in_order", r.config.pages_in_order},
-                           {"precision", a.precision},
+                           {"precision", a.precision}, {"splits", r.config.splits},
                            {"Hq", r.config.Hq}, {"Hkv", r.config.Hkv}, {"d", r.config.d},
                            {"threads", r.config.threads}, {"ms", r.ms}, {"bytes", r.bytes}, {"gbps", r.gbps()}});
     }
@@ -135,6 +138,10 @@ Command add_bench_command(CLI::App& app) {
                 "decode: each sequence's pages in order rather than scattered at random (the layout of a "
                 "contiguous cache, to tell the memory system's cost of scattered pages from the kernel's)");
   sub->add_option("--max-cache-gb", args->max_cache_gb, "decode: skip rows whose cache is larger (default 6)");
+  sub->add_option("--splits", args->splits,
+                  "decode: splits per sequence (KVCacheOptions::num_splits; default 0 = automatic, one per "
+                  "256 keys up to 64)")
+      ->check(CLI::Range(0, attn::kMaxKVSplits));
   sub->add_option("--markdown", args->markdown, "also write the table to this file");
   sub->add_option("--json", args->json, "also write all figures to this JSON file");
 
