@@ -416,19 +416,34 @@ void reference_of_sequence(const KvCase& kc, int b, const std::vector<float>& v,
                       TensorView(lse.data(), DType::f32, {1, c.Hq, c.Lq}));
 }
 
+// A bf16 cache read by bf16 queries, or under Precision::bf16, may take P·V on
+// vdpbf16ps with each p rounded to bf16 (relative error ≤ 2⁻⁸): an output element
+// then errs by up to 2⁻⁸·Σ_j p_j·|v_j| more, which the reference computes on |v|.
+bool may_round_p_to_bf16(const KvConfig& c) {
+  return c.cache_dtype == DType::bf16 && (c.q_dtype == DType::bf16 || c.precision == Precision::bf16);
+}
+
 // The float64 reference on the logical keys and values (the cache after the call,
 // dequantized), sequence by sequence, with the queries rotated in double.
 void check_against_reference(const KvCase& kc, const Result& r, const std::string& name, double tolerance = 2e-5,
                              double* worst_seen = nullptr) {
   const KvConfig& c = kc.c;
   double worst = 0, scale = 1e-30, worst_lse = 0;
+  const double p_round = may_round_p_to_bf16(c) ? 1.0 / 256 : 0.0;
   for (int b = 0; b < c.B; ++b) {
-    std::vector<float> out, lse;
-    reference_of_sequence(kc, b, logical_values(kc, b), c.dv, out, lse);
+    std::vector<float> out, lse, out_abs;
+    std::vector<float> v = logical_values(kc, b);
+    reference_of_sequence(kc, b, v, c.dv, out, lse);
+    if (p_round > 0) {
+      for (float& x : v) x = std::fabs(x);
+      std::vector<float> lse_abs;
+      reference_of_sequence(kc, b, v, c.dv, out_abs, lse_abs);
+    }
     for (size_t n = 0; n < out.size(); ++n) {
       const float got = read_elem(c.q_dtype, r.out.data(), int64_t(b) * c.Lq * c.Hq * c.dv + int64_t(n));
       ASSERT_FALSE(std::isnan(got)) << name << ": NaN at b" << b << " element " << n << " (" << seed_note() << ")";
-      worst = std::max(worst, std::fabs(double(got) - out[n]));
+      const double p_err = p_round > 0 && std::isfinite(out_abs[n]) ? p_round * out_abs[n] : 0.0;
+      worst = std::max(worst, std::fabs(double(got) - out[n]) - p_err);
       scale = std::max(scale, std::fabs(double(out[n])));
     }
     for (int h = 0; h < c.Hq; ++h)
@@ -682,6 +697,46 @@ TEST(KVCache, Bf16CachesOnBf16ProductsUnderPrecisionBf16) {
     std::printf("bf16 caches on bf16 products: RMS error %.3g of the plain bf16 pipeline's\n",
                 std::sqrt(pooled.fused / pooled.plain));
     EXPECT_LE(pooled.fused, 4.0 * pooled.plain) << "FlashAttention's rule: at most twice the plain error";
+  }
+}
+
+// bf16 queries are bf16 inputs: on a bf16 cache they take both bf16 products by
+// default, P rounded to bf16 as attention()'s bf16 kernels round it, so without rotary
+// embedding (which makes the queries f32 inside the call) the result is bitwise the
+// Precision::bf16 one (that test holds it to FlashAttention's rule), and it is within
+// the P rounding's bound of float64 (check_against_reference). f16 queries keep the
+// f32 passes: bitwise the ATTN_ISA=f32 result.
+TEST(KVCache, Bf16QueriesOnBf16CachesTakeBf16ProductsByDefault) {
+  auto rng = make_rng(1215);
+  const PassShape shapes[] = {{32, 8, 1, 128, 128, 0}, {8, 2, 1, 64, 64, 16}, {18, 2, 1, 96, 64, 7},
+                              {5, 1, 9, 64, 160, 3},   {4, 2, 2, 48, 48, 0}};
+  const bool pass = detail::lowp_path() == detail::LowpPath::avx512bf16;
+  for (const PassShape& sh : shapes) {
+    for (int variant = 0; variant < 4; ++variant) {
+      for (DType qt : {DType::bf16, DType::f16}) {
+        KvConfig c = pass_case(sh, DType::bf16, variant);
+        c.q_dtype = qt;
+        KvCase kc(c, rng);
+        KvCase as_bf16 = kc;
+        as_bf16.c.precision = Precision::bf16;
+        const Result r = run(kc);
+        check_against_reference(kc, r, c.name());
+        Result exact;
+        {
+          const ScopedEnv forced("ATTN_ISA", "f32");
+          KvCase again = kc;
+          exact = run(again);
+        }
+        const bool whole_units = sh.d % 32 == 0 && sh.dv % 32 == 0;
+        if (qt == DType::f16 || !pass || !whole_units) {
+          EXPECT_EQ(r.out, exact.out) << c.name() << ": must be the f32 passes' result";
+          continue;
+        }
+        if (c.rope == Rope::none) EXPECT_EQ(r.out, run(as_bf16).out) << c.name() << ": not the Precision::bf16 result";
+        // Variant 2's random mask removes a key from nearly every pass (f32 P·V there).
+        if (variant != 2) EXPECT_NE(r.out, exact.out) << c.name() << ": the bf16 passes did not run";
+      }
+    }
   }
 }
 

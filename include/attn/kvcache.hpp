@@ -104,7 +104,9 @@ inline constexpr int kMaxKVSplits = 256;
 /// queries rounded to bf16 (as attention() rounds f32 inputs) for Q·Kᵀ, and P·V with
 /// each pass's probabilities rounded to bf16 (FlashAttention's plain bf16 pipeline
 /// rounds P so too; its error, with sharp attention, ~0.4x that pipeline's). Other
-/// caches ignore it. Throws
+/// caches ignore it. bf16 queries on a bf16 cache are bf16 inputs, and take both
+/// bf16 products whatever the precision (as attention()'s bf16 kernels do: P
+/// rounded to bf16; the output is bf16 anyway); f16 queries keep f32 P·V. Throws
 /// attn::Error, naming the argument, before writing anything: shapes, dtypes, a
 /// block_table entry out of range or repeated within a sequence, a page another
 /// sequence uses that this call would write, cache_seqlens + Lnew beyond the

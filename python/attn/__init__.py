@@ -848,7 +848,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     far finer than bf16 rounding), and a bfloat16 cache take both products on vdpbf16ps where it
     has the FMA's rate (AMD Zen 4/5): float32 queries rounded to bf16, and each pass's
     probabilities rounded to bf16 for P·V, as a plain bf16 implementation rounds them; other
-    caches ignore it. Returns out [B, Lq, Hq, dv] in q's
+    caches ignore it. bfloat16 queries on a bfloat16 cache take those products whatever
+    ``precision`` says (bf16 inputs, as ``scaled_dot_product_attention`` treats them; the
+    output is bfloat16 anyway). Returns out [B, Lq, Hq, dv] in q's
     dtype, and lse float32 [B, Hq, Lq] if ``return_softmax_lse``. NumPy or CPU torch alike.
     """
     qa = _array(q, "q")

@@ -195,6 +195,34 @@ def test_bfloat16_cache_on_bf16_products_under_precision_bf16(rng, page):
     assert fused_sq <= 4 * plain_sq, (fused_sq, plain_sq)
 
 
+@pytest.mark.parametrize("page", [None, 16])
+def test_bfloat16_queries_on_a_bfloat16_cache_take_bf16_products(rng, page):
+    """torch.bfloat16 queries on a bfloat16 cache are bf16 inputs: they take the bf16
+    products whatever ``precision`` says, bitwise the precision="bf16" result (which the
+    test above holds to FlashAttention's rule); float16 queries keep the exact passes.
+    Within bf16's rounding of the float64 reference either way."""
+    B, Hq, Hkv, d, cap = 2, 8, 2, 64, 300
+    seqlens = np.array([250, 77], dtype=np.int32)
+    shape, table = _cache_layout(rng, B, cap, Hkv, d, page)
+    k_cache = torch.from_numpy(rng.uniform(-1, 1, shape).astype(np.float32)).bfloat16()
+    v_cache = torch.from_numpy(rng.uniform(-1, 1, shape).astype(np.float32)).bfloat16()
+    q32 = rng.uniform(-1, 1, (B, 1, Hq, d)).astype(np.float32) * 8
+    kw = dict(cache_seqlens=seqlens, block_table=table, causal=True)
+    q = torch.from_numpy(q32).bfloat16()
+    default = attn.attention_with_kvcache(q, k_cache, v_cache, **kw)
+    assert default.dtype == torch.bfloat16
+    as_bf16 = attn.attention_with_kvcache(q, k_cache, v_cache, precision="bf16", **kw)
+    assert torch.equal(default, as_bf16)
+    exact = attn.attention_with_kvcache(q.float().numpy(), k_cache, v_cache, **kw)
+    if attn.cpu_info()["bf16_path"] == "avx512bf16":
+        assert not torch.equal(default.float(), torch.from_numpy(exact).bfloat16().float())
+    np.testing.assert_allclose(default.float().numpy(), exact, rtol=0, atol=2.0 ** -7 * np.abs(exact).max())
+    q16 = torch.from_numpy(q32).half()
+    half = attn.attention_with_kvcache(q16, k_cache, v_cache, **kw)
+    exact16 = attn.attention_with_kvcache(q16.float().numpy(), k_cache, v_cache, **kw)
+    np.testing.assert_array_equal(half.float().numpy(), torch.from_numpy(exact16).half().float().numpy())
+
+
 def test_torch_bfloat16_cache_with_rope_and_chunked_prefill(rng):
     B, H, Hkv, d, cap, lq = 2, 4, 2, 32, 64, 5
     k_cache = torch.zeros(B, cap, Hkv, d, dtype=torch.bfloat16)

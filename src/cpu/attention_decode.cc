@@ -18,9 +18,9 @@
 //   S = modifiers (S)       ApplyScoreMods, shared with attention()
 //   P = e^(S − m_new) …     SoftmaxTile, shared with attention()
 //   O = α·O + P·V           16 keys per pass (8 below 4 rows), V rows converted once
-//                           per chunk of dv; bf16 values under Precision::bf16, where
-//                           vdpbf16ps has the FMA's rate: P rounded to bf16, two keys
-//                           per vdpbf16ps (PvRowsBf16)
+//                           per chunk of dv; bf16 values read by bf16 queries or under
+//                           Precision::bf16, where vdpbf16ps has the FMA's rate: P
+//                           rounded to bf16, two keys per vdpbf16ps (PvRowsBf16)
 // Splits are combined in split order as merge_attention_states does. The automatic
 // split count depends on the key count only, so no result depends on the threads.
 // Removed keys (score −∞) never contribute, even where the cache holds NaN or ±∞
@@ -187,7 +187,7 @@ struct Paths {
   bool bf16_dot = false;      // bf16 score pass (DotRowsBf16): q holds bf16 rows, S is scaled after
   bool fixed_scores = false;  // i8 score pass on integers (DotRowsFixed16): q holds int16 rows
   bool fixed_pv = false;      // i8 P·V on integers (PvKeysFixed16): O in Fixed16Column order
-  bool bf16_pv = false;       // bf16 P·V on vdpbf16ps (PvRowsBf16), p rounded to bf16
+  bool bf16_pv = false;       // bf16 P·V on vdpbf16ps (PvRowsBf16), p rounded to bf16 (bf16 q, or Precision::bf16)
   bool vnni = false;             // the fixed-point passes on vpdpwssd (MulPairsAdd)
   const int16_t* q16 = nullptr;  // fixed_scores: the queries' rows as integers (FixedQueries)
   const float* qunit = nullptr;  // and each row's unit
@@ -864,9 +864,12 @@ void Decode(const DecodeProblem& p, int threads) {
   // where the AMX-INT8 tiles run (their digits keep f32's accuracy at tile speed).
   Paths paths;
   paths.bf16_dot = bf16_dot;
-  // Precision::bf16 on bf16 caches: P·V on vdpbf16ps too, p rounded to bf16.
+  // bf16 caches: P·V on vdpbf16ps too, p rounded to bf16, for bf16 queries (bf16
+  // inputs: attention()'s bf16 kernels round P so, as FlashAttention's plain bf16
+  // pipeline does) and for f32 ones under Precision::bf16. f16 queries keep f32 P·V:
+  // their output's rounding is 8× finer than bf16's.
   paths.bf16_pv = kPairs<T> && kBf16DotTarget && lowp_path() == LowpPath::avx512bf16 &&
-                  p.attn.precision == Precision::bf16;
+                  (p.attn.precision == Precision::bf16 || p.q_dtype == DType::bf16);
   if constexpr (std::is_same_v<T, int8_t> && kFixed16Target) {
     paths.fixed_pv = p.attn.precision == Precision::bf16 && !on_tiles && p.d % kFixedUnit == 0 &&
                      p.dv % kFixedUnit == 0;
