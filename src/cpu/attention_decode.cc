@@ -206,16 +206,25 @@ enum class ColumnOrder { kNatural, kPairs, kFixed16 };
 /// How many keys ahead of its work ComputeItem asks for a key's rows (at most kBk).
 /// 8 keys (two score passes), measured on the Intel Xeon with AMX at 32k bf16 and i8
 /// tokens with head-by-head requests: 6 to 16 keys within 3%, 4 keys 5–12% slower.
-/// i8 on the integer passes (fixed_pv) on AMD's AVX-512 cores: 32. An i8 key and
-/// value row of 8 heads is 2 KiB, so 8 keys asked 16 KiB ahead, ~1.3 µs of those
-/// passes' work. Zen 4, from DRAM (B = 1 at 32k keys, B = 8 at 8k and 32k; pages of
-/// 16 and 256; 1 and 2 threads; 3 alternating rounds): 0.74–0.91x the time of 8 keys;
-/// 24, 48 and 64 keys gained no more. i8 on the f32 passes, half as fast, took
-/// 1.02–1.20x with 32 keys: they keep 8, as bf16 does (within the noise at 16 and 32).
+/// A request for key c + n on head hh goes out beside key c's work on that head, so it
+/// has n keys of one head's work to arrive: the faster the passes, the further ahead.
+/// On AMD's AVX-512 cores (Zen 4, from DRAM: B = 1 and 8, 8k and 32k keys, pages of 16
+/// and 256, 1 and 2 threads, 3 alternating rounds each):
+///   i8 on the integer passes (fixed_pv): 32 keys, 0.74–0.91x the time of 8 (an i8
+///     key and value row of 8 heads is 2 KiB, so 8 keys asked 16 KiB ahead, ~1.3 µs of
+///     those passes' work); 24, 48 and 64 gained no more;
+///   other caches narrower than f32: 16 keys. bf16 on both bf16 products 0.86–0.95x
+///     the time of 8 in most rows, f16 0.93–0.97x, i8 on the f32 passes 0.91–0.98x;
+///     32 keys gained no more, and cost up to 1.08x on 2 threads;
+///   f32: 8. 16 keys took 0.94–1.04x, 32 keys up to 1.25x on 2 threads.
 constexpr int kMostPrefetchKeys = HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL ? 32 : 8;
+template <typename T>
 int PrefetchKeys(const Paths& paths) {
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-  if (paths.fixed_pv && !cpu_features().intel) return kMostPrefetchKeys;
+  if (!cpu_features().intel) {
+    if (paths.fixed_pv) return kMostPrefetchKeys;
+    if (sizeof(T) < sizeof(float)) return 16;
+  }
 #else
   (void)paths;
 #endif
@@ -275,7 +284,7 @@ void ComputeItem(const DecodeProblem& p, int dp, int dvp, const Item& it, const 
   // block rather than four per key (a page-16 cache spent ~15% of its time in them).
   // The tile path walks the next block too: it requests that block's rows while this
   // one computes (see pump_next below).
-  const int kPrefetchKeys = std::is_same_v<T, int8_t> ? PrefetchKeys(paths) : 8;  // a constant but for i8
+  const int kPrefetchKeys = PrefetchKeys<T>(paths);
   constexpr int kRows = std::max(2 * kBk, kBk + kMostPrefetchKeys);
   const T* keys0[kRows];
   const T* vals0[kRows];
@@ -308,7 +317,7 @@ void ComputeItem(const DecodeProblem& p, int dp, int dvp, const Item& it, const 
     // (K in the score loop, V in the P·V loop), one head's slice at a time. Larger
     // bursts (a key's rows of every head, or a block's) fill the line-fill buffers,
     // which software requests hold until DRAM answers, and stall the core until
-    // memory delivers, serialising memory and math (measured: see kPrefetchKeys).
+    // memory delivers, serialising memory and math (measured: see PrefetchKeys).
     // With head 0, the keys' scales too (i8, f8e4m3): a page's scales lie apart from
     // its rows, so at small pages each page would start with a scale read from DRAM.
     auto prefetch_head = [&](const CacheTensor& ct, const T* const* rows0, const int64_t* scale_at, int hh, int width,
@@ -402,7 +411,7 @@ void ComputeItem(const DecodeProblem& p, int dp, int dvp, const Item& it, const 
             const T* wide[kLanes];
             for (int hh = 0; hh < it.heads; ++hh) {
               // Half the pass's requests before its dot products, half after (see
-              // kPrefetchKeys on bursts).
+              // PrefetchKeys on bursts).
               prefetch_head(p.k, keys0, k_scale_at, hh, p.d, c, kLanes / 2);
               head_keys(c, hh, kLanes, wide);
               const float* q1 = &w.q[static_cast<size_t>(hh) * dp];
@@ -538,7 +547,7 @@ void ComputeItem(const DecodeProblem& p, int dp, int dvp, const Item& it, const 
         // The next block's key and value rows of head hh, keys 4k … 4k + 3, into L2
         // (and with head 0 their scales): called once per key quad of each head's
         // P·V, so the block's ~2,000 line requests are spread through its work
-        // rather than issued in bursts, which stall the core (see kPrefetchKeys).
+        // rather than issued in bursts, which stall the core (see PrefetchKeys).
         auto pump_next = [&](int hh, int k) {
           for (int i = 4 * k; i < std::min(4 * k + 4, next_n); ++i) {
             PrefetchRow(keys0[kBk + i] + hh * p.k.head_stride, p.d);
@@ -557,7 +566,7 @@ void ComputeItem(const DecodeProblem& p, int dp, int dvp, const Item& it, const 
       // once per 16 keys rather than once per key (Zen 1, bf16 values: 8 keys per
       // pass reached 74% of the FMA peak in isolation, 16 keys 80%). The values'
       // prefetches still go out 8 keys at a time, half before and half after the
-      // pass (see kPrefetchKeys on bursts).
+      // pass (see PrefetchKeys on bursts).
       // With fewer than 4 rows per kv head the pass is bound by reading V, and there
       // 16 token rows at once, head by head, read slower than 8: f32 multi-head
       // decoding from DRAM took 1.04–1.22x the time on Zen 1.
