@@ -157,6 +157,18 @@ def test_token_by_token_decoding_equals_causal_attention_over_the_sequence(rng):
     np.testing.assert_allclose(stepwise, whole, rtol=2e-6, atol=2e-6)
 
 
+def _sharp_bfloat16_case(rng, page):
+    """Two sequences (250 and 77 tokens) in a bfloat16 cache, Hq = 8, Hkv = 2, d = 64, and
+    float32 queries scaled by 8 (sharp attention): q, k_cache, v_cache, the call's keywords."""
+    B, Hq, Hkv, d, cap = 2, 8, 2, 64, 300
+    seqlens = np.array([250, 77], dtype=np.int32)
+    shape, table = _cache_layout(rng, B, cap, Hkv, d, page)
+    k_cache = torch.from_numpy(rng.uniform(-1, 1, shape).astype(np.float32)).bfloat16()
+    v_cache = torch.from_numpy(rng.uniform(-1, 1, shape).astype(np.float32)).bfloat16()
+    q = rng.uniform(-1, 1, (B, 1, Hq, d)).astype(np.float32) * 8
+    return q, k_cache, v_cache, dict(cache_seqlens=seqlens, block_table=table, causal=True)
+
+
 @pytest.mark.parametrize("page", [None, 16])
 def test_bfloat16_cache_on_bf16_products_under_precision_bf16(rng, page):
     """precision="bf16" on a torch.bfloat16 cache: where vdpbf16ps has the FMA's rate
@@ -165,13 +177,10 @@ def test_bfloat16_cache_on_bf16_products_under_precision_bf16(rng, page):
     reference: at most twice the error of a plain bf16 implementation (q rounded, f32
     scores and softmax, P rounded to bf16, f32 sums), with sharp attention. Elsewhere the
     exact path runs, bitwise the default's."""
-    B, Hq, Hkv, d, cap = 2, 8, 2, 64, 300
-    seqlens = np.array([250, 77], dtype=np.int32)
-    shape, table = _cache_layout(rng, B, cap, Hkv, d, page)
-    k_cache = torch.from_numpy(rng.uniform(-1, 1, shape).astype(np.float32)).bfloat16()
-    v_cache = torch.from_numpy(rng.uniform(-1, 1, shape).astype(np.float32)).bfloat16()
-    q = rng.uniform(-1, 1, (B, 1, Hq, d)).astype(np.float32) * 8
-    kw = dict(cache_seqlens=seqlens, block_table=table, causal=True)
+    q, k_cache, v_cache, kw = _sharp_bfloat16_case(rng, page)
+    B, _, Hq, d = q.shape
+    Hkv = k_cache.shape[2]
+    seqlens, table = kw["cache_seqlens"], kw["block_table"]
     fast = attn.attention_with_kvcache(q, k_cache, v_cache, precision="bf16", **kw)
     exact = attn.attention_with_kvcache(q, k_cache, v_cache, **kw)
     _check(q, exact, None, k_cache, v_cache, seqlens, table)
@@ -201,13 +210,7 @@ def test_bfloat16_queries_on_a_bfloat16_cache_take_bf16_products(rng, page):
     products whatever ``precision`` says, bitwise the precision="bf16" result (which the
     test above holds to FlashAttention's rule); float16 queries keep the exact passes.
     Within bf16's rounding of the float64 reference either way."""
-    B, Hq, Hkv, d, cap = 2, 8, 2, 64, 300
-    seqlens = np.array([250, 77], dtype=np.int32)
-    shape, table = _cache_layout(rng, B, cap, Hkv, d, page)
-    k_cache = torch.from_numpy(rng.uniform(-1, 1, shape).astype(np.float32)).bfloat16()
-    v_cache = torch.from_numpy(rng.uniform(-1, 1, shape).astype(np.float32)).bfloat16()
-    q32 = rng.uniform(-1, 1, (B, 1, Hq, d)).astype(np.float32) * 8
-    kw = dict(cache_seqlens=seqlens, block_table=table, causal=True)
+    q32, k_cache, v_cache, kw = _sharp_bfloat16_case(rng, page)
     q = torch.from_numpy(q32).bfloat16()
     default = attn.attention_with_kvcache(q, k_cache, v_cache, **kw)
     assert default.dtype == torch.bfloat16
