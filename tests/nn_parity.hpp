@@ -60,8 +60,13 @@ class ParityCase {
     ASSERT_EQ(got.shape(), want.shape) << name << " in " << path_;
     expect_close(name, got.data_as<float>(), got.numel(), tol);
   }
+  /// Or, where the file records it, within kF32ErrorFactor times the error of PyTorch's
+  /// own float32 run of the same case ("f32err.<name>"): a tensor of a few elements whose
+  /// value cancels (a one-query gradient) is ill-conditioned, and no float32 arithmetic
+  /// meets 1e-5 of it (a random draw of one_head_odd's grad.query once measured 1.6e-5).
   void expect_close(const std::string& name, const float* got, int64_t n, double tol = 1e-5) const {
-    tol = std::getenv("PARITY_TOL") ? std::atof(std::getenv("PARITY_TOL")) : tol;
+    const char* forced = std::getenv("PARITY_TOL");  // a forced bar has no float32 allowance
+    tol = forced ? std::atof(forced) : tol;
     const std::vector<float> w = file_.at(name).to_f32();
     ASSERT_EQ(static_cast<int64_t>(w.size()), n) << name << " in " << path_;
     double diff = 0, norm = 0;
@@ -69,9 +74,12 @@ class ParityCase {
       diff += (double(got[i]) - w[i]) * (double(got[i]) - w[i]);
       norm += double(w[i]) * w[i];
     }
-    EXPECT_LE(std::sqrt(diff), tol * std::sqrt(norm) + 1e-30)
-        << name << " in " << path_ << ": relative error " << std::sqrt(diff / std::max(norm, 1e-300));
+    const double f32_error = has("f32err." + name) ? file_.at("f32err." + name).to_f32().at(0) : 0.0;
+    EXPECT_LE(std::sqrt(diff), std::max(tol * std::sqrt(norm), forced ? 0.0 : kF32ErrorFactor * f32_error) + 1e-30)
+        << name << " in " << path_ << ": relative error " << std::sqrt(diff / std::max(norm, 1e-300))
+        << ", PyTorch's float32 run's " << f32_error / std::sqrt(std::max(norm, 1e-300));
   }
+  static constexpr double kF32ErrorFactor = 4.0;
 
   /// Every parameter gradient against "grad.param.<name>".
   void expect_param_grads(nn::Module& m, double tol = 1e-5) const {

@@ -1,6 +1,8 @@
 // Parity with PyTorch 1.13: modules built from PyTorch's weights must reproduce its
-// outputs and every input and parameter gradient within 1e-5 relative. The cases are
-// written by tests/parity/make_parity.py (run by ctest first, fresh random draws).
+// float64 outputs and every input and parameter gradient within 1e-5 relative, or
+// within 4x the error of PyTorch's own float32 run where a tensor is ill-conditioned
+// (ParityCase::expect_close). The cases are written by tests/parity/make_parity.py (run
+// by ctest first, fresh random draws).
 #include <gtest/gtest.h>
 
 #include "attn/nn/multihead_attention.hpp"

@@ -9,11 +9,17 @@ Each file holds
   dout.<output>               the upstream gradient of each output (loss = Σ out·dout)
   out.<output>                outputs
   grad.<input>, grad.param.<name>   gradients
-and the case's configuration as JSON in the metadata key "config".
+  f32err.<name>               for each output and gradient: ‖PyTorch's own float32 result −
+                              the float64 one‖ (the same module and inputs run in float32)
+and the case's configuration as JSON in the metadata key "config". The C++ side accepts an
+error within 1e-5 relative, or within a few times f32err: a tensor of a few elements whose
+value cancels (a one-query gradient, say) is ill-conditioned, and float32 arithmetic, ours
+and PyTorch's alike, cannot meet 1e-5 of it.
 
 Usage: make_parity.py OUT_DIR   (ATTN_TEST_SEED fixes the random draw; else a fresh one)
 Runs with Debian's python3-torch (1.13) and NumPy; no other package.
 """
+import copy
 import json
 import os
 import random
@@ -66,8 +72,32 @@ def prepare(module):
     return module
 
 
-def record(path, module, inputs, outputs, config):
-    """inputs: name -> tensor (float ones require grad); outputs: name -> tensor."""
+def in_float32(x):
+    """A float64 input as a float32 leaf (bool and integer inputs as they are)."""
+    if x is None or not x.is_floating_point():
+        return x
+    return x.detach().float().requires_grad_(x.requires_grad)
+
+
+def float32_errors(module, inputs, forward, douts, t):
+    """Runs forward(module, inputs) again in float32 and returns f32err.<name> for every
+    out.* and grad.* tensor in t (the float64 results)."""
+    m32 = copy.deepcopy(module).float()
+    m32.zero_grad(set_to_none=True)
+    in32 = {name: in_float32(x) for name, x in inputs.items()}
+    out32 = forward(m32, in32)
+    sum((o * douts[name].float()).sum() for name, o in out32.items()).backward()
+    got = {"out." + name: o for name, o in out32.items()}
+    got.update({"grad." + name: x.grad for name, x in in32.items() if x is not None and x.requires_grad})
+    got.update({"grad.param." + name: p.grad for name, p in m32.named_parameters()})
+    return {"f32err." + name: np.array([np.linalg.norm(v.detach().double().numpy() - t[name])], dtype=np.float64)
+            for name, v in got.items()}
+
+
+def record(path, module, inputs, forward, config):
+    """inputs: name -> tensor (float ones require grad); forward(module, inputs) -> outputs,
+    name -> tensor. Runs it in float64 (the recorded results), and in float32 for f32err."""
+    outputs = forward(module, inputs)
     douts = {name: randn(*o.shape) for name, o in outputs.items()}
     loss = sum((o * douts[name]).sum() for name, o in outputs.items())
     loss.backward()
@@ -84,7 +114,9 @@ def record(path, module, inputs, outputs, config):
     for name, o in outputs.items():
         t["out." + name] = o.detach().numpy()
         t["dout." + name] = douts[name].numpy()
+    t.update(float32_errors(module, inputs, forward, douts, t))
     save_safetensors(path, t, {"config": json.dumps(config)})
+    return outputs
 
 
 def leaf(x):
@@ -144,20 +176,26 @@ def mha_cases(out):
             torch_mask = torch.triu(torch.ones(L, S, dtype=torch.bool), diagonal=1)
         need = c.get("need_weights", True)
         average = c.get("average", True)
-        o, w = m(q, k, v, key_padding_mask=kpm, need_weights=need, attn_mask=torch_mask,
-                 average_attn_weights=average)
-        outputs = {"output": o}
+        weights = []
+
+        def forward(module, x, c=c, torch_mask=torch_mask, need=need, average=average, weights=weights):
+            q = x["query"]
+            k, v = (q, q) if c.get("self_attn") else (x["key"], x["value"])
+            mask = torch_mask if torch_mask is None or torch_mask.dtype == torch.bool else x["attn_mask"]
+            o, w = module(q, k, v, key_padding_mask=x["key_padding_mask"], need_weights=need, attn_mask=mask,
+                          average_attn_weights=average)
+            weights.append(w)
+            return {"output": o}
+
         inputs = {"query": q}
         if not c.get("self_attn"):
             inputs.update(key=k, value=v)
         inputs.update(key_padding_mask=kpm, attn_mask=am)
         cfg = dict(c, kdim=kdim, vdim=vdim, need_weights=need, average=average)
-        if need:
-            record_weights = w.detach()
         path = os.path.join(out, "mha_%s.safetensors" % c["name"])
-        record(path, m, inputs, outputs, cfg)
-        if need:  # weights are compared, not differentiated
-            load_and_add(path, {"out.weights": record_weights.numpy()})
+        record(path, m, inputs, forward, cfg)
+        if need:  # weights (of the float64 run) are compared, not differentiated
+            load_and_add(path, {"out.weights": weights[0].detach().numpy()})
 
 
 def load_and_add(path, more):
@@ -186,34 +224,36 @@ def transformer_cases(out):
                                                      norm_first=norm_first))
             src = leaf(randn(*shape(L)))
             kpm = padding_mask(B, L)
-            o = enc(src, src_key_padding_mask=kpm)
             cfg = dict(E=E, H=H, F=F, L=L, B=B, batch_first=batch_first, norm_first=norm_first, activation=act)
             record(os.path.join(out, "encoder_layer_nf%d_bf%d.safetensors" % (norm_first, batch_first)), enc,
-                   {"src": src, "src_key_padding_mask": kpm}, {"output": o}, cfg)
+                   {"src": src, "src_key_padding_mask": kpm},
+                   lambda m, x: {"output": m(x["src"], src_key_padding_mask=x["src_key_padding_mask"])}, cfg)
 
             dec = prepare(nn.TransformerDecoderLayer(E, H, F, dropout=0.1, activation=act, batch_first=batch_first,
                                                      norm_first=norm_first))
             tgt, memory = leaf(randn(*shape(L))), leaf(randn(*shape(S)))
             causal = torch.triu(torch.ones(L, L, dtype=torch.bool), diagonal=1)
             mkpm = padding_mask(B, S)
-            o = dec(tgt, memory, tgt_mask=causal, memory_key_padding_mask=mkpm)
             cfg = dict(cfg, S=S)
             record(os.path.join(out, "decoder_layer_nf%d_bf%d.safetensors" % (norm_first, batch_first)), dec,
-                   {"tgt": tgt, "memory": memory, "memory_key_padding_mask": mkpm}, {"output": o}, cfg)
+                   {"tgt": tgt, "memory": memory, "memory_key_padding_mask": mkpm},
+                   lambda m, x, causal=causal: {"output": m(x["tgt"], x["memory"], tgt_mask=causal,
+                                                            memory_key_padding_mask=x["memory_key_padding_mask"])},
+                   cfg)
 
     # Stacks with a final norm.
     E, H, F, L, S, B = 8, 2, 16, 4, 6, 3
     layer = nn.TransformerEncoderLayer(E, H, F, batch_first=True)
     enc = prepare(nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(E), enable_nested_tensor=False))
     src = leaf(randn(B, L, E))
-    o = enc(src)
-    record(os.path.join(out, "encoder_stack.safetensors"), enc, {"src": src}, {"output": o},
+    record(os.path.join(out, "encoder_stack.safetensors"), enc, {"src": src}, lambda m, x: {"output": m(x["src"])},
            dict(E=E, H=H, F=F, L=L, B=B, layers=2, batch_first=True))
     layer = nn.TransformerDecoderLayer(E, H, F, batch_first=True, norm_first=True)
     dec = prepare(nn.TransformerDecoder(layer, 2, norm=nn.LayerNorm(E)))
     tgt, memory = leaf(randn(B, L, E)), leaf(randn(B, S, E))
-    o = dec(tgt, memory, tgt_mask=torch.triu(torch.ones(L, L, dtype=torch.bool), diagonal=1))
-    record(os.path.join(out, "decoder_stack.safetensors"), dec, {"tgt": tgt, "memory": memory}, {"output": o},
+    causal = torch.triu(torch.ones(L, L, dtype=torch.bool), diagonal=1)
+    record(os.path.join(out, "decoder_stack.safetensors"), dec, {"tgt": tgt, "memory": memory},
+           lambda m, x: {"output": m(x["tgt"], x["memory"], tgt_mask=causal)},
            dict(E=E, H=H, F=F, L=L, S=S, B=B, layers=2, batch_first=True, norm_first=True))
 
 
@@ -226,14 +266,16 @@ def rnn_cases(out):
             h0 = leaf(randn(4, B, Hd))
             inputs = {"input": x, "h0": h0}
             if kind == "LSTM":
-                c0 = leaf(randn(4, B, Hd))
-                inputs["c0"] = c0
-                o, (hn, cn) = m(x, (h0, c0))
-                outputs = {"output": o, "h_n": hn, "c_n": cn}
-            else:
-                o, hn = m(x, h0)
-                outputs = {"output": o, "h_n": hn}
-            record(os.path.join(out, "%s_bf%d.safetensors" % (kind.lower(), batch_first)), m, inputs, outputs,
+                inputs["c0"] = leaf(randn(4, B, Hd))
+
+            def forward(m, x, kind=kind):
+                if kind == "LSTM":
+                    o, (hn, cn) = m(x["input"], (x["h0"], x["c0"]))
+                    return {"output": o, "h_n": hn, "c_n": cn}
+                o, hn = m(x["input"], x["h0"])
+                return {"output": o, "h_n": hn}
+
+            record(os.path.join(out, "%s_bf%d.safetensors" % (kind.lower(), batch_first)), m, inputs, forward,
                    dict(kind=kind, input_size=I, hidden_size=Hd, L=L, B=B, num_layers=2, bidirectional=True,
                         batch_first=batch_first))
 
@@ -246,16 +288,20 @@ def packed_cases(out):
         x = leaf(randn(B, L, I))
         lengths = torch.tensor([random.randint(1, L) for _ in range(B)])
         lengths[random.randrange(B)] = L  # pad_packed_sequence pads to the longest
-        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
-        if kind == "LSTM":
-            o, (hn, cn) = m(packed)
-            outputs = {"h_n": hn, "c_n": cn}
-        else:
-            o, hn = m(packed)
-            outputs = {"h_n": hn}
-        outputs["output"], _ = nn.utils.rnn.pad_packed_sequence(o, batch_first=True, total_length=L)
+
+        def forward(m, x, kind=kind, lengths=lengths, L=L):
+            packed = nn.utils.rnn.pack_padded_sequence(x["input"], lengths, batch_first=True, enforce_sorted=False)
+            if kind == "LSTM":
+                o, (hn, cn) = m(packed)
+                outputs = {"h_n": hn, "c_n": cn}
+            else:
+                o, hn = m(packed)
+                outputs = {"h_n": hn}
+            outputs["output"], _ = nn.utils.rnn.pad_packed_sequence(o, batch_first=True, total_length=L)
+            return outputs
+
         record(os.path.join(out, "%s_packed.safetensors" % kind.lower()), m,
-               {"input": x, "lengths": lengths.to(torch.int32)}, outputs,
+               {"input": x, "lengths": lengths.to(torch.int32)}, forward,
                dict(kind=kind, input_size=I, hidden_size=Hd, L=L, B=B, num_layers=2, bidirectional=True,
                     batch_first=True))
 
