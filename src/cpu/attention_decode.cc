@@ -214,8 +214,8 @@ enum class ColumnOrder { kNatural, kPairs, kFixed16 };
 ///     key and value row of 8 heads is 2 KiB, so 8 keys asked 16 KiB ahead, ~1.3 µs of
 ///     those passes' work); 24, 48 and 64 gained no more;
 ///   other caches narrower than f32: 16 keys. bf16 on both bf16 products 0.86–0.95x
-///     the time of 8 in most rows, f16 0.93–0.97x, i8 on the f32 passes 0.91–0.98x;
-///     32 keys gained no more, and cost up to 1.08x on 2 threads;
+///     the time of 8 in most rows, f16 0.93–1.01x, i8 on the f32 passes 0.91–0.98x,
+///     f8e4m3 0.87–1.03x; 32 keys gained no more, and cost up to 1.08x on 2 threads;
 ///   f32: 8. 16 keys took 0.94–1.04x, 32 keys up to 1.25x on 2 threads.
 constexpr int kMostPrefetchKeys = HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL ? 32 : 8;
 template <typename T>
