@@ -12,7 +12,7 @@ Each file holds
   f32err.<name>               for each output and gradient: ‖PyTorch's own float32 result −
                               the float64 one‖ (the same module and inputs run in float32)
 and the case's configuration as JSON in the metadata key "config". The C++ side accepts an
-error within 1e-5 relative, or within a few times f32err: a tensor of a few elements whose
+error within 1e-5 relative, or within 4× f32err: a tensor of a few elements whose
 value cancels (a one-query gradient, say) is ill-conditioned, and float32 arithmetic, ours
 and PyTorch's alike, cannot meet 1e-5 of it.
 
@@ -116,7 +116,6 @@ def record(path, module, inputs, forward, config):
         t["dout." + name] = douts[name].numpy()
     t.update(float32_errors(module, inputs, forward, douts, t))
     save_safetensors(path, t, {"config": json.dumps(config)})
-    return outputs
 
 
 def leaf(x):
