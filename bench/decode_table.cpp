@@ -13,6 +13,7 @@
 #include <string>
 
 #include "attn/kvcache.hpp"
+#include "read_sum.hpp"
 #include "tensor/convert.hpp"
 #include "timing.hpp"
 
@@ -41,6 +42,7 @@ void fill_random(void* base, int64_t n, DType dt, uint64_t salt) {
 
 void fill_random(Tensor& t, uint64_t salt) { fill_random(t.data(), t.numel(), t.dtype(), salt); }
 
+
 // A row's label beside its cache dtype: nothing for the default precision.
 const char* precision_note(Precision p) {
   return p == Precision::bf16 ? " (precision bf16)" : p == Precision::bf16x3 ? " (precision bf16x3)" : "";
@@ -68,13 +70,7 @@ double measure_read_bandwidth(int threads, size_t bytes, bool huge_pages) {
     const double t0 = now_s();
     double total = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : total)
-    for (int64_t blk = 0; blk < n; blk += 4096) {
-      float s = 0;
-      const int64_t end = std::min(n, blk + 4096);
-#pragma omp simd reduction(+ : s)
-      for (int64_t i = blk; i < end; ++i) s += x[i];
-      total += s;
-    }
+    for (int64_t blk = 0; blk < n; blk += 4096) total += sum_for_reading(x + blk, std::min<int64_t>(4096, n - blk));
     const double dt = now_s() - t0;
     sink += total;
     if (rep > 0) gbps.push_back(static_cast<double>(n) * sizeof(float) / dt / 1e9);  // rep 0 warms up

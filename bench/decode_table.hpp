@@ -14,8 +14,9 @@
 
 namespace attn::bench {
 
-/// GB/s of reading `bytes` of f32 with `threads` threads (a vectorised sum of an array
-/// far larger than the caches), median of repetitions. The array lies on transparent
+/// GB/s of reading `bytes` of f32 with `threads` threads (a sum of an array far larger
+/// than the caches, in independent running sums so that memory, not the adds, bounds
+/// it: sum_for_reading), median of repetitions. The array lies on transparent
 /// huge pages (an attn::Tensor's storage) or, with huge_pages = false, on 4 KiB pages;
 /// on the Intel Xeon with AMX the first reads ~20% faster.
 double measure_read_bandwidth(int threads, size_t bytes = size_t{1} << 30, bool huge_pages = true);

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <vector>
+#include "read_sum.hpp"
 #include "timing.hpp"
 
 namespace {
@@ -57,11 +58,8 @@ double time_pass(const std::vector<float>& a, int steps, bool read, bool prefetc
     float sum = 0, x = 0.5f;
     for (size_t c = 0; c < a.size(); c += per_chunk) {
       if (read) {
-        float s = 0;
         const size_t end = std::min(a.size(), c + per_chunk);
-#pragma omp simd reduction(+ : s)
-        for (size_t i = c; i < end; ++i) s += a[i];
-        sum += s;
+        sum += attn::bench::sum_for_reading(a.data() + c, static_cast<int64_t>(end - c));
       }
       const bool more = read && prefetch && c + 2 * per_chunk <= a.size();
       x = chain(x, steps, more ? reinterpret_cast<const char*>(a.data() + c + per_chunk) : nullptr);
