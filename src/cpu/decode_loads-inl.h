@@ -186,9 +186,12 @@ HWY_INLINE void PrefetchRow(const T* p, int n) {
 /// those of the next heads of the same token, which the pass reads next. The wider
 /// chunks of one- and two-row passes (8 keys, 2–4 lines of a row each) gained
 /// nothing (Hq = Hkv = 32: 0.94–1.05x), so they go without. Zen 4 (AVX3), B = 1 and
-/// 8, 8k and 32k keys, pages of 16 and 256: bf16 0.85–0.96x the time; i8 and f32
-/// (at the read bandwidth already) within the noise. Intel's AVX-512 cores:
-/// unmeasured, so off there (AskValuesAhead).
+/// 8, 8k and 32k keys, pages of 16 and 256: bf16 0.85–0.96x the time, i8 within the
+/// noise. An f32 chunk there is two lines, and until 2026-11-29 only its first was
+/// asked for (the rule was written for AVX2's one-line chunks; the f32 figures then
+/// looked like the read bandwidth because that benchmark was add-bound): every line
+/// of it, 0.91–0.94x the time on 1 thread. Intel's AVX-512 cores: unmeasured, so off
+/// there (AskValuesAhead).
 constexpr int kPvAheadBytes = HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL ? 512 : 0;
 /// Where a head's values lie in a run of their own (PvAheadBytes), P·V asks for the
 /// lines this many tokens further along the run instead, on the targets that ask at all.

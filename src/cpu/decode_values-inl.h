@@ -96,7 +96,11 @@ HWY_INLINE void PvRowsDense(const float* HWY_RESTRICT p, size_t ld, const T* con
     }
     for (int k = 0; k < NK; ++k) {
       if constexpr (kPvAheadBytes > 0) {
-        if (ahead_bytes > 0) PrefetchLineL2(reinterpret_cast<const char*>(vals[k] + x) + ahead_bytes);
+        if (ahead_bytes > 0) {
+          // Every line of the chunk: an f32 chunk on AVX-512 is two.
+          const char* line = reinterpret_cast<const char*>(vals[k] + x) + ahead_bytes;
+          for (size_t at = 0; at < 2 * kLanes * sizeof(T); at += 64) PrefetchLineL2(line + at);
+        }
       }
       const VF v0 = LoadHalfF32<0>(df, vals[k] + x), v1 = LoadHalfF32<1>(df, vals[k] + x);
       for (int r = 0; r < NR; ++r) {
