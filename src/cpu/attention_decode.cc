@@ -669,13 +669,55 @@ int PartialColumn(ColumnOrder order, int x) {
   return x;
 }
 
+/// row[x] = o[col_src[x]] / l for x < n: the output row in column order (the
+/// partial's columns in `order`), each quotient rounded once. A vector at a time: a
+/// scalar gather and `vdivss` per element took ~3.5 µs of a 64-key bf16 decoding
+/// call's ~17 µs (Zen 4, 32 query rows). Division is correctly rounded in every lane,
+/// so the row is bitwise the scalar one. Pair order (evens of a 2-vector run, then
+/// odds) goes back by interleaved stores (vector gathers still took ~2 µs), other
+/// orders by gathers.
+void DivideInColumnOrder(const float* HWY_RESTRICT o, ColumnOrder order, const int* HWY_RESTRICT col_src, float l,
+                         int n, float* HWY_RESTRICT row) {
+  const DF df;
+  const hn::RebindToSigned<DF> di;
+  const auto vl = hn::Set(df, l);
+  int x = 0;
+  if (order == ColumnOrder::kNatural) {
+    for (; x + kLanes <= n; x += kLanes) hn::StoreU(hn::Div(hn::LoadU(df, o + x), vl), df, row + x);
+  } else if (order == ColumnOrder::kPairs) {
+    for (; x + 2 * kLanes <= n; x += 2 * kLanes) {
+      hn::StoreInterleaved2(hn::Div(hn::LoadU(df, o + x), vl), hn::Div(hn::LoadU(df, o + x + kLanes), vl), df, row + x);
+    }
+  } else {
+    for (; x + kLanes <= n; x += kLanes) {
+      hn::StoreU(hn::Div(hn::GatherIndex(df, o, hn::LoadU(di, col_src + x)), vl), df, row + x);
+    }
+  }
+  for (; x < n; ++x) row[x] = o[col_src[x]] / l;
+}
+
+/// a[x] /= total for x < n, in double, a vector at a time (the merged rows' division,
+/// bitwise the scalar one for the same reason).
+void DivideInPlace(double* HWY_RESTRICT a, double total, int n) {
+  int x = 0;
+#if HWY_HAVE_FLOAT64
+  const hn::ScalableTag<double> dd;
+  const auto vt = hn::Set(dd, total);
+  for (; x + static_cast<int>(hn::Lanes(dd)) <= n; x += static_cast<int>(hn::Lanes(dd))) {
+    hn::StoreU(hn::Div(hn::LoadU(dd, a + x), vt), dd, a + x);
+  }
+#endif
+  for (; x < n; ++x) a[x] /= total;
+}
+
 /// Combines the splits' partial results of rows r0 … r0+nr−1 (nr ≤ kMergeRows) of a
 /// group whose first item is `it` (merge_attention_states's rule, each row's splits in
 /// split order) and writes out and lse. The partials' O columns are in the passes'
-/// order: output column x is column col_src[x] (PartialColumn). acc: kMergeRows·dvp
-/// doubles, row: dv floats of the thread's scratch.
+/// order (`order`): output column x is column col_src[x] (PartialColumn). acc:
+/// kMergeRows·dvp doubles, row: dv floats of the thread's scratch.
 void FinishRows(const DecodeProblem& p, const Item& it, const RowChunk& rc, const Partial* parts, int nsplits, int r0,
-                int nr, int dvp, const int* HWY_RESTRICT col_src, double* HWY_RESTRICT acc, float* HWY_RESTRICT row) {
+                int nr, int dvp, ColumnOrder order, const int* HWY_RESTRICT col_src, double* HWY_RESTRICT acc,
+                float* HWY_RESTRICT row) {
   float mx[kMergeRows];
   double total[kMergeRows];
   bool merge[kMergeRows];
@@ -703,7 +745,7 @@ void FinishRows(const DecodeProblem& p, const Item& it, const RowChunk& rc, cons
       // division below is o / l rounded once to f32, which f32 division gives exactly.
       const float* HWY_RESTRICT o = parts[0].o + static_cast<size_t>(r) * dvp;
       const float l = parts[0].l[r];
-      for (int x = 0; x < p.dv; ++x) row[x] = o[col_src[x]] / l;
+      DivideInColumnOrder(o, order, col_src, l, p.dv, row);
       store(k, row, static_cast<float>(mx[k] + std::log(static_cast<double>(l))));
     } else {
       merge[k] = true;
@@ -724,8 +766,9 @@ void FinishRows(const DecodeProblem& p, const Item& it, const RowChunk& rc, cons
   }
   for (int k = 0; k < nr; ++k) {
     if (!merge[k]) continue;
-    const double* a = acc + static_cast<size_t>(k) * dvp;
-    for (int x = 0; x < p.dv; ++x) row[x] = static_cast<float>(a[col_src[x]] / total[k]);
+    double* a = acc + static_cast<size_t>(k) * dvp;
+    DivideInPlace(a, total[k], dvp);
+    for (int x = 0; x < p.dv; ++x) row[x] = static_cast<float>(a[col_src[x]]);
     store(k, row, static_cast<float>(mx[k] + std::log(total[k])));
   }
 }
@@ -957,8 +1000,8 @@ void Decode(const DecodeProblem& p, int threads) {
       for (int s = 0; s < g.count; ++s) ps.push_back(partial(items[g.first + s]));
       const int nrows = it.heads * rc.rows();
       for (int r0 = 0; r0 < nrows; r0 += kMergeRows) {
-        FinishRows(p, it, rc, ps.data(), g.count, r0, std::min(kMergeRows, nrows - r0), dvp, col_src.data(), w.acc,
-                   w.row);
+        FinishRows(p, it, rc, ps.data(), g.count, r0, std::min(kMergeRows, nrows - r0), dvp, order, col_src.data(),
+                   w.acc, w.row);
       }
     }
   });
