@@ -87,9 +87,11 @@ attn::TensorView view_of_dlpack(const py::object& capsule, const char* name) {
   if (d.code == 2 && d.bits == 32) dtype = attn::DType::f32;
   else if (d.code == 2 && d.bits == 16) dtype = attn::DType::f16;
   else if (d.code == 4 && d.bits == 16) dtype = attn::DType::bf16;
+  else if (d.code == 0 && d.bits == 32) dtype = attn::DType::i32;  // sequence lengths, block tables
   else
     throw py::type_error(std::string(name) + ": unsupported element type (DLPack code " + std::to_string(d.code) +
-                         ", " + std::to_string(d.bits) + " bits); expected float32, float16 or bfloat16");
+                         ", " + std::to_string(d.bits) + " bits); expected float32, float16 or bfloat16" +
+                         " (int32 for sequence lengths and block tables)");
   if (t->ndim < 0 || t->ndim > attn::TensorView::kMaxRank)
     throw py::value_error(std::string(name) + ": at most 8 dimensions are supported");
   std::vector<int64_t> shape(t->shape, t->shape + t->ndim), strides(t->ndim);
@@ -401,6 +403,35 @@ PYBIND11_MODULE(_attn, m) {
       py::arg("mask_bf16") = false, py::arg("precision") = 0,
       "attention_with_kvcache (q None: kvcache_append only) on FlashAttention's layouts; the cache is written "
       "in place.");
+
+  m.def(
+      "kvcache_lean",
+      [](const py::object& q, const py::object& k_cache, const py::object& v_cache, const py::object& block_table,
+         const py::object& cache_seqlens, const py::object& k_new, const py::object& v_new, const py::object& out,
+         const py::object& lse, std::optional<float> scale, int causal, int num_splits, int precision) {
+        // The decoding calls with no option beyond these, positional (pybind11 matches
+        // kvcache's 27 keywords by name in several µs): float caches, no rotary, masks,
+        // ALiBi, window or softcap. DLPack capsules carry their dtype, bf16 included.
+        attn::KVCache cache;
+        cache.k = view_of(k_cache, "k_cache", true);
+        cache.v = view_of(v_cache, "v_cache", true);
+        cache.block_table = view_of(block_table, "block_table", false);
+        attn::KVCacheOptions kv;
+        kv.k_new = view_of(k_new, "k", false);
+        kv.v_new = view_of(v_new, "v", false);
+        kv.num_splits = num_splits;
+        attn::AttentionOptions o;
+        o.scale = scale;
+        o.causal = causal_of(causal);
+        o.precision = static_cast<attn::Precision>(precision);  // checked by the library
+        const attn::TensorView qv = view_of(q, "q", false), sl = view_of(cache_seqlens, "cache_seqlens", false),
+                               ov = view_of(out, "out", true), lv = view_of(lse, "lse", true);
+        py::gil_scoped_release release;
+        attn::attention_with_kvcache(qv, cache, sl, ov, o, kv, lv);
+      },
+      "attention_with_kvcache with no option beyond a scale, causal, num_splits and precision, positional: (q, "
+      "k_cache, v_cache, block_table, cache_seqlens, k, v, out, lse, scale, causal, num_splits, precision); "
+      "block_table, k, v and lse may be None.");
 
   m.def(
       "cpu_info",
