@@ -674,8 +674,8 @@ int PartialColumn(ColumnOrder order, int x) {
 /// scalar gather and `vdivss` per element took ~3.5 µs of a 64-key bf16 decoding
 /// call's ~17 µs (Zen 4, 32 query rows). Division is correctly rounded in every lane,
 /// so the row is bitwise the scalar one. Pair order (evens of a 2-vector run, then
-/// odds) goes back by interleaved stores (vector gathers still took ~2 µs), other
-/// orders by gathers.
+/// odds) goes back by interleaved stores (vector gathers still took ~2 µs), the
+/// fixed-point passes' order by 16-byte blocks.
 void DivideInColumnOrder(const float* HWY_RESTRICT o, ColumnOrder order, const int* HWY_RESTRICT col_src, float l,
                          int n, float* HWY_RESTRICT row) {
   const DF df;
@@ -688,6 +688,20 @@ void DivideInColumnOrder(const float* HWY_RESTRICT o, ColumnOrder order, const i
     for (; x + 2 * kLanes <= n; x += 2 * kLanes) {
       hn::StoreInterleaved2(hn::Div(hn::LoadU(df, o + x), vl), hn::Div(hn::LoadU(df, o + x + kLanes), vl), df, row + x);
     }
+#if ATTN_DECODE_FIXED16
+  } else if (order == ColumnOrder::kFixed16) {
+    // Fixed16Column: output columns 8β … 8β+3 of a 2-vector chunk are its first
+    // vector's lanes 4β … 4β+3, columns 8β+4 … 8β+7 its second's: 16-byte blocks.
+    HWY_ALIGN float chunk[2 * kLanes];
+    for (; x + 2 * kLanes <= n; x += 2 * kLanes) {
+      hn::Store(hn::Div(hn::LoadU(df, o + x), vl), df, chunk);
+      hn::Store(hn::Div(hn::LoadU(df, o + x + kLanes), vl), df, chunk + kLanes);
+      for (int b = 0; b < kLanes / 4; ++b) {
+        std::memcpy(row + x + 8 * b, chunk + 4 * b, 4 * sizeof(float));
+        std::memcpy(row + x + 8 * b + 4, chunk + kLanes + 4 * b, 4 * sizeof(float));
+      }
+    }
+#endif
   } else {
     for (; x + kLanes <= n; x += kLanes) {
       hn::StoreU(hn::Div(hn::GatherIndex(df, o, hn::LoadU(di, col_src + x)), vl), df, row + x);
