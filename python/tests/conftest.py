@@ -84,3 +84,18 @@ def rel_err(got, want):
     got = torch.as_tensor(np.asarray(got), dtype=torch.float64)
     want = torch.as_tensor(np.asarray(want), dtype=torch.float64)
     return float((got - want).norm() / max(float(want.norm()), 1e-300))
+
+
+def count_calls(monkeypatch, owner, name):
+    """How many times owner.name is called from now on: a one-element list, counted by a
+    wrapper that monkeypatch removes after the test (the lean-path tests count the calls
+    that took the checked path)."""
+    calls = [0]
+    original = getattr(owner, name)
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counting)
+    return calls

@@ -9,7 +9,7 @@ import torch
 
 import attn
 import attn.torch
-from conftest import reference, rel_err
+from conftest import count_calls, reference, rel_err
 
 TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
@@ -27,15 +27,7 @@ def checked(fn, *args, **kwargs):
 @pytest.fixture
 def count_checked(monkeypatch):
     """How many calls took the checked path (attn._prepare_call)."""
-    calls = [0]
-    original = attn._prepare_call
-
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(attn, "_prepare_call", counting)
-    return calls
+    return count_calls(monkeypatch, attn, "_prepare_call")
 
 
 def cases(rng):

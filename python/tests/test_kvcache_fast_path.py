@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import attn
+from conftest import count_calls
 from test_kvcache import _cache_layout, _check
 
 TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
@@ -17,15 +18,7 @@ TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float
 @pytest.fixture
 def count_checked(monkeypatch):
     """How many calls took the checked path (attn._kvcache_args)."""
-    calls = [0]
-    original = attn._kvcache_args
-
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(attn, "_kvcache_args", counting)
-    return calls
+    return count_calls(monkeypatch, attn, "_kvcache_args")
 
 
 def checked(*args, **kwargs):
