@@ -24,6 +24,7 @@
 
 #include "cuda/cuda_backend.hpp"
 #include "cuda/cuda_check.hpp"
+#include "cuda/flash_forward_wgmma.hpp"
 #include "cuda/mma_fragments.cuh"
 #include "cuda/nonfinite_tiles.cuh"
 #include "cuda/score_mods.cuh"
@@ -356,7 +357,9 @@ std::string forward(const ForwardParams& p) {
   const size_t bytes = sizeof(SeqDesc) * size_t(p.B);
   ATTN_CUDA_TRY(cudaMallocAsync(reinterpret_cast<void**>(&seqs), bytes, stream));
   cudaError_t e = cudaMemcpyAsync(seqs, p.seqs_host, bytes, cudaMemcpyHostToDevice, stream);
-  if (e == cudaSuccess) {
+  if (e == cudaSuccess && wgmma_forward_applies(p)) {
+    e = wgmma_forward(p, seqs, stream);
+  } else if (e == cudaSuccess) {
     switch (p.in) {
       case Elem::bf16: e = launch_for_dim<__nv_bfloat16, __nv_bfloat16>(p, seqs, stream); break;
       case Elem::f16: e = launch_for_dim<__half, __half>(p, seqs, stream); break;

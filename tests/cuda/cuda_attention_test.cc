@@ -91,9 +91,22 @@ const Shape kGpuShapes[] = {{1, 1, 1, 1, 1, 64, 64},      {2, 3, 17, 4, 2, 64, 6
                             {1, 100, 100, 2, 2, 128, 128}, {2, 33, 65, 3, 1, 128, 128}, {1, 70, 1000, 2, 1, 64, 64},
                             {1, 129, 300, 1, 1, 256, 256}, {1, 1000, 37, 2, 2, 96, 96}};
 
+// x [B, L, H, D] copied with one element more per row, so that no row but the first
+// starts on a 16-byte boundary (the kernels' copies without cp.async); `store` holds it.
+TensorView unaligned_rows(const LowpCall& c, const std::vector<uint16_t>& x, int L, int H, int D,
+                          std::vector<uint16_t>& store) {
+  const int64_t row = int64_t{H} * D + 1;
+  store.assign(size_t(c.B) * L * row, 0);
+  for (int64_t r = 0; r < int64_t{c.B} * L; ++r) {
+    std::copy_n(x.begin() + r * H * D, H * D, store.begin() + r * row);
+  }
+  return TensorView(store.data(), c.dt, {c.B, L, H, D}, {L * row, row, D, 1});
+}
+
 // One call on the GPU and its yardsticks: the reference (float64 on the rounded inputs)
-// and the plain implementation built from the reference's probabilities.
-CaseErrors run_gpu_case(DType dt, const Shape& s, const OptionCase& oc, std::mt19937_64& rng) {
+// and the plain implementation built from the reference's probabilities. With
+// `unaligned`, q, k and v rows are not 16-byte aligned.
+CaseErrors run_gpu_case(DType dt, const Shape& s, const OptionCase& oc, std::mt19937_64& rng, bool unaligned = false) {
   LowpCall c(dt, s.B, s.Lq, s.Lk, s.Hq, s.Hkv, s.d, s.dv, rng);
   OptionStore store;
   AttentionOptions o = oc.make(store, c, rng);
@@ -101,8 +114,12 @@ CaseErrors run_gpu_case(DType dt, const Shape& s, const OptionCase& oc, std::mt1
   std::vector<std::unique_ptr<DeviceBuffer>> keep;
   o.mask = on_gpu(o.mask, keep);
   o.alibi_slopes = on_gpu(o.alibi_slopes, keep);
-  const TensorView q = on_gpu(c.view(c.q, s.Lq, s.Hq, s.d), keep), k = on_gpu(c.view(c.k, s.Lk, s.Hkv, s.d), keep),
-                   v = on_gpu(c.view(c.v, s.Lk, s.Hkv, s.dv), keep);
+  std::vector<uint16_t> qs, ks, vs;
+  auto host = [&](const std::vector<uint16_t>& x, int L, int H, int D, std::vector<uint16_t>& st) {
+    return unaligned ? unaligned_rows(c, x, L, H, D, st) : c.view(x, L, H, D);
+  };
+  const TensorView q = on_gpu(host(c.q, s.Lq, s.Hq, s.d, qs), keep), k = on_gpu(host(c.k, s.Lk, s.Hkv, s.d, ks), keep),
+                   v = on_gpu(host(c.v, s.Lk, s.Hkv, s.dv, vs), keep);
   DeviceBuffer out(c.out.size() * 2), lse(c.lse.size() * 4);
   attention(q, k, v, TensorView(out.get(), dt, {s.B, s.Lq, s.Hq, s.dv}).on(kGpu), o,
             TensorView(lse.get(), DType::f32, {s.B, s.Hq, s.Lq}).on(kGpu));
@@ -124,6 +141,32 @@ TEST_P(CudaForward, EveryOptionWithinTwiceThePlainError) {
   std::mt19937_64 rng = make_rng(1301);
   for (const OptionCase& oc : gpu_option_cases()) {
     ExpectWithinPlainBf16Error(kGpuShapes, oc, [&](const Shape& s) { return run_gpu_case(GetParam(), s, oc, rng); });
+  }
+}
+
+// On Hopper, the calls above without element-wise modifiers or dropout ran on the wgmma
+// kernel (flash_forward_wgmma.cu); the same calls on the mma.sync kernel, which every
+// other GPU runs.
+TEST_P(CudaForward, TheMmaSyncKernelWhereTheWgmmaKernelWouldRun) {
+  SKIP_WITHOUT_GPU();
+  const ScopedEnv mma_sync("ATTN_CUDA_WGMMA", "0");
+  std::mt19937_64 rng = make_rng(1310);
+  for (const OptionCase& oc : gpu_option_cases()) {
+    const std::string name = oc.name;
+    if (name != "plain" && name != "causal" && name != "bottom-right window") continue;
+    ExpectWithinPlainBf16Error(kGpuShapes, oc, [&](const Shape& s) { return run_gpu_case(GetParam(), s, oc, rng); });
+  }
+}
+
+// Rows that are not 16-byte aligned: the tiles are copied without cp.async.
+TEST_P(CudaForward, UnalignedRows) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng = make_rng(1311);
+  for (const OptionCase& oc : gpu_option_cases()) {
+    const std::string name = oc.name;
+    if (name != "plain" && name != "causal" && name != "boolean mask") continue;
+    ExpectWithinPlainBf16Error(kGpuShapes, oc,
+                               [&](const Shape& s) { return run_gpu_case(GetParam(), s, oc, rng, true); });
   }
 }
 

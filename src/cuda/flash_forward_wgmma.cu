@@ -1,0 +1,371 @@
+// The attention forward on Hopper's warpgroup products (wgmma, sm_90a), for the calls
+// that need nothing but the band: bf16 or f16 inputs, d = 64 or 128, no softcap, ALiBi,
+// masks, block mask or dropout (causal, windows, varlen, key lengths and lse are kept).
+// Other calls, and GPUs other than sm_90, take flash_forward.cu's mma.sync kernel.
+//
+// One thread block is one warpgroup (4 warps, 128 threads) that owns 64 query rows of
+// one (sequence, head). Q, K and V tiles sit in shared memory in the 128-byte-swizzled
+// layout the tensor cores read directly (wgmma.cuh; bench/cuda/wgmma_probe checked its
+// descriptors on an H200): S = Q·Kᵀ is D/16 products of m64n64k16 with both operands in
+// shared memory, and O += P·V is (D/64)·4 products with P from registers (its f32
+// accumulators rounded in place: the accumulator layout is the A-fragment layout) and V
+// as stored. The softmax, the band and the semantics of removed keys are those of the
+// mma.sync kernel, register for register: a warp's 16 rows of the warpgroup's m64
+// accumulator have mma.sync's C layout.
+//
+// Against the mma.sync kernel this removes the fragment loads (ldmatrix) and most of the
+// instructions the tensor cores waited on; several blocks per multiprocessor (3 at
+// d = 128, 5 at d = 64, by shared memory) overlap one block's softmax with another's
+// products. The copies are still cp.async (FlashAttention-2's pipeline: V of a tile in
+// flight during S, the next K during the softmax and P·V).
+#include "cuda/flash_forward_wgmma.hpp"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+
+#include "cuda/mma_fragments.cuh"
+#include "cuda/nonfinite_tiles.cuh"
+#include "cuda/score_mods.cuh"
+#include "cuda/wgmma.cuh"
+
+namespace attn::cuda {
+namespace {
+
+namespace wg = wgmma;
+
+constexpr int kThreads = 128;  // one warpgroup
+constexpr int kRows = 64;      // query rows per block: the m of the products
+constexpr int kKeys = 64;      // keys per tile: the n of S's products, the k of P·V's
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+/// Bytes of a tile of `rows` rows × D operands: D / 64 panels of 64 columns, each
+/// `rows` swizzled rows of 128 bytes (wg::sw128_offset).
+template <int D>
+constexpr int tile_bytes(int rows) {
+  return rows * D * 2;
+}
+
+/// Starts copying rows [r0, r0 + kTileRows) of one head of a [L, H, D] tensor (row
+/// stride `row` elements; rows ≥ valid become zeros) into a swizzled tile, by the
+/// warpgroup's 128 threads, one 16-byte chunk at a time: cp.async where the rows allow
+/// it (`vec`, block-uniform; a later cp_async_wait completes them), plain loads otherwise.
+/// A pass of the 128 threads covers 128 / (D / 8) = 8 or 16 whole rows, a multiple of the
+/// swizzle's 8-row atom, so each thread's chunks keep their place within an atom and
+/// are 1 or 2 atoms (1 KiB each) apart.
+template <class T, int D, int kTileRows>
+__device__ __forceinline__ void start_tile(unsigned char* dst, const T* src, int64_t row, int r0, int valid, bool vec) {
+  constexpr int kChunks = D / 8;
+  constexpr int kPassRows = kThreads / kChunks;
+  static_assert(kPassRows % 8 == 0 && kTileRows % kPassRows == 0, "passes of whole swizzle atoms");
+  const int r_in = threadIdx.x / kChunks, ch = threadIdx.x % kChunks;
+  const int panel = ch / 8, cc = ch % 8, r8 = r_in % 8;
+  unsigned char* to = dst + panel * kTileRows * 128 + (r_in / 8) * 1024 + r8 * 128 + ((cc ^ r8) * 16);
+  const T* from = src + int64_t{r0 + r_in} * row + ch * 8;
+  const int64_t step = int64_t{kPassRows} * row;
+#pragma unroll
+  for (int u = 0; u < kTileRows / kPassRows; ++u) {
+    const int r = r0 + r_in + u * kPassRows;
+    unsigned char* at = to + u * (kPassRows / 8) * 1024;
+    if (r >= valid) {
+      *reinterpret_cast<uint4*>(at) = make_uint4(0, 0, 0, 0);
+    } else if (vec) {
+      cp_async_16(at, from);
+    } else {
+      *reinterpret_cast<uint4*>(at) = load_chunk<T>(from, false);
+    }
+    from += step;
+  }
+}
+
+/// Keeps the compiler from moving reads or writes of an accumulator register across the
+/// wgmma that writes it asynchronously (the asm statements around it are volatile; this
+/// ties the register to that order).
+__device__ __forceinline__ void pin(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+template <int N>
+__device__ __forceinline__ void pin_all(float (*acc)[4]) {
+#pragma unroll
+  for (int n = 0; n < N; ++n) pin(acc[n][0]), pin(acc[n][1]), pin(acc[n][2]), pin(acc[n][3]);
+}
+
+/// acc (a warp's 16 rows × D columns, n-tiles) += Pw·V element by element, skipping the
+/// zeros of Pw ([16][kKeys] from store_rounded), V a swizzled [kKeys][D] tile: the path
+/// of a value tile with a NaN or ±∞, where the tensor cores would give 0·∞ = NaN for a
+/// removed key. (gated_accumulate's rule, for the swizzled layout.)
+template <class T, int D>
+__device__ __forceinline__ void gated_accumulate_swizzled(float (*acc)[4], const float* pw, const unsigned char* v) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    const int col = n * 8 + 2 * t;
+    const unsigned char* panel = v + (col / 64) * kKeys * 128;
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma unroll 1
+    for (int j = 0; j < kKeys; ++j) {
+      const float pa = pw[g * kKeys + j], pb = pw[(g + 8) * kKeys + j];
+      if (pa == 0.0f && pb == 0.0f) continue;
+      const T* y = reinterpret_cast<const T*>(panel + wg::sw128_offset(j, col % 64));
+      const float y0 = to_float(y[0]), y1 = to_float(y[1]);
+      if (pa != 0.0f) s0 += pa * y0, s1 += pa * y1;
+      if (pb != 0.0f) s2 += pb * y0, s3 += pb * y1;
+    }
+    acc[n][0] += s0, acc[n][1] += s1, acc[n][2] += s2, acc[n][3] += s3;
+  }
+  __syncwarp();
+}
+
+// v_bad: the pre-pass's flag per kKeys-key tile of V (nonfinite_tiles.cuh), v_tiles per head.
+template <class T, int D>
+__global__ void __launch_bounds__(kThreads)
+    flash_forward_wgmma_kernel(ForwardParams p, const SeqDesc* seqs, const uint8_t* v_bad, int v_tiles) {
+#ifdef ATTN_HAVE_WGMMA
+  constexpr bool kHalf = std::is_same_v<T, __half>;
+  constexpr int kNt = kKeys / 8;  // n-tiles of a warp's score rows
+  constexpr int kDt = D / 8;      // n-tiles of a warp's output rows
+  constexpr int kPanels = D / 64;
+  // The swizzle is a function of address bits: its regions start on a 1 KiB boundary
+  // (1 KiB more is launched).
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw_at = shared_address(smem_raw);
+  unsigned char* q_s = smem_raw + ((1024 - raw_at % 1024) % 1024);
+  unsigned char* k_s = q_s + tile_bytes<D>(kRows);
+  unsigned char* v_s = k_s + tile_bytes<D>(kKeys);
+  float* p_s = reinterpret_cast<float*>(v_s + tile_bytes<D>(kKeys));  // [4 warps][16][kKeys], the gated path's P
+
+  const int b = blockIdx.z, h = blockIdx.y;
+  const SeqDesc s = seqs[b];
+  const int q0 = blockIdx.x * kRows;
+  if (q0 >= s.Lq) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int hk = h / (p.Hq / p.Hkv);
+  const T* q = static_cast<const T*>(p.q) + s.q_offset + int64_t{h} * p.q_head;
+  const T* k = static_cast<const T*>(p.k) + s.k_offset + int64_t{hk} * p.k_head;
+  const T* v = static_cast<const T*>(p.v) + s.v_offset + int64_t{hk} * p.v_head;
+  const uint8_t* v_bad_head = v_bad + (int64_t{b} * p.Hkv + hk) * v_tiles;
+
+  start_tile<T, D, kRows>(q_s, q, p.q_row, q0, s.Lq, rows_vectorizable<T>(q, p.q_row));
+  cp_async_commit();
+
+  // This thread's two rows of the warp's 16: A = row g, B = row g + 8.
+  const int row_a = q0 + warp * 16 + g, row_b = row_a + 8;
+  const Band band_a = band_of_row(p, s, row_a), band_b = band_of_row(p, s, row_b);
+  const int last_row = min(q0 + kRows, s.Lq) - 1;
+  const Band band_first = band_of_row(p, s, q0), band_last = band_of_row(p, s, last_row);
+  const int64_t key_lo = max(int64_t{0}, band_first.lo);
+  const int64_t key_hi = min(int64_t{s.Lk} - 1, band_last.hi);
+
+  float o[kDt][4];
+#pragma unroll
+  for (int n = 0; n < kDt; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  // Running maxima in log2 units (scores · scale · log2 e): p = 2^(x − m).
+  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;
+  const float scale_log2 = p.scale * kLog2e;
+
+  const bool k_vec = rows_vectorizable<T>(k, p.k_row), v_vec = rows_vectorizable<T>(v, p.v_row);
+  int64_t j0 = key_lo <= key_hi ? (key_lo / kKeys) * kKeys : -1;
+  if (j0 >= 0) start_tile<T, D, kKeys>(k_s, k, p.k_row, static_cast<int>(j0), s.Lk, k_vec);
+  cp_async_commit();
+
+  const uint64_t q_desc = wg::descriptor(shared_address(q_s), wg::kSw128Lbo, wg::kSw128Sbo, wg::kSwizzle128);
+  const uint64_t k_desc = wg::descriptor(shared_address(k_s), wg::kSw128Lbo, wg::kSw128Sbo, wg::kSwizzle128);
+  const uint64_t v_desc = wg::descriptor(shared_address(v_s), wg::kSw128Lbo, wg::kSw128Sbo, wg::kSwizzle128);
+  // A descriptor's start address is in 16-byte units (its low 14 bits): an offset of
+  // `bytes` into a region adds bytes / 16.
+  auto at = [](uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); };
+
+  while (j0 >= 0) {
+    start_tile<T, D, kKeys>(v_s, v, p.v_row, static_cast<int>(j0), s.Lk, v_vec);
+    cp_async_commit();
+    const bool slow = v_bad_head[j0 / kKeys] != 0;
+    cp_async_wait<1>();  // Q and K of this tile
+    wg::fence_shared_for_async();  // cp.async and plain stores → the tensor cores' reads
+    __syncthreads();
+
+    // S = Q·Kᵀ: k-step ks reads columns 16·ks … of Q's and K's rows, 32 bytes further
+    // along a swizzled row, a panel (rows · 128 bytes) further every 4 steps.
+    float sc[kNt][4];
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+    pin_all<kNt>(sc);
+    wg::fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      wg::ss_m64n64k16<kHalf>(&sc[0][0], at(q_desc, (ks / 4) * kRows * 128 + (ks % 4) * 32),
+                              at(k_desc, (ks / 4) * kKeys * 128 + (ks % 4) * 32), 1);
+    }
+    wg::commit();
+    wg::wait<0>();
+    pin_all<kNt>(sc);
+    __syncthreads();  // every warp's products have read K: the next tile's K may come
+    const int64_t next = j0 + kKeys <= key_hi ? j0 + kKeys : -1;
+    if (next >= 0) start_tile<T, D, kKeys>(k_s, k, p.k_row, static_cast<int>(next), s.Lk, k_vec);
+    cp_async_commit();
+
+    // A tile inside every row's band keeps its raw products (scale > 0 keeps their
+    // order; the scaling joins each exponent's FFMA through `mul`); others remove the
+    // keys outside each row's band (which ends at the sequence's last key).
+    float mx_a = -INFINITY, mx_b = -INFINITY, mul = 1.0f;
+    if (tile_inside_bands(band_first, band_last, j0, j0 + kKeys - 1)) {
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+        mx_a = fmaxf(mx_a, fmaxf(sc[nt][0], sc[nt][1]));
+        mx_b = fmaxf(mx_b, fmaxf(sc[nt][2], sc[nt][3]));
+      }
+      mul = scale_log2;
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const Band& band = e < 2 ? band_a : band_b;
+          const int64_t j = j0 + nt * 8 + 2 * t + (e & 1);
+          const float x = j >= band.lo && j <= band.hi ? sc[nt][e] * scale_log2 : -INFINITY;
+          sc[nt][e] = x;
+          if (e < 2) mx_a = fmaxf(mx_a, x); else mx_b = fmaxf(mx_b, x);
+        }
+      }
+    }
+    // Row maxima over the quad that shares a row (fmaxf skips NaN; a NaN score still
+    // makes its row NaN through the sum).
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
+      mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
+    }
+    const float mn_a = fmaxf(m_a, mx_a * mul), mn_b = fmaxf(m_b, mx_b * mul);
+    // A row that has seen only −∞ so far subtracts 0 (e^(−∞ − 0) = 0, not NaN).
+    const float ref_a = mn_a == -INFINITY ? 0.0f : mn_a, ref_b = mn_b == -INFINITY ? 0.0f : mn_b;
+    const float alpha_a = fast_exp2(m_a - ref_a), alpha_b = fast_exp2(m_b - ref_b);
+    m_a = mn_a, m_b = mn_b;
+    float sum_a = 0.0f, sum_b = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pr = fast_exp2(fmaf(sc[nt][e], mul, -(e < 2 ? ref_a : ref_b)));
+        if (e < 2) sum_a += pr; else sum_b += pr;
+        sc[nt][e] = pr;
+      }
+    }
+    l_a = l_a * alpha_a + sum_a;
+    l_b = l_b * alpha_b + sum_b;
+    if (alpha_a != 1.0f || alpha_b != 1.0f) {  // x·1 = x: skipping changes no bit
+#pragma unroll
+      for (int n = 0; n < kDt; ++n) {
+        o[n][0] *= alpha_a, o[n][1] *= alpha_a;
+        o[n][2] *= alpha_b, o[n][3] *= alpha_b;
+      }
+    }
+
+    // O += P·V: k-step kk takes keys 16·kk … (2 swizzle atoms, 2 KiB, further into V's
+    // panels), with P's A fragment from the accumulator's n-tiles 2kk and 2kk + 1.
+    uint32_t pa[kKeys / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) a_from_accumulator<T>(sc, kk, pa[kk]);
+    cp_async_wait<1>();  // V of this tile
+    wg::fence_shared_for_async();
+    __syncthreads();
+    if (!slow) {
+      pin_all<kDt>(o);
+      wg::fence();
+#pragma unroll
+      for (int pn = 0; pn < kPanels; ++pn) {
+#pragma unroll
+        for (int kk = 0; kk < kKeys / 16; ++kk) {
+          wg::rs_m64n64k16_tb<kHalf>(&o[8 * pn][0], pa[kk], at(v_desc, pn * kKeys * 128 + kk * 2048), 1);
+        }
+      }
+      wg::commit();
+      wg::wait<0>();
+      pin_all<kDt>(o);
+    } else {
+      // A value in this tile is NaN or ±∞: element by element, skipping p = 0, with P
+      // rounded as the tensor cores would take it.
+      float* pw = p_s + warp * 16 * kKeys;
+      store_rounded<T, kKeys>(sc, pw);
+      gated_accumulate_swizzled<T, D>(o, pw, v_s);
+    }
+    __syncthreads();  // before the next tile's V overwrites this one
+    j0 = next;
+  }
+  cp_async_wait<0>();
+
+  // Finalise: the quad's partial sums, then out = O / l and lse = m·ln 2 + ln l.
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, off);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, off);
+  }
+  T* out = static_cast<T*>(p.out) + s.out_offset + int64_t{h} * p.out_head;
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int i = rr == 0 ? row_a : row_b;
+    if (i >= s.Lq) continue;
+    const float l = rr == 0 ? l_a : l_b, m = rr == 0 ? m_a : m_b;
+    const bool empty = l == 0.0f;  // no visible key (NaN compares false: stays NaN)
+    const float inv = empty ? 0.0f : 1.0f / l;
+    T* orow = out + int64_t{i} * p.out_row;
+#pragma unroll
+    for (int n = 0; n < kDt; ++n) {
+      const int col = n * 8 + 2 * t;
+      orow[col] = from_float<T>(empty ? 0.0f : o[n][2 * rr] * inv);
+      orow[col + 1] = from_float<T>(empty ? 0.0f : o[n][2 * rr + 1] * inv);
+    }
+    if (p.lse != nullptr && t == 0) {
+      p.lse[s.lse_offset + int64_t{h} * p.lse_h + int64_t{i} * p.lse_i] = empty ? -INFINITY : m * kLn2 + logf(l);
+    }
+  }
+#endif
+}
+
+template <class T, int D>
+cudaError_t launch(const ForwardParams& p, const SeqDesc* seqs, cudaStream_t stream) {
+  auto* kernel = &flash_forward_wgmma_kernel<T, D>;
+  // Q, K and V tiles, the gated path's P, and 1 KiB to align the swizzled regions.
+  const size_t smem = 1024 + size_t(tile_bytes<D>(kRows)) + 2 * size_t(tile_bytes<D>(kKeys)) +
+                      size_t{kRows} * kKeys * sizeof(float);
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (e != cudaSuccess) return e;
+  NonfiniteTiles v_bad;
+  e = v_bad.make<T, T, D, kKeys>(p, seqs, nullptr, TileSource::values, p.v, p.v_row, p.v_head, p.Hkv, stream);
+  if (e == cudaSuccess) {
+    const dim3 grid((p.max_lq + kRows - 1) / kRows, p.Hq, p.B);
+    kernel<<<grid, kThreads, smem, stream>>>(p, seqs, v_bad.flags, v_bad.tiles);
+    e = cudaGetLastError();
+  }
+  const cudaError_t f = v_bad.free(stream);
+  return e != cudaSuccess ? e : f;
+}
+
+}  // namespace
+
+bool wgmma_forward_applies(const ForwardParams& p) {
+#ifndef ATTN_CUDA_SM90A
+  (void)p;
+  return false;
+#else
+  if (p.in == Elem::f32 || (p.d != 64 && p.d != 128)) return false;
+  if (p.softcap > 0.0f || p.alibi != nullptr || p.add_mask != nullptr || p.bool_mask != nullptr ||
+      p.bm_blocks != nullptr || p.dropout_p > 0.0f) {
+    return false;
+  }
+  if (const char* env = std::getenv("ATTN_CUDA_WGMMA"); env != nullptr && std::strcmp(env, "0") == 0) return false;
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, p.device) != cudaSuccess) return false;
+  return major == 9;  // wgmma is sm_90a's alone (not in later architectures)
+#endif
+}
+
+cudaError_t wgmma_forward(const ForwardParams& p, const SeqDesc* seqs, cudaStream_t stream) {
+  const bool half = p.in == Elem::f16;
+  if (p.d == 64) return half ? launch<__half, 64>(p, seqs, stream) : launch<__nv_bfloat16, 64>(p, seqs, stream);
+  return half ? launch<__half, 128>(p, seqs, stream) : launch<__nv_bfloat16, 128>(p, seqs, stream);
+}
+
+}  // namespace attn::cuda
