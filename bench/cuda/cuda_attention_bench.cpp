@@ -2,10 +2,11 @@
 // tokens, H·d = 2048, bf16, non-causal and causal, d = 64 and 128. Times with CUDA events
 // around repeated calls after warm-ups on random inputs (never constants) and prints one
 // line per pass and shape: the median of the repeats in ms and TFLOP/s, counting
-// 4·N²·d per head for the forward (half for causal) and 2.5× that for the backward. Run beside bench/peers/cuda_sdpa.py (PyTorch's SDPA, same shapes) in one
-// command, so that the two tables come from one machine state (scripts/gpu-check.sh).
+// 4·N²·d per head for the forward (half for causal) and 2.5× that for the backward. Run
+// beside bench/peers/cuda_sdpa.py (PyTorch's SDPA, same shapes) in one command, so that
+// the two tables come from one machine state (scripts/gpu-check.sh).
 //
-//   cuda_forward_bench [repeats=20]
+//   cuda_attention_bench [repeats=20] [forward]    (forward: the forward rows alone)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -49,6 +50,7 @@ double median_ms(int repeats, const Run& run) {
 
 int main(int argc, char** argv) {
   const int repeats = argc > 1 ? std::atoi(argv[1]) : 20;
+  const bool forward_only = argc > 2 && std::string(argv[2]) == "forward";  // an A/B of forward kernels
   if (const std::string why = attn::cuda_status(0).unusable; !why.empty()) {
     std::fprintf(stderr, "cuda_attention_bench: no usable GPU: %s\n", why.c_str());
     return 2;
@@ -82,11 +84,11 @@ int main(int argc, char** argv) {
         o.causal = causal ? attn::Causal::TopLeft : attn::Causal::None;
         const double fwd_flops = 4.0 * double(N) * N * d * H * B * (causal ? 0.5 : 1.0);
         const double fwd = median_ms(repeats, [&] { attn::attention(view(q), view(k), view(v), view(out), o, lse_view); });
-        const double bwd = median_ms(repeats, [&] {
+        const double bwd = forward_only ? 0.0 : median_ms(repeats, [&] {
           attn::attention_backward(view(q), view(k), view(v), view(out), lse_view, view(dout), view(dq), view(dk),
                                    view(dv), o);
         });
-        for (int pass = 0; pass < 2; ++pass) {
+        for (int pass = 0; pass < (forward_only ? 1 : 2); ++pass) {
           const double ms = pass == 0 ? fwd : bwd, flops = pass == 0 ? fwd_flops : 2.5 * fwd_flops;
           std::printf("| %s | %d | %d | %d | %d | %s | %.3f | %.1f |\n", pass == 0 ? "forward" : "backward", d, N, B,
                       H, causal ? "yes" : "no", ms, flops / (ms * 1e-3) / 1e12);

@@ -15,9 +15,11 @@
 //
 // Against the mma.sync kernel this removes the fragment loads (ldmatrix) and most of the
 // instructions the tensor cores waited on; several blocks per multiprocessor (3 at
-// d = 128, 5 at d = 64, by shared memory) overlap one block's softmax with another's
-// products. The copies are still cp.async (FlashAttention-2's pipeline: V of a tile in
-// flight during S, the next K during the softmax and P·V).
+// d = 128, 4 at d = 64, by registers and shared memory) overlap one block's softmax with
+// another's products. The copies are still cp.async: V of a tile is in flight during S,
+// and the next K during the softmax and P·V (one K buffer) or during the whole step (two
+// K buffers, d = 128). Tried on an H200 and not kept (docs/PERFORMANCE.md): Q's operands
+// in registers, and 128-key tiles (both cost a block per multiprocessor).
 #include "cuda/flash_forward_wgmma.hpp"
 
 #include <cuda_bf16.h>
@@ -26,6 +28,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <type_traits>
 
 #include "cuda/mma_fragments.cuh"
@@ -41,8 +44,6 @@ namespace wg = wgmma;
 constexpr int kThreads = 128;  // one warpgroup
 constexpr int kRows = 64;      // query rows per block: the m of the products
 constexpr int kKeys = 64;      // keys per tile: the n of S's products, the k of P·V's
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 /// Bytes of a tile of `rows` rows × D operands: D / 64 panels of 64 columns, each
 /// `rows` swizzled rows of 128 bytes (wg::sw128_offset).
@@ -93,12 +94,28 @@ __device__ __forceinline__ void pin_all(float (*acc)[4]) {
   for (int n = 0; n < N; ++n) pin(acc[n][0]), pin(acc[n][1]), pin(acc[n][2]), pin(acc[n][3]);
 }
 
+/// Writes a warp's probabilities (16 rows × kKeys, n-tiles p[kKeys / 8][4]) to pw
+/// ([16][kKeys] operands in shared memory), rounded as the tensor cores take them.
+template <class T>
+__device__ __forceinline__ void store_operands(const float (*p)[4], T* pw) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int nt = 0; nt < kKeys / 8; ++nt) {
+    const int c = nt * 8 + 2 * t;
+    pw[g * kKeys + c] = to_operand<T>(p[nt][0]);
+    pw[g * kKeys + c + 1] = to_operand<T>(p[nt][1]);
+    pw[(g + 8) * kKeys + c] = to_operand<T>(p[nt][2]);
+    pw[(g + 8) * kKeys + c + 1] = to_operand<T>(p[nt][3]);
+  }
+  __syncwarp();
+}
+
 /// acc (a warp's 16 rows × D columns, n-tiles) += Pw·V element by element, skipping the
-/// zeros of Pw ([16][kKeys] from store_rounded), V a swizzled [kKeys][D] tile: the path
+/// zeros of Pw ([16][kKeys] from store_operands), V a swizzled [kKeys][D] tile: the path
 /// of a value tile with a NaN or ±∞, where the tensor cores would give 0·∞ = NaN for a
 /// removed key. (gated_accumulate's rule, for the swizzled layout.)
 template <class T, int D>
-__device__ __forceinline__ void gated_accumulate_swizzled(float (*acc)[4], const float* pw, const unsigned char* v) {
+__device__ __forceinline__ void gated_accumulate_swizzled(float (*acc)[4], const T* pw, const unsigned char* v) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) {
@@ -107,7 +124,7 @@ __device__ __forceinline__ void gated_accumulate_swizzled(float (*acc)[4], const
     float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
 #pragma unroll 1
     for (int j = 0; j < kKeys; ++j) {
-      const float pa = pw[g * kKeys + j], pb = pw[(g + 8) * kKeys + j];
+      const float pa = to_float(pw[g * kKeys + j]), pb = to_float(pw[(g + 8) * kKeys + j]);
       if (pa == 0.0f && pb == 0.0f) continue;
       const T* y = reinterpret_cast<const T*>(panel + wg::sw128_offset(j, col % 64));
       const float y0 = to_float(y[0]), y1 = to_float(y[1]);
@@ -119,11 +136,14 @@ __device__ __forceinline__ void gated_accumulate_swizzled(float (*acc)[4], const
   __syncwarp();
 }
 
-// v_bad: the pre-pass's flag per kKeys-key tile of V (nonfinite_tiles.cuh), v_tiles per head.
-template <class T, int D>
+// kDoubleK: two K buffers, the next tile's K requested before this tile's S (one
+// barrier less per tile, a whole step for the copy) rather than after it. v_bad: the
+// pre-pass's flag per kKeys-key tile of V (nonfinite_tiles.cuh), v_tiles per head.
+template <class T, int D, bool kDoubleK>
 __global__ void __launch_bounds__(kThreads)
     flash_forward_wgmma_kernel(ForwardParams p, const SeqDesc* seqs, const uint8_t* v_bad, int v_tiles) {
 #ifdef ATTN_HAVE_WGMMA
+  constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
   constexpr bool kHalf = std::is_same_v<T, __half>;
   constexpr int kNt = kKeys / 8;  // n-tiles of a warp's score rows
   constexpr int kDt = D / 8;      // n-tiles of a warp's output rows
@@ -134,8 +154,8 @@ __global__ void __launch_bounds__(kThreads)
   const uint32_t raw_at = shared_address(smem_raw);
   unsigned char* q_s = smem_raw + ((1024 - raw_at % 1024) % 1024);
   unsigned char* k_s = q_s + tile_bytes<D>(kRows);
-  unsigned char* v_s = k_s + tile_bytes<D>(kKeys);
-  float* p_s = reinterpret_cast<float*>(v_s + tile_bytes<D>(kKeys));  // [4 warps][16][kKeys], the gated path's P
+  unsigned char* v_s = k_s + (kDoubleK ? 2 : 1) * tile_bytes<D>(kKeys);
+  T* p_s = reinterpret_cast<T*>(v_s + tile_bytes<D>(kKeys));  // [4 warps][16][kKeys], the gated path's P
 
   const int b = blockIdx.z, h = blockIdx.y;
   const SeqDesc s = seqs[b];
@@ -151,7 +171,6 @@ __global__ void __launch_bounds__(kThreads)
 
   start_tile<T, D, kRows>(q_s, q, p.q_row, q0, s.Lq, rows_vectorizable<T>(q, p.q_row));
   cp_async_commit();
-
   // This thread's two rows of the warp's 16: A = row g, B = row g + 8.
   const int row_a = q0 + warp * 16 + g, row_b = row_a + 8;
   const Band band_a = band_of_row(p, s, row_a), band_b = band_of_row(p, s, row_b);
@@ -173,39 +192,50 @@ __global__ void __launch_bounds__(kThreads)
   cp_async_commit();
 
   const uint64_t q_desc = wg::descriptor(shared_address(q_s), wg::kSw128Lbo, wg::kSw128Sbo, wg::kSwizzle128);
-  const uint64_t k_desc = wg::descriptor(shared_address(k_s), wg::kSw128Lbo, wg::kSw128Sbo, wg::kSwizzle128);
+  const uint64_t k_desc0 = wg::descriptor(shared_address(k_s), wg::kSw128Lbo, wg::kSw128Sbo, wg::kSwizzle128);
   const uint64_t v_desc = wg::descriptor(shared_address(v_s), wg::kSw128Lbo, wg::kSw128Sbo, wg::kSwizzle128);
   // A descriptor's start address is in 16-byte units (its low 14 bits): an offset of
   // `bytes` into a region adds bytes / 16.
   auto at = [](uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); };
 
+  int buffer = 0;  // which K buffer holds this tile's K (kDoubleK)
   while (j0 >= 0) {
     start_tile<T, D, kKeys>(v_s, v, p.v_row, static_cast<int>(j0), s.Lk, v_vec);
     cp_async_commit();
+    const int64_t next = j0 + kKeys <= key_hi ? j0 + kKeys : -1;
+    if constexpr (kDoubleK) {
+      // The other buffer was last read by the previous tile's S, finished before the
+      // barrier that ended that step.
+      unsigned char* k_next = k_s + (buffer ^ 1) * tile_bytes<D>(kKeys);
+      if (next >= 0) start_tile<T, D, kKeys>(k_next, k, p.k_row, static_cast<int>(next), s.Lk, k_vec);
+      cp_async_commit();
+      cp_async_wait<2>();  // Q and K of this tile (V of this tile and the next K in flight)
+    } else {
+      cp_async_wait<1>();  // Q and K of this tile
+    }
     const bool slow = v_bad_head[j0 / kKeys] != 0;
-    cp_async_wait<1>();  // Q and K of this tile
     wg::fence_shared_for_async();  // cp.async and plain stores → the tensor cores' reads
     __syncthreads();
+    const uint64_t k_desc = kDoubleK ? at(k_desc0, buffer * tile_bytes<D>(kKeys)) : k_desc0;
 
     // S = Q·Kᵀ: k-step ks reads columns 16·ks … of Q's and K's rows, 32 bytes further
     // along a swizzled row, a panel (rows · 128 bytes) further every 4 steps.
+    // The first k-step overwrites the accumulators (scale-d = 0): no zeroing.
     float sc[kNt][4];
-#pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
-    pin_all<kNt>(sc);
     wg::fence();
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       wg::ss_m64n64k16<kHalf>(&sc[0][0], at(q_desc, (ks / 4) * kRows * 128 + (ks % 4) * 32),
-                              at(k_desc, (ks / 4) * kKeys * 128 + (ks % 4) * 32), 1);
+                              at(k_desc, (ks / 4) * kKeys * 128 + (ks % 4) * 32), ks > 0 ? 1 : 0);
     }
     wg::commit();
     wg::wait<0>();
     pin_all<kNt>(sc);
-    __syncthreads();  // every warp's products have read K: the next tile's K may come
-    const int64_t next = j0 + kKeys <= key_hi ? j0 + kKeys : -1;
-    if (next >= 0) start_tile<T, D, kKeys>(k_s, k, p.k_row, static_cast<int>(next), s.Lk, k_vec);
-    cp_async_commit();
+    if constexpr (!kDoubleK) {
+      __syncthreads();  // every warp's products have read K: the next tile's K may come
+      if (next >= 0) start_tile<T, D, kKeys>(k_s, k, p.k_row, static_cast<int>(next), s.Lk, k_vec);
+      cp_async_commit();
+    }
 
     // A tile inside every row's band keeps its raw products (scale > 0 keeps their
     // order; the scaling joins each exponent's FFMA through `mul`); others remove the
@@ -268,7 +298,7 @@ __global__ void __launch_bounds__(kThreads)
     uint32_t pa[kKeys / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) a_from_accumulator<T>(sc, kk, pa[kk]);
-    cp_async_wait<1>();  // V of this tile
+    cp_async_wait<1>();  // V of this tile (the next K may be in flight)
     wg::fence_shared_for_async();
     __syncthreads();
     if (!slow) {
@@ -287,12 +317,13 @@ __global__ void __launch_bounds__(kThreads)
     } else {
       // A value in this tile is NaN or ±∞: element by element, skipping p = 0, with P
       // rounded as the tensor cores would take it.
-      float* pw = p_s + warp * 16 * kKeys;
-      store_rounded<T, kKeys>(sc, pw);
+      T* pw = p_s + warp * 16 * kKeys;
+      store_operands<T>(sc, pw);
       gated_accumulate_swizzled<T, D>(o, pw, v_s);
     }
-    __syncthreads();  // before the next tile's V overwrites this one
+    __syncthreads();  // before the next tile's V (and K) overwrite this one's
     j0 = next;
+    buffer ^= 1;
   }
   cp_async_wait<0>();
 
@@ -324,12 +355,12 @@ __global__ void __launch_bounds__(kThreads)
 #endif
 }
 
-template <class T, int D>
+template <class T, int D, bool kDoubleK>
 cudaError_t launch(const ForwardParams& p, const SeqDesc* seqs, cudaStream_t stream) {
-  auto* kernel = &flash_forward_wgmma_kernel<T, D>;
-  // Q, K and V tiles, the gated path's P, and 1 KiB to align the swizzled regions.
-  const size_t smem = 1024 + size_t(tile_bytes<D>(kRows)) + 2 * size_t(tile_bytes<D>(kKeys)) +
-                      size_t{kRows} * kKeys * sizeof(float);
+  auto* kernel = &flash_forward_wgmma_kernel<T, D, kDoubleK>;
+  // Q, K (one or two) and V tiles, the gated path's P, and 1 KiB to align the swizzled regions.
+  const size_t smem = 1024 + size_t(tile_bytes<D>(kRows)) + (kDoubleK ? 3 : 2) * size_t(tile_bytes<D>(kKeys)) +
+                      size_t{kRows} * kKeys * sizeof(T);
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (e != cudaSuccess) return e;
   NonfiniteTiles v_bad;
@@ -362,10 +393,25 @@ bool wgmma_forward_applies(const ForwardParams& p) {
 #endif
 }
 
+namespace {
+
+template <class T, int D>
+cudaError_t launch_tile(const ForwardParams& p, const SeqDesc* seqs, cudaStream_t stream) {
+  // Two K buffers at d = 128 (H200: 1.06–1.09× the rate of one at N ≥ 2048), one at
+  // d = 64 (where two ran at 0.93–0.97×); ATTN_CUDA_WGMMA_K_BUFFERS=1 or 2 overrides,
+  // for measurements (docs/PERFORMANCE.md).
+  const char* env = std::getenv("ATTN_CUDA_WGMMA_K_BUFFERS");
+  const bool two = env != nullptr && (std::string(env) == "1" || std::string(env) == "2") ? std::string(env) == "2"
+                                                                                          : D == 128;
+  return two ? launch<T, D, true>(p, seqs, stream) : launch<T, D, false>(p, seqs, stream);
+}
+
+}  // namespace
+
 cudaError_t wgmma_forward(const ForwardParams& p, const SeqDesc* seqs, cudaStream_t stream) {
   const bool half = p.in == Elem::f16;
-  if (p.d == 64) return half ? launch<__half, 64>(p, seqs, stream) : launch<__nv_bfloat16, 64>(p, seqs, stream);
-  return half ? launch<__half, 128>(p, seqs, stream) : launch<__nv_bfloat16, 128>(p, seqs, stream);
+  if (p.d == 64) return half ? launch_tile<__half, 64>(p, seqs, stream) : launch_tile<__nv_bfloat16, 64>(p, seqs, stream);
+  return half ? launch_tile<__half, 128>(p, seqs, stream) : launch_tile<__nv_bfloat16, 128>(p, seqs, stream);
 }
 
 }  // namespace attn::cuda
