@@ -14,12 +14,14 @@
 // accumulator have mma.sync's C layout.
 //
 // Against the mma.sync kernel this removes the fragment loads (ldmatrix) and most of the
-// instructions the tensor cores waited on; several blocks per multiprocessor (3 at
-// d = 128, 4 at d = 64, by registers and shared memory) overlap one block's softmax with
-// another's products. The copies are still cp.async: V of a tile is in flight during S,
-// and the next K during the softmax and P·V (one K buffer) or during the whole step (two
-// K buffers, d = 128). Tried on an H200 and not kept (docs/PERFORMANCE.md): Q's operands
-// in registers, and 128-key tiles (both cost a block per multiprocessor).
+// instructions the tensor cores waited on. Within a block, tile j's S is issued together
+// with tile j − 1's P·V, and the softmax of j runs while that P·V finishes
+// (FlashAttention-3's overlap inside a warpgroup); across blocks, 3 (d = 128) or 4
+// (d = 64) per multiprocessor, by registers and shared memory, overlap one block's
+// softmax with another's products. The copies are cp.async: V of a tile is in flight
+// during S, the next K during the softmax. Tried on an H200 and not kept
+// (docs/PERFORMANCE.md): Q's operands in registers and 128-key tiles (both cost a block
+// per multiprocessor), two K buffers without the overlap.
 #include "cuda/flash_forward_wgmma.hpp"
 
 #include <cuda_bf16.h>
@@ -28,7 +30,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 #include <type_traits>
 
 #include "cuda/mma_fragments.cuh"
@@ -136,10 +137,9 @@ __device__ __forceinline__ void gated_accumulate_swizzled(float (*acc)[4], const
   __syncwarp();
 }
 
-// kDoubleK: two K buffers, the next tile's K requested before this tile's S (one
-// barrier less per tile, a whole step for the copy) rather than after it. v_bad: the
-// pre-pass's flag per kKeys-key tile of V (nonfinite_tiles.cuh), v_tiles per head.
-template <class T, int D, bool kDoubleK>
+// v_bad: the pre-pass's flag per kKeys-key tile of V (nonfinite_tiles.cuh), v_tiles per
+// head.
+template <class T, int D>
 __global__ void __launch_bounds__(kThreads)
     flash_forward_wgmma_kernel(ForwardParams p, const SeqDesc* seqs, const uint8_t* v_bad, int v_tiles) {
 #ifdef ATTN_HAVE_WGMMA
@@ -154,8 +154,8 @@ __global__ void __launch_bounds__(kThreads)
   const uint32_t raw_at = shared_address(smem_raw);
   unsigned char* q_s = smem_raw + ((1024 - raw_at % 1024) % 1024);
   unsigned char* k_s = q_s + tile_bytes<D>(kRows);
-  unsigned char* v_s = k_s + (kDoubleK ? 2 : 1) * tile_bytes<D>(kKeys);
-  T* p_s = reinterpret_cast<T*>(v_s + tile_bytes<D>(kKeys));  // [4 warps][16][kKeys], the gated path's P
+  unsigned char* v_s = k_s + tile_bytes<D>(kKeys);  // two V buffers: tile parity
+  T* p_s = reinterpret_cast<T*>(v_s + 2 * tile_bytes<D>(kKeys));  // [4 warps][16][kKeys], the gated path's P
 
   const int b = blockIdx.z, h = blockIdx.y;
   const SeqDesc s = seqs[b];
@@ -192,54 +192,18 @@ __global__ void __launch_bounds__(kThreads)
   cp_async_commit();
 
   const uint64_t q_desc = wg::descriptor(shared_address(q_s), wg::kSw128Lbo, wg::kSw128Sbo, wg::kSwizzle128);
-  const uint64_t k_desc0 = wg::descriptor(shared_address(k_s), wg::kSw128Lbo, wg::kSw128Sbo, wg::kSwizzle128);
+  const uint64_t k_desc = wg::descriptor(shared_address(k_s), wg::kSw128Lbo, wg::kSw128Sbo, wg::kSwizzle128);
   const uint64_t v_desc = wg::descriptor(shared_address(v_s), wg::kSw128Lbo, wg::kSw128Sbo, wg::kSwizzle128);
   // A descriptor's start address is in 16-byte units (its low 14 bits): an offset of
   // `bytes` into a region adds bytes / 16.
   auto at = [](uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); };
 
-  int buffer = 0;  // which K buffer holds this tile's K (kDoubleK)
-  while (j0 >= 0) {
-    start_tile<T, D, kKeys>(v_s, v, p.v_row, static_cast<int>(j0), s.Lk, v_vec);
-    cp_async_commit();
-    const int64_t next = j0 + kKeys <= key_hi ? j0 + kKeys : -1;
-    if constexpr (kDoubleK) {
-      // The other buffer was last read by the previous tile's S, finished before the
-      // barrier that ended that step.
-      unsigned char* k_next = k_s + (buffer ^ 1) * tile_bytes<D>(kKeys);
-      if (next >= 0) start_tile<T, D, kKeys>(k_next, k, p.k_row, static_cast<int>(next), s.Lk, k_vec);
-      cp_async_commit();
-      cp_async_wait<2>();  // Q and K of this tile (V of this tile and the next K in flight)
-    } else {
-      cp_async_wait<1>();  // Q and K of this tile
-    }
-    const bool slow = v_bad_head[j0 / kKeys] != 0;
-    wg::fence_shared_for_async();  // cp.async and plain stores → the tensor cores' reads
-    __syncthreads();
-    const uint64_t k_desc = kDoubleK ? at(k_desc0, buffer * tile_bytes<D>(kKeys)) : k_desc0;
-
-    // S = Q·Kᵀ: k-step ks reads columns 16·ks … of Q's and K's rows, 32 bytes further
-    // along a swizzled row, a panel (rows · 128 bytes) further every 4 steps.
-    // The first k-step overwrites the accumulators (scale-d = 0): no zeroing.
-    float sc[kNt][4];
-    wg::fence();
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      wg::ss_m64n64k16<kHalf>(&sc[0][0], at(q_desc, (ks / 4) * kRows * 128 + (ks % 4) * 32),
-                              at(k_desc, (ks / 4) * kKeys * 128 + (ks % 4) * 32), ks > 0 ? 1 : 0);
-    }
-    wg::commit();
-    wg::wait<0>();
-    pin_all<kNt>(sc);
-    if constexpr (!kDoubleK) {
-      __syncthreads();  // every warp's products have read K: the next tile's K may come
-      if (next >= 0) start_tile<T, D, kKeys>(k_s, k, p.k_row, static_cast<int>(next), s.Lk, k_vec);
-      cp_async_commit();
-    }
-
-    // A tile inside every row's band keeps its raw products (scale > 0 keeps their
-    // order; the scaling joins each exponent's FFMA through `mul`); others remove the
-    // keys outside each row's band (which ends at the sequence's last key).
+  // The online softmax of the score tile of keys j0 …: scores become probabilities, m
+  // and l move on, and alpha is what each row's O must be scaled by. A tile inside
+  // every row's band keeps its raw products (scale > 0 keeps their order; the scaling
+  // joins each exponent's FFMA through `mul`); others remove the keys outside each row's
+  // band (which ends at the sequence's last key).
+  auto softmax_tile = [&](float (*sc)[4], int64_t j0, float& alpha_a, float& alpha_b) {
     float mx_a = -INFINITY, mx_b = -INFINITY, mul = 1.0f;
     if (tile_inside_bands(band_first, band_last, j0, j0 + kKeys - 1)) {
 #pragma unroll
@@ -271,7 +235,7 @@ __global__ void __launch_bounds__(kThreads)
     const float mn_a = fmaxf(m_a, mx_a * mul), mn_b = fmaxf(m_b, mx_b * mul);
     // A row that has seen only −∞ so far subtracts 0 (e^(−∞ − 0) = 0, not NaN).
     const float ref_a = mn_a == -INFINITY ? 0.0f : mn_a, ref_b = mn_b == -INFINITY ? 0.0f : mn_b;
-    const float alpha_a = fast_exp2(m_a - ref_a), alpha_b = fast_exp2(m_b - ref_b);
+    alpha_a = fast_exp2(m_a - ref_a), alpha_b = fast_exp2(m_b - ref_b);
     m_a = mn_a, m_b = mn_b;
     float sum_a = 0.0f, sum_b = 0.0f;
 #pragma unroll
@@ -285,45 +249,109 @@ __global__ void __launch_bounds__(kThreads)
     }
     l_a = l_a * alpha_a + sum_a;
     l_b = l_b * alpha_b + sum_b;
-    if (alpha_a != 1.0f || alpha_b != 1.0f) {  // x·1 = x: skipping changes no bit
+  };
+  // O's rows scaled by alpha, skipped where no row's max moved (x·1 = x: no bit changes).
+  auto rescale = [&](float alpha_a, float alpha_b) {
+    if (alpha_a != 1.0f || alpha_b != 1.0f) {
 #pragma unroll
       for (int n = 0; n < kDt; ++n) {
         o[n][0] *= alpha_a, o[n][1] *= alpha_a;
         o[n][2] *= alpha_b, o[n][3] *= alpha_b;
       }
     }
-
-    // O += P·V: k-step kk takes keys 16·kk … (2 swizzle atoms, 2 KiB, further into V's
-    // panels), with P's A fragment from the accumulator's n-tiles 2kk and 2kk + 1.
-    uint32_t pa[kKeys / 16][4];
+  };
+  // S = Q·Kᵀ: k-step ks reads columns 16·ks … of Q's and K's rows, 32 bytes further
+  // along a swizzled row, a panel (rows · 128 bytes) further every 4 steps. The first
+  // k-step overwrites the accumulators (scale-d = 0). Issued, not waited for.
+  auto issue_scores = [&](float (*sc)[4]) {
 #pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk) a_from_accumulator<T>(sc, kk, pa[kk]);
-    cp_async_wait<1>();  // V of this tile (the next K may be in flight)
+    for (int ks = 0; ks < D / 16; ++ks) {
+      wg::ss_m64n64k16<kHalf>(&sc[0][0], at(q_desc, (ks / 4) * kRows * 128 + (ks % 4) * 32),
+                              at(k_desc, (ks / 4) * kKeys * 128 + (ks % 4) * 32), ks > 0 ? 1 : 0);
+    }
+  };
+  // O += P·V from the V tile at `v_at`: k-step kk takes keys 16·kk … (2 swizzle atoms,
+  // 2 KiB, further into V's panels). Issued, not waited for.
+  auto issue_values = [&](const uint32_t (*pa)[4], uint64_t v_at) {
+#pragma unroll
+    for (int pn = 0; pn < kPanels; ++pn) {
+#pragma unroll
+      for (int kk = 0; kk < kKeys / 16; ++kk) {
+        wg::rs_m64n64k16_tb<kHalf>(&o[8 * pn][0], pa[kk], at(v_at, pn * kKeys * 128 + kk * 2048), 1);
+      }
+    }
+  };
+  // A value tile with a NaN or ±∞: O += P·V element by element, skipping p = 0, with P
+  // (A fragments, already rounded) through this warp's scratch.
+  auto gated_values = [&](const uint32_t (*pa)[4], const unsigned char* v_tile) {
+    T* pw = p_s + warp * 16 * kKeys;
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      const int c = kk * 16 + 2 * t;
+      *reinterpret_cast<uint32_t*>(pw + g * kKeys + c) = pa[kk][0];
+      *reinterpret_cast<uint32_t*>(pw + (g + 8) * kKeys + c) = pa[kk][1];
+      *reinterpret_cast<uint32_t*>(pw + g * kKeys + c + 8) = pa[kk][2];
+      *reinterpret_cast<uint32_t*>(pw + (g + 8) * kKeys + c + 8) = pa[kk][3];
+    }
+    __syncwarp();
+    gated_accumulate_swizzled<T, D>(o, pw, v_tile);
+  };
+
+  // FlashAttention-3's overlap inside a warpgroup: tile j's S and tile j − 1's P·V
+  // are in flight together, and the softmax of j runs while P·V of j − 1 finishes.
+  // V has two buffers (tile parity); K one.
+  uint32_t pa_prev[kKeys / 16][4];
+  bool have_prev = false, slow_prev = false;
+  int vb = 0;
+  while (j0 >= 0) {
+    unsigned char* v_tile = v_s + vb * tile_bytes<D>(kKeys);
+    start_tile<T, D, kKeys>(v_tile, v, p.v_row, static_cast<int>(j0), s.Lk, v_vec);
+    cp_async_commit();
+    const int64_t next = j0 + kKeys <= key_hi ? j0 + kKeys : -1;
+    cp_async_wait<1>();  // Q, K of this tile and V of the last (this tile's V in flight)
+    const bool slow = v_bad_head[j0 / kKeys] != 0;
     wg::fence_shared_for_async();
     __syncthreads();
-    if (!slow) {
+    float sc[kNt][4];
+    pin_all<kDt>(o);
+    wg::fence();
+    issue_scores(sc);
+    wg::commit();
+    const uint64_t v_prev = at(v_desc, (vb ^ 1) * tile_bytes<D>(kKeys));
+    if (have_prev && !slow_prev) issue_values(pa_prev, v_prev);
+    wg::commit();
+    wg::wait<1>();  // S (P·V of the last tile may run on)
+    pin_all<kNt>(sc);
+    __syncthreads();  // every warp's S has read K: the next tile's K may come
+    if (next >= 0) start_tile<T, D, kKeys>(k_s, k, p.k_row, static_cast<int>(next), s.Lk, k_vec);
+    cp_async_commit();
+    float alpha_a, alpha_b;
+    softmax_tile(sc, j0, alpha_a, alpha_b);
+    wg::wait<0>();
+    pin_all<kDt>(o);
+    if (have_prev && slow_prev) gated_values(pa_prev, v_s + (vb ^ 1) * tile_bytes<D>(kKeys));
+    rescale(alpha_a, alpha_b);
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) a_from_accumulator<T>(sc, kk, pa_prev[kk]);
+    have_prev = true, slow_prev = slow;
+    __syncthreads();  // the last tile's V buffer is free for the next tile's
+    j0 = next;
+    vb ^= 1;
+  }
+  if (have_prev) {
+    cp_async_wait<0>();
+    wg::fence_shared_for_async();
+    __syncthreads();
+    if (!slow_prev) {
       pin_all<kDt>(o);
       wg::fence();
-#pragma unroll
-      for (int pn = 0; pn < kPanels; ++pn) {
-#pragma unroll
-        for (int kk = 0; kk < kKeys / 16; ++kk) {
-          wg::rs_m64n64k16_tb<kHalf>(&o[8 * pn][0], pa[kk], at(v_desc, pn * kKeys * 128 + kk * 2048), 1);
-        }
-      }
+      issue_values(pa_prev, at(v_desc, (vb ^ 1) * tile_bytes<D>(kKeys)));
       wg::commit();
       wg::wait<0>();
       pin_all<kDt>(o);
     } else {
-      // A value in this tile is NaN or ±∞: element by element, skipping p = 0, with P
-      // rounded as the tensor cores would take it.
-      T* pw = p_s + warp * 16 * kKeys;
-      store_operands<T>(sc, pw);
-      gated_accumulate_swizzled<T, D>(o, pw, v_s);
+      gated_values(pa_prev, v_s + (vb ^ 1) * tile_bytes<D>(kKeys));
     }
-    __syncthreads();  // before the next tile's V (and K) overwrite this one's
-    j0 = next;
-    buffer ^= 1;
   }
   cp_async_wait<0>();
 
@@ -355,11 +383,12 @@ __global__ void __launch_bounds__(kThreads)
 #endif
 }
 
-template <class T, int D, bool kDoubleK>
+template <class T, int D>
 cudaError_t launch(const ForwardParams& p, const SeqDesc* seqs, cudaStream_t stream) {
-  auto* kernel = &flash_forward_wgmma_kernel<T, D, kDoubleK>;
-  // Q, K (one or two) and V tiles, the gated path's P, and 1 KiB to align the swizzled regions.
-  const size_t smem = 1024 + size_t(tile_bytes<D>(kRows)) + (kDoubleK ? 3 : 2) * size_t(tile_bytes<D>(kKeys)) +
+  auto* kernel = &flash_forward_wgmma_kernel<T, D>;
+  // Q, K and two V tiles, the gated path's P, and 1 KiB to align the swizzled regions:
+  // 73 KiB at d = 128 (3 blocks per multiprocessor), 37 KiB at d = 64.
+  const size_t smem = 1024 + size_t(tile_bytes<D>(kRows)) + 3 * size_t(tile_bytes<D>(kKeys)) +
                       size_t{kRows} * kKeys * sizeof(T);
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (e != cudaSuccess) return e;
@@ -393,25 +422,10 @@ bool wgmma_forward_applies(const ForwardParams& p) {
 #endif
 }
 
-namespace {
-
-template <class T, int D>
-cudaError_t launch_tile(const ForwardParams& p, const SeqDesc* seqs, cudaStream_t stream) {
-  // Two K buffers at d = 128 (H200: 1.06–1.09× the rate of one at N ≥ 2048), one at
-  // d = 64 (where two ran at 0.93–0.97×); ATTN_CUDA_WGMMA_K_BUFFERS=1 or 2 overrides,
-  // for measurements (docs/PERFORMANCE.md).
-  const char* env = std::getenv("ATTN_CUDA_WGMMA_K_BUFFERS");
-  const bool two = env != nullptr && (std::string(env) == "1" || std::string(env) == "2") ? std::string(env) == "2"
-                                                                                          : D == 128;
-  return two ? launch<T, D, true>(p, seqs, stream) : launch<T, D, false>(p, seqs, stream);
-}
-
-}  // namespace
-
 cudaError_t wgmma_forward(const ForwardParams& p, const SeqDesc* seqs, cudaStream_t stream) {
   const bool half = p.in == Elem::f16;
-  if (p.d == 64) return half ? launch_tile<__half, 64>(p, seqs, stream) : launch_tile<__nv_bfloat16, 64>(p, seqs, stream);
-  return half ? launch_tile<__half, 128>(p, seqs, stream) : launch_tile<__nv_bfloat16, 128>(p, seqs, stream);
+  if (p.d == 64) return half ? launch<__half, 64>(p, seqs, stream) : launch<__nv_bfloat16, 64>(p, seqs, stream);
+  return half ? launch<__half, 128>(p, seqs, stream) : launch<__nv_bfloat16, 128>(p, seqs, stream);
 }
 
 }  // namespace attn::cuda
