@@ -85,34 +85,20 @@ __device__ __forceinline__ void start_tile(unsigned char* dst, const T* src, int
   }
 }
 
-/// Keeps the compiler from moving reads or writes of an accumulator register across the
-/// wgmma that writes it asynchronously (the asm statements around it are volatile; this
-/// ties the register to that order).
-__device__ __forceinline__ void pin(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+/// Keeps the compiler from moving reads or writes of accumulator registers across the
+/// wgmma that writes them asynchronously (the asm statements around it are volatile; this
+/// ties each register to that order).
 template <int N>
 __device__ __forceinline__ void pin_all(float (*acc)[4]) {
 #pragma unroll
-  for (int n = 0; n < N; ++n) pin(acc[n][0]), pin(acc[n][1]), pin(acc[n][2]), pin(acc[n][3]);
-}
-
-/// Writes a warp's probabilities (16 rows × kKeys, n-tiles p[kKeys / 8][4]) to pw
-/// ([16][kKeys] operands in shared memory), rounded as the tensor cores take them.
-template <class T>
-__device__ __forceinline__ void store_operands(const float (*p)[4], T* pw) {
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  for (int n = 0; n < N; ++n) {
 #pragma unroll
-  for (int nt = 0; nt < kKeys / 8; ++nt) {
-    const int c = nt * 8 + 2 * t;
-    pw[g * kKeys + c] = to_operand<T>(p[nt][0]);
-    pw[g * kKeys + c + 1] = to_operand<T>(p[nt][1]);
-    pw[(g + 8) * kKeys + c] = to_operand<T>(p[nt][2]);
-    pw[(g + 8) * kKeys + c + 1] = to_operand<T>(p[nt][3]);
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(acc[n][e])::"memory");
   }
-  __syncwarp();
 }
 
 /// acc (a warp's 16 rows × D columns, n-tiles) += Pw·V element by element, skipping the
-/// zeros of Pw ([16][kKeys] from store_operands), V a swizzled [kKeys][D] tile: the path
+/// zeros of Pw ([16][kKeys] operands), V a swizzled [kKeys][D] tile: the path
 /// of a value tile with a NaN or ±∞, where the tensor cores would give 0·∞ = NaN for a
 /// removed key. (gated_accumulate's rule, for the swizzled layout.)
 template <class T, int D>
