@@ -135,12 +135,12 @@ if [ "${ATTN_GPU_PYTHON_ONLY:-0}" != 1 ]; then
   [ -d "build/gpu/$profiled" ] || profiled=${bundles[0]}
   if [ "${ATTN_GPU_NCU:-1}" = 1 ] && command -v ncu > /dev/null; then
     export LD_LIBRARY_PATH="$PWD/build/gpu/$profiled/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    timeout 150 ncu --clock-control none -k regex:"flash_forward_kernel|backward_dq_kernel|backward_dkdv_kernel" \
+    timeout 150 ncu --clock-control none -k regex:"flash_forward_(wgmma_)?kernel|backward_dq_kernel|backward_dkdv_kernel" \
       --launch-skip 219 --launch-count 3 \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
       --section ComputeWorkloadAnalysis --section InstructionStats --section SchedulerStats --section SourceCounters \
       "build/gpu/$profiled/bin/cuda_attention_bench" 1 > "$out/ncu.txt" 2>&1 || true
-    timeout 100 ncu --clock-control none -k regex:"flash_forward_kernel|backward_dkdv_kernel" --launch-skip 147 --launch-count 2 \
+    timeout 100 ncu --clock-control none -k regex:"flash_forward_(wgmma_)?kernel|backward_dkdv_kernel" --launch-skip 147 --launch-count 2 \
       --metrics "regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$" \
       "build/gpu/$profiled/bin/cuda_attention_bench" 1 >> "$out/ncu.txt" 2>&1 || true
   fi
