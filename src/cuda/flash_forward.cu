@@ -358,7 +358,8 @@ std::string forward(const ForwardParams& p) {
   ATTN_CUDA_TRY(cudaMallocAsync(reinterpret_cast<void**>(&seqs), bytes, stream));
   cudaError_t e = cudaMemcpyAsync(seqs, p.seqs_host, bytes, cudaMemcpyHostToDevice, stream);
   if (e == cudaSuccess && wgmma_forward_applies(p)) {
-    e = wgmma_forward(p, seqs, stream);
+    e = ws_forward_wanted() ? ws_forward(p, seqs, stream) : cudaErrorNotSupported;
+    if (e == cudaErrorNotSupported) e = wgmma_forward(p, seqs, stream);
   } else if (e == cudaSuccess) {
     switch (p.in) {
       case Elem::bf16: e = launch_for_dim<__nv_bfloat16, __nv_bfloat16>(p, seqs, stream); break;

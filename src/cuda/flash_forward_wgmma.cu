@@ -36,6 +36,7 @@
 #include "cuda/nonfinite_tiles.cuh"
 #include "cuda/score_mods.cuh"
 #include "cuda/wgmma.cuh"
+#include "cuda/wgmma_rows.cuh"
 
 namespace attn::cuda {
 namespace {
@@ -85,55 +86,16 @@ __device__ __forceinline__ void start_tile(unsigned char* dst, const T* src, int
   }
 }
 
-/// Keeps the compiler from moving reads or writes of accumulator registers across the
-/// wgmma that writes them asynchronously (the asm statements around it are volatile; this
-/// ties each register to that order).
-template <int N>
-__device__ __forceinline__ void pin_all(float (*acc)[4]) {
-#pragma unroll
-  for (int n = 0; n < N; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(acc[n][e])::"memory");
-  }
-}
-
-/// acc (a warp's 16 rows × D columns, n-tiles) += Pw·V element by element, skipping the
-/// zeros of Pw ([16][kKeys] operands), V a swizzled [kKeys][D] tile: the path
-/// of a value tile with a NaN or ±∞, where the tensor cores would give 0·∞ = NaN for a
-/// removed key. (gated_accumulate's rule, for the swizzled layout.)
-template <class T, int D>
-__device__ __forceinline__ void gated_accumulate_swizzled(float (*acc)[4], const T* pw, const unsigned char* v) {
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-#pragma unroll
-  for (int n = 0; n < D / 8; ++n) {
-    const int col = n * 8 + 2 * t;
-    const unsigned char* panel = v + (col / 64) * kKeys * 128;
-    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-#pragma unroll 1
-    for (int j = 0; j < kKeys; ++j) {
-      const float pa = to_float(pw[g * kKeys + j]), pb = to_float(pw[(g + 8) * kKeys + j]);
-      if (pa == 0.0f && pb == 0.0f) continue;
-      const T* y = reinterpret_cast<const T*>(panel + wg::sw128_offset(j, col % 64));
-      const float y0 = to_float(y[0]), y1 = to_float(y[1]);
-      if (pa != 0.0f) s0 += pa * y0, s1 += pa * y1;
-      if (pb != 0.0f) s2 += pb * y0, s3 += pb * y1;
-    }
-    acc[n][0] += s0, acc[n][1] += s1, acc[n][2] += s2, acc[n][3] += s3;
-  }
-  __syncwarp();
-}
-
 // v_bad: the pre-pass's flag per kKeys-key tile of V (nonfinite_tiles.cuh), v_tiles per
 // head.
 template <class T, int D>
 __global__ void __launch_bounds__(kThreads)
     flash_forward_wgmma_kernel(ForwardParams p, const SeqDesc* seqs, const uint8_t* v_bad, int v_tiles) {
 #ifdef ATTN_HAVE_WGMMA
-  constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+  constexpr float kLog2e = 1.4426950408889634f;
   constexpr bool kHalf = std::is_same_v<T, __half>;
   constexpr int kNt = kKeys / 8;  // n-tiles of a warp's score rows
   constexpr int kDt = D / 8;      // n-tiles of a warp's output rows
-  constexpr int kPanels = D / 64;
   // The swizzle is a function of address bits: its regions start on a 1 KiB boundary
   // (1 KiB more is launched).
   extern __shared__ unsigned char smem_raw[];
@@ -159,18 +121,15 @@ __global__ void __launch_bounds__(kThreads)
   cp_async_commit();
   // This thread's two rows of the warp's 16: A = row g, B = row g + 8.
   const int row_a = q0 + warp * 16 + g, row_b = row_a + 8;
-  const Band band_a = band_of_row(p, s, row_a), band_b = band_of_row(p, s, row_b);
   const int last_row = min(q0 + kRows, s.Lq) - 1;
-  const Band band_first = band_of_row(p, s, q0), band_last = band_of_row(p, s, last_row);
-  const int64_t key_lo = max(int64_t{0}, band_first.lo);
-  const int64_t key_hi = min(int64_t{s.Lk} - 1, band_last.hi);
+  SoftmaxRows rows{band_of_row(p, s, row_a), band_of_row(p, s, row_b), band_of_row(p, s, q0),
+                   band_of_row(p, s, last_row), p.scale * kLog2e};
+  const int64_t key_lo = max(int64_t{0}, rows.band_first.lo);
+  const int64_t key_hi = min(int64_t{s.Lk} - 1, rows.band_last.hi);
 
   float o[kDt][4];
 #pragma unroll
   for (int n = 0; n < kDt; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-  // Running maxima in log2 units (scores · scale · log2 e): p = 2^(x − m).
-  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;
-  const float scale_log2 = p.scale * kLog2e;
 
   const bool k_vec = rows_vectorizable<T>(k, p.k_row), v_vec = rows_vectorizable<T>(v, p.v_row);
   int64_t j0 = key_lo <= key_hi ? (key_lo / kKeys) * kKeys : -1;
@@ -184,68 +143,6 @@ __global__ void __launch_bounds__(kThreads)
   // `bytes` into a region adds bytes / 16.
   auto at = [](uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); };
 
-  // The online softmax of the score tile of keys j0 …: scores become probabilities, m
-  // and l move on, and alpha is what each row's O must be scaled by. A tile inside
-  // every row's band keeps its raw products (scale > 0 keeps their order; the scaling
-  // joins each exponent's FFMA through `mul`); others remove the keys outside each row's
-  // band (which ends at the sequence's last key).
-  auto softmax_tile = [&](float (*sc)[4], int64_t j0, float& alpha_a, float& alpha_b) {
-    float mx_a = -INFINITY, mx_b = -INFINITY, mul = 1.0f;
-    if (tile_inside_bands(band_first, band_last, j0, j0 + kKeys - 1)) {
-#pragma unroll
-      for (int nt = 0; nt < kNt; ++nt) {
-        mx_a = fmaxf(mx_a, fmaxf(sc[nt][0], sc[nt][1]));
-        mx_b = fmaxf(mx_b, fmaxf(sc[nt][2], sc[nt][3]));
-      }
-      mul = scale_log2;
-    } else {
-#pragma unroll
-      for (int nt = 0; nt < kNt; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const Band& band = e < 2 ? band_a : band_b;
-          const int64_t j = j0 + nt * 8 + 2 * t + (e & 1);
-          const float x = j >= band.lo && j <= band.hi ? sc[nt][e] * scale_log2 : -INFINITY;
-          sc[nt][e] = x;
-          if (e < 2) mx_a = fmaxf(mx_a, x); else mx_b = fmaxf(mx_b, x);
-        }
-      }
-    }
-    // Row maxima over the quad that shares a row (fmaxf skips NaN; a NaN score still
-    // makes its row NaN through the sum).
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-      mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
-      mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
-    }
-    const float mn_a = fmaxf(m_a, mx_a * mul), mn_b = fmaxf(m_b, mx_b * mul);
-    // A row that has seen only −∞ so far subtracts 0 (e^(−∞ − 0) = 0, not NaN).
-    const float ref_a = mn_a == -INFINITY ? 0.0f : mn_a, ref_b = mn_b == -INFINITY ? 0.0f : mn_b;
-    alpha_a = fast_exp2(m_a - ref_a), alpha_b = fast_exp2(m_b - ref_b);
-    m_a = mn_a, m_b = mn_b;
-    float sum_a = 0.0f, sum_b = 0.0f;
-#pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float pr = fast_exp2(fmaf(sc[nt][e], mul, -(e < 2 ? ref_a : ref_b)));
-        if (e < 2) sum_a += pr; else sum_b += pr;
-        sc[nt][e] = pr;
-      }
-    }
-    l_a = l_a * alpha_a + sum_a;
-    l_b = l_b * alpha_b + sum_b;
-  };
-  // O's rows scaled by alpha, skipped where no row's max moved (x·1 = x: no bit changes).
-  auto rescale = [&](float alpha_a, float alpha_b) {
-    if (alpha_a != 1.0f || alpha_b != 1.0f) {
-#pragma unroll
-      for (int n = 0; n < kDt; ++n) {
-        o[n][0] *= alpha_a, o[n][1] *= alpha_a;
-        o[n][2] *= alpha_b, o[n][3] *= alpha_b;
-      }
-    }
-  };
   // S = Q·Kᵀ: k-step ks reads columns 16·ks … of Q's and K's rows, 32 bytes further
   // along a swizzled row, a panel (rows · 128 bytes) further every 4 steps. The first
   // k-step overwrites the accumulators (scale-d = 0). Issued, not waited for.
@@ -256,33 +153,6 @@ __global__ void __launch_bounds__(kThreads)
                               at(k_desc, (ks / 4) * kKeys * 128 + (ks % 4) * 32), ks > 0 ? 1 : 0);
     }
   };
-  // O += P·V from the V tile at `v_at`: k-step kk takes keys 16·kk … (2 swizzle atoms,
-  // 2 KiB, further into V's panels). Issued, not waited for.
-  auto issue_values = [&](const uint32_t (*pa)[4], uint64_t v_at) {
-#pragma unroll
-    for (int pn = 0; pn < kPanels; ++pn) {
-#pragma unroll
-      for (int kk = 0; kk < kKeys / 16; ++kk) {
-        wg::rs_m64n64k16_tb<kHalf>(&o[8 * pn][0], pa[kk], at(v_at, pn * kKeys * 128 + kk * 2048), 1);
-      }
-    }
-  };
-  // A value tile with a NaN or ±∞: O += P·V element by element, skipping p = 0, with P
-  // (A fragments, already rounded) through this warp's scratch.
-  auto gated_values = [&](const uint32_t (*pa)[4], const unsigned char* v_tile) {
-    T* pw = p_s + warp * 16 * kKeys;
-#pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk) {
-      const int c = kk * 16 + 2 * t;
-      *reinterpret_cast<uint32_t*>(pw + g * kKeys + c) = pa[kk][0];
-      *reinterpret_cast<uint32_t*>(pw + (g + 8) * kKeys + c) = pa[kk][1];
-      *reinterpret_cast<uint32_t*>(pw + g * kKeys + c + 8) = pa[kk][2];
-      *reinterpret_cast<uint32_t*>(pw + (g + 8) * kKeys + c + 8) = pa[kk][3];
-    }
-    __syncwarp();
-    gated_accumulate_swizzled<T, D>(o, pw, v_tile);
-  };
-
   // FlashAttention-3's overlap inside a warpgroup: tile j's S and tile j − 1's P·V
   // are in flight together, and the softmax of j runs while P·V of j − 1 finishes.
   // V has two buffers (tile parity); K one.
@@ -304,7 +174,7 @@ __global__ void __launch_bounds__(kThreads)
     issue_scores(sc);
     wg::commit();
     const uint64_t v_prev = at(v_desc, (vb ^ 1) * tile_bytes<D>(kKeys));
-    if (have_prev && !slow_prev) issue_values(pa_prev, v_prev);
+    if (have_prev && !slow_prev) issue_values<kHalf, D, kKeys>(o, pa_prev, v_prev);
     wg::commit();
     wg::wait<1>();  // S (P·V of the last tile may run on)
     pin_all<kNt>(sc);
@@ -312,11 +182,13 @@ __global__ void __launch_bounds__(kThreads)
     if (next >= 0) start_tile<T, D, kKeys>(k_s, k, p.k_row, static_cast<int>(next), s.Lk, k_vec);
     cp_async_commit();
     float alpha_a, alpha_b;
-    softmax_tile(sc, j0, alpha_a, alpha_b);
+    rows.step<kNt>(sc, j0, t, alpha_a, alpha_b);
     wg::wait<0>();
     pin_all<kDt>(o);
-    if (have_prev && slow_prev) gated_values(pa_prev, v_s + (vb ^ 1) * tile_bytes<D>(kKeys));
-    rescale(alpha_a, alpha_b);
+    if (have_prev && slow_prev) {
+      gated_values<T, D, kKeys>(o, pa_prev, p_s + warp * 16 * kKeys, v_s + (vb ^ 1) * tile_bytes<D>(kKeys));
+    }
+    rescale_rows<kDt>(o, alpha_a, alpha_b);
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) a_from_accumulator<T>(sc, kk, pa_prev[kk]);
     have_prev = true, slow_prev = slow;
@@ -331,41 +203,17 @@ __global__ void __launch_bounds__(kThreads)
     if (!slow_prev) {
       pin_all<kDt>(o);
       wg::fence();
-      issue_values(pa_prev, at(v_desc, (vb ^ 1) * tile_bytes<D>(kKeys)));
+      issue_values<kHalf, D, kKeys>(o, pa_prev, at(v_desc, (vb ^ 1) * tile_bytes<D>(kKeys)));
       wg::commit();
       wg::wait<0>();
       pin_all<kDt>(o);
     } else {
-      gated_values(pa_prev, v_s + (vb ^ 1) * tile_bytes<D>(kKeys));
+      gated_values<T, D, kKeys>(o, pa_prev, p_s + warp * 16 * kKeys, v_s + (vb ^ 1) * tile_bytes<D>(kKeys));
     }
   }
   cp_async_wait<0>();
 
-  // Finalise: the quad's partial sums, then out = O / l and lse = m·ln 2 + ln l.
-#pragma unroll
-  for (int off = 1; off < 4; off <<= 1) {
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, off);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, off);
-  }
-  T* out = static_cast<T*>(p.out) + s.out_offset + int64_t{h} * p.out_head;
-#pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    const int i = rr == 0 ? row_a : row_b;
-    if (i >= s.Lq) continue;
-    const float l = rr == 0 ? l_a : l_b, m = rr == 0 ? m_a : m_b;
-    const bool empty = l == 0.0f;  // no visible key (NaN compares false: stays NaN)
-    const float inv = empty ? 0.0f : 1.0f / l;
-    T* orow = out + int64_t{i} * p.out_row;
-#pragma unroll
-    for (int n = 0; n < kDt; ++n) {
-      const int col = n * 8 + 2 * t;
-      orow[col] = from_float<T>(empty ? 0.0f : o[n][2 * rr] * inv);
-      orow[col + 1] = from_float<T>(empty ? 0.0f : o[n][2 * rr + 1] * inv);
-    }
-    if (p.lse != nullptr && t == 0) {
-      p.lse[s.lse_offset + int64_t{h} * p.lse_h + int64_t{i} * p.lse_i] = empty ? -INFINITY : m * kLn2 + logf(l);
-    }
-  }
+  rows.finish<T, kDt>(o, p, s, h, row_a, row_b, t);
 #endif
 }
 

@@ -19,4 +19,12 @@ bool wgmma_forward_applies(const ForwardParams& p);
 /// sequence table in device memory.
 cudaError_t wgmma_forward(const ForwardParams& p, const SeqDesc* seqs, cudaStream_t stream);
 
+/// Whether the environment asks for the warp-specialised kernel (flash_forward_ws.cu,
+/// ATTN_CUDA_WGMMA=ws) for the calls wgmma_forward_applies() accepts. Unverified on a GPU.
+bool ws_forward_wanted();
+
+/// That kernel's forward, or cudaErrorNotSupported (before anything runs) where the
+/// copy engine cannot address the call's tensors; the caller then runs wgmma_forward.
+cudaError_t ws_forward(const ForwardParams& p, const SeqDesc* seqs, cudaStream_t stream);
+
 }  // namespace attn::cuda

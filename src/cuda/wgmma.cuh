@@ -1,6 +1,6 @@
 // Hopper's warpgroup products (wgmma, sm_90a only): shared-memory descriptors, the
-// 128-byte-swizzled tile layout, and the m64n64k16 bf16/f16 products with f32
-// accumulators that the wgmma forward kernel and bench/cuda/wgmma_probe.cu use.
+// 128-byte-swizzled tile layout, and the m64n64k16 and m64n128k16 bf16/f16 products with
+// f32 accumulators that the wgmma forward kernels and bench/cuda/wgmma_probe.cu use.
 //
 // The descriptor's two byte offsets (LBO, SBO) are read here as the probe's first
 // reading; the probe tries both on the GPU, against a float64 reference, before a kernel
@@ -62,6 +62,13 @@ __device__ inline void fence_shared_for_async() { asm volatile("fence.proxy.asyn
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                  \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 
+#define ATTN_WGMMA_D64(d) ATTN_WGMMA_D32(d), ATTN_WGMMA_D32((d + 32))
+#define ATTN_WGMMA_REGS64                                                                                      \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                    \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                           \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                           \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
 /// d (m64n64, f32) = A·Bᵀ + (accumulate ? d : 0): A [64][16] and B [64][16] from shared
 /// memory, K-major; Half: true for f16 operands, false for bf16.
 template <bool Half>
@@ -96,6 +103,24 @@ __device__ inline void rs_m64n64k16_tb(float d[32], const uint32_t a[4], uint64_
                  ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
                  : ATTN_WGMMA_D32(d)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+  }
+}
+
+/// d (m64n128, f32) = A·Bᵀ + (accumulate ? d : 0): ss_m64n64k16 with B [128][16]
+/// (128 rows of K: 16 swizzle atoms, SBO apart). Ran correct on an H200 in a kernel
+/// (2026-11-29, 128-key tiles, not kept for speed).
+template <bool Half>
+__device__ inline void ss_m64n128k16(float d[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  if constexpr (Half) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " ATTN_WGMMA_REGS64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : ATTN_WGMMA_D64(d)
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " ATTN_WGMMA_REGS64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : ATTN_WGMMA_D64(d)
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
   }
 }
 #endif

@@ -158,6 +158,21 @@ TEST_P(CudaForward, TheMmaSyncKernelWhereTheWgmmaKernelWouldRun) {
   }
 }
 
+// The warp-specialised kernel (flash_forward_ws.cu, ATTN_CUDA_WGMMA=ws) on the calls the
+// wgmma kernel takes on Hopper; elsewhere these are the other kernels' calls again.
+TEST_P(CudaForward, TheWarpSpecialisedKernelWhereTheWgmmaKernelWouldRun) {
+  SKIP_WITHOUT_GPU();
+  const ScopedEnv ws("ATTN_CUDA_WGMMA", "ws");
+  std::mt19937_64 rng = make_rng(1312);
+  for (const OptionCase& oc : gpu_option_cases()) {
+    const std::string name = oc.name;
+    if (name != "plain" && name != "causal" && name != "bottom-right window") continue;
+    ExpectWithinPlainBf16Error(kGpuShapes, oc, [&](const Shape& s) { return run_gpu_case(GetParam(), s, oc, rng); });
+    const Shape long_odd[] = {{1, 4097, 4097, 2, 1, 128, 128}, {3, 300, 1000, 4, 2, 64, 64}};
+    ExpectWithinPlainBf16Error(long_odd, oc, [&](const Shape& s) { return run_gpu_case(GetParam(), s, oc, rng); });
+  }
+}
+
 // Rows that are not 16-byte aligned: the tiles are copied without cp.async.
 TEST_P(CudaForward, UnalignedRows) {
   SKIP_WITHOUT_GPU();

@@ -1,0 +1,195 @@
+// The per-row work of the wgmma forward kernels (flash_forward_wgmma.cu,
+// flash_forward_ws.cu): the online softmax of a score tile in a warp's accumulator
+// layout, the rescale of O, P·V issued per 64-column panel of V, the element-by-element
+// P·V of a value tile with a NaN or ±∞, and the rows' final normalisation.
+//
+// A warpgroup's m64 accumulator gives each warp 16 rows in mma.sync's C layout: a
+// thread holds rows A = g and B = g + 8 (g = lane / 4), columns 8·n + 2t and + 1
+// (t = lane % 4) of n-tile n, as acc[n][0..1] (row A) and acc[n][2..3] (row B).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "cuda/cuda_backend.hpp"
+#include "cuda/mma_fragments.cuh"
+#include "cuda/score_mods.cuh"
+#include "cuda/wgmma.cuh"
+
+namespace attn::cuda {
+
+/// Keeps the compiler from moving reads or writes of accumulator registers across the
+/// wgmma that writes them asynchronously (the asm statements around it are volatile; this
+/// ties each register to that order).
+template <int N>
+__device__ __forceinline__ void pin_all(float (*acc)[4]) {
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(acc[n][e])::"memory");
+  }
+}
+
+/// One thread's two rows in an online softmax in log2 units (scores · scale · log2 e,
+/// p = 2^(x − m)): their bands, running maxima m and sums l (this thread's columns only
+/// until finish()).
+struct SoftmaxRows {
+  Band band_a, band_b;         // rows A and B
+  Band band_first, band_last;  // the warpgroup's first and last real rows: every row's band lies between
+  float scale_log2;
+  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.0f, l_b = 0.0f;
+
+  /// The scores of keys j0 … j0 + 8·kNt − 1 (sc: n-tiles, raw products) become
+  /// probabilities; m and l move on; alpha is what each row's O must be scaled by. A tile
+  /// inside every row's band keeps its raw products (scale > 0 keeps their order; the
+  /// scaling joins each exponent's FFMA through `mul`); others remove the keys outside
+  /// each row's band (which ends at the sequence's last key).
+  template <int kNt>
+  __device__ __forceinline__ void step(float (*sc)[4], int64_t j0, int t, float& alpha_a, float& alpha_b) {
+    float mx_a = -INFINITY, mx_b = -INFINITY, mul = 1.0f;
+    if (tile_inside_bands(band_first, band_last, j0, j0 + kNt * 8 - 1)) {
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+        mx_a = fmaxf(mx_a, fmaxf(sc[nt][0], sc[nt][1]));
+        mx_b = fmaxf(mx_b, fmaxf(sc[nt][2], sc[nt][3]));
+      }
+      mul = scale_log2;
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const Band& band = e < 2 ? band_a : band_b;
+          const int64_t j = j0 + nt * 8 + 2 * t + (e & 1);
+          const float x = j >= band.lo && j <= band.hi ? sc[nt][e] * scale_log2 : -INFINITY;
+          sc[nt][e] = x;
+          if (e < 2) mx_a = fmaxf(mx_a, x); else mx_b = fmaxf(mx_b, x);
+        }
+      }
+    }
+    // Row maxima over the quad that shares a row (fmaxf skips NaN; a NaN score still
+    // makes its row NaN through the sum).
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
+      mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
+    }
+    const float mn_a = fmaxf(m_a, mx_a * mul), mn_b = fmaxf(m_b, mx_b * mul);
+    // A row that has seen only −∞ so far subtracts 0 (e^(−∞ − 0) = 0, not NaN).
+    const float ref_a = mn_a == -INFINITY ? 0.0f : mn_a, ref_b = mn_b == -INFINITY ? 0.0f : mn_b;
+    alpha_a = fast_exp2(m_a - ref_a), alpha_b = fast_exp2(m_b - ref_b);
+    m_a = mn_a, m_b = mn_b;
+    float sum_a = 0.0f, sum_b = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pr = fast_exp2(fmaf(sc[nt][e], mul, -(e < 2 ? ref_a : ref_b)));
+        if (e < 2) sum_a += pr; else sum_b += pr;
+        sc[nt][e] = pr;
+      }
+    }
+    l_a = l_a * alpha_a + sum_a;
+    l_b = l_b * alpha_b + sum_b;
+  }
+
+  /// out = O / l and lse = m·ln 2 + ln l for rows row_a, row_b (those < s.Lq) of head h;
+  /// a row with no visible key gets 0 and −∞.
+  template <class T, int kDt>
+  __device__ __forceinline__ void finish(const float (*o)[4], const ForwardParams& p, const SeqDesc& s, int h,
+                                         int row_a, int row_b, int t) {
+    constexpr float kLn2 = 0.6931471805599453f;
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {  // the quad's partial sums
+      l_a += __shfl_xor_sync(0xffffffffu, l_a, off);
+      l_b += __shfl_xor_sync(0xffffffffu, l_b, off);
+    }
+    T* out = static_cast<T*>(p.out) + s.out_offset + int64_t{h} * p.out_head;
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int i = rr == 0 ? row_a : row_b;
+      if (i >= s.Lq) continue;
+      const float l = rr == 0 ? l_a : l_b, m = rr == 0 ? m_a : m_b;
+      const bool empty = l == 0.0f;  // no visible key (NaN compares false: stays NaN)
+      const float inv = empty ? 0.0f : 1.0f / l;
+      T* orow = out + int64_t{i} * p.out_row;
+#pragma unroll
+      for (int n = 0; n < kDt; ++n) {
+        const int col = n * 8 + 2 * t;
+        orow[col] = from_float<T>(empty ? 0.0f : o[n][2 * rr] * inv);
+        orow[col + 1] = from_float<T>(empty ? 0.0f : o[n][2 * rr + 1] * inv);
+      }
+      if (p.lse != nullptr && t == 0) {
+        p.lse[s.lse_offset + int64_t{h} * p.lse_h + int64_t{i} * p.lse_i] = empty ? -INFINITY : m * kLn2 + logf(l);
+      }
+    }
+  }
+};
+
+/// O's rows scaled by alpha, skipped where no row's max moved (x·1 = x: no bit changes).
+template <int kDt>
+__device__ __forceinline__ void rescale_rows(float (*o)[4], float alpha_a, float alpha_b) {
+  if (alpha_a != 1.0f || alpha_b != 1.0f) {
+#pragma unroll
+    for (int n = 0; n < kDt; ++n) {
+      o[n][0] *= alpha_a, o[n][1] *= alpha_a;
+      o[n][2] *= alpha_b, o[n][3] *= alpha_b;
+    }
+  }
+}
+
+#ifdef ATTN_HAVE_WGMMA
+/// O (D columns) += P·V on the tensor cores, issued and not waited for: V a swizzled
+/// [kKeys][D] tile at descriptor v_desc (D / 64 panels of kKeys rows), P as A fragments
+/// (k-step kk: keys 16·kk …, 2 swizzle atoms, 2 KiB, further into each panel).
+template <bool kHalf, int D, int kKeys>
+__device__ __forceinline__ void issue_values(float (*o)[4], const uint32_t (*pa)[4], uint64_t v_desc) {
+#pragma unroll
+  for (int pn = 0; pn < D / 64; ++pn) {
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      wgmma::rs_m64n64k16_tb<kHalf>(&o[8 * pn][0], pa[kk], v_desc + ((pn * kKeys * 128 + kk * 2048) >> 4), 1);
+    }
+  }
+}
+#endif
+
+/// O (a warp's 16 rows × D columns) += P·V element by element, skipping p = 0, for a
+/// value tile with a NaN or ±∞, where the tensor cores would give 0·∞ = NaN for a
+/// removed key (gated_accumulate's rule, for the swizzled layout): P as A fragments
+/// (already rounded operands) through pw, this warp's [16][kKeys] scratch; V a swizzled
+/// [kKeys][D] tile.
+template <class T, int D, int kKeys>
+__device__ __forceinline__ void gated_values(float (*o)[4], const uint32_t (*pa)[4], T* pw, const unsigned char* v) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int kk = 0; kk < kKeys / 16; ++kk) {
+    const int c = kk * 16 + 2 * t;
+    *reinterpret_cast<uint32_t*>(pw + g * kKeys + c) = pa[kk][0];
+    *reinterpret_cast<uint32_t*>(pw + (g + 8) * kKeys + c) = pa[kk][1];
+    *reinterpret_cast<uint32_t*>(pw + g * kKeys + c + 8) = pa[kk][2];
+    *reinterpret_cast<uint32_t*>(pw + (g + 8) * kKeys + c + 8) = pa[kk][3];
+  }
+  __syncwarp();
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    const int col = n * 8 + 2 * t;
+    const unsigned char* panel = v + (col / 64) * kKeys * 128;
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma unroll 1
+    for (int j = 0; j < kKeys; ++j) {
+      const float pa_j = to_float(pw[g * kKeys + j]), pb_j = to_float(pw[(g + 8) * kKeys + j]);
+      if (pa_j == 0.0f && pb_j == 0.0f) continue;
+      const T* y = reinterpret_cast<const T*>(panel + wgmma::sw128_offset(j, col % 64));
+      const float y0 = to_float(y[0]), y1 = to_float(y[1]);
+      if (pa_j != 0.0f) s0 += pa_j * y0, s1 += pa_j * y1;
+      if (pb_j != 0.0f) s2 += pb_j * y0, s3 += pb_j * y1;
+    }
+    o[n][0] += s0, o[n][1] += s1, o[n][2] += s2, o[n][3] += s3;
+  }
+  __syncwarp();
+}
+
+}  // namespace attn::cuda
