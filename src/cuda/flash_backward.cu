@@ -39,7 +39,9 @@
 
 #include "cuda/cuda_backend.hpp"
 #include "cuda/cuda_check.hpp"
+#include "cuda/flash_backward_wgmma.hpp"
 #include "cuda/mma_fragments.cuh"
+#include "cuda/backward_rows.cuh"
 #include "cuda/nonfinite_tiles.cuh"
 #include "cuda/score_mods.cuh"
 
@@ -49,41 +51,12 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kBlockRows = kWarps * 16;  // query rows of a dq block, keys of a dkdv block
-constexpr float kLog2e = 1.4426950408889634f;
 
 /// |lse| from which the prep kernel recomputes a row's max and sum (the CPU
 /// backward's threshold): f32 rounds lse by up to |lse|·2⁻²⁴, which P = e^(S − lse)
 /// inherits as a relative error. Only rows whose every key carries a huge finite mask
 /// get there.
 constexpr float kLseRecompute = 128.0f;
-
-/// Per query row (b, h, i) at ((b·Hq + h)·max_lq + i): D and the statistics of P.
-struct RowStats {
-  float* dsum = nullptr;
-  float* m = nullptr;      // P = e^(S − m) · inv_l; −∞ for a row with no visible key
-  float* inv_l = nullptr;
-  int max_lq = 0;
-  // dbias only: dS before softcap' of every (b, h, i, j) at ((b·Hq + h)·max_lq + i)·max_lk + j,
-  // zero where no tile wrote it; summed over the mask's broadcast dimensions afterwards.
-  float* ds_all = nullptr;
-  int max_lk = 0;
-  __device__ int64_t at(int Hq, int b, int h, int i) const {
-    return (int64_t{b} * Hq + h) * max_lq + i;
-  }
-};
-
-/// P of one score from its row's statistics: exact 0 for a removed key (−∞) and for
-/// a row with no visible key.
-__device__ __forceinline__ float probability(float x, float m, float inv_l) {
-  if (x == -INFINITY || m == -INFINITY) return 0.0f;
-  return fast_exp2((x - m) * kLog2e) * inv_l;
-}
-
-/// dS of one score: P ∘ (dP' − D) ∘ softcap'; exactly 0 where P is (a removed key
-/// contributes nothing, even where its dP is NaN or ±∞).
-__device__ __forceinline__ float score_gradient(float pr, float dp, float keep, float dsum, float cap_grad) {
-  return pr == 0.0f ? 0.0f : pr * cap_grad * (dp * keep - dsum);
-}
 
 template <class In>
 __global__ void zero_kernel(In* ptr, GradExtent e, int d) {
@@ -306,25 +279,6 @@ __global__ void dbias_kernel(BackwardParams bp, RowStats st) {
   }
 }
 
-/// The first query row whose band reaches key j0 (hi ≥ j0), and the last whose band
-/// starts at or before key j1 (lo ≤ j1): the rows a key block can get gradient from.
-/// Both bounds never decrease with the row, so a binary search finds each.
-__device__ __forceinline__ void rows_reaching(const ForwardParams& p, const SeqDesc& s, int64_t j0, int64_t j1,
-                                              int& first, int& last) {
-  int lo = 0, hi = s.Lq;  // first: smallest i with band.hi ≥ j0, or Lq
-  while (lo < hi) {
-    const int mid = lo + (hi - lo) / 2;
-    if (band_of_row(p, s, mid).hi >= j0) hi = mid; else lo = mid + 1;
-  }
-  first = lo;
-  lo = -1, hi = s.Lq - 1;  // last: largest i with band.lo ≤ j1, or −1
-  while (lo < hi) {
-    const int mid = hi - (hi - lo) / 2;
-    if (band_of_row(p, s, mid).lo <= j1) lo = mid; else hi = mid - 1;
-  }
-  last = lo;
-}
-
 // dK and dV of 64 keys (4 warps × 16) of one (sequence, kv head), over every query
 // head of the group and the Br-row query tiles whose band reaches them. Q and dO tiles
 // come through two shared-memory buffers: the next tile's cp.async is in flight while
@@ -535,6 +489,7 @@ cudaError_t launch(const BackwardParams& bp, const SeqDesc* seqs, const Backward
   const dim3 rows_grid((p.max_lq + kWarps - 1) / kWarps, p.Hq, p.B);
   backward_prep_kernel<T, In><<<rows_grid, kThreads, 0, stream>>>(bp, seqs, bseqs, st);
   if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  if (wgmma_backward_applies(bp)) return wgmma_backward(bp, seqs, bseqs, st, stream);
 
   constexpr int Bc = kDqKeyTile<D>;
   auto* dq_kernel = &backward_dq_kernel<T, In, D, Bc>;

@@ -54,38 +54,6 @@ constexpr int tile_bytes(int rows) {
   return rows * D * 2;
 }
 
-/// Starts copying rows [r0, r0 + kTileRows) of one head of a [L, H, D] tensor (row
-/// stride `row` elements; rows ≥ valid become zeros) into a swizzled tile, by the
-/// warpgroup's 128 threads, one 16-byte chunk at a time: cp.async where the rows allow
-/// it (`vec`, block-uniform; a later cp_async_wait completes them), plain loads otherwise.
-/// A pass of the 128 threads covers 128 / (D / 8) = 8 or 16 whole rows, a multiple of the
-/// swizzle's 8-row atom, so each thread's chunks keep their place within an atom and
-/// are 1 or 2 atoms (1 KiB each) apart.
-template <class T, int D, int kTileRows>
-__device__ __forceinline__ void start_tile(unsigned char* dst, const T* src, int64_t row, int r0, int valid, bool vec) {
-  constexpr int kChunks = D / 8;
-  constexpr int kPassRows = kThreads / kChunks;
-  static_assert(kPassRows % 8 == 0 && kTileRows % kPassRows == 0, "passes of whole swizzle atoms");
-  const int r_in = threadIdx.x / kChunks, ch = threadIdx.x % kChunks;
-  const int panel = ch / 8, cc = ch % 8, r8 = r_in % 8;
-  unsigned char* to = dst + panel * kTileRows * 128 + (r_in / 8) * 1024 + r8 * 128 + ((cc ^ r8) * 16);
-  const T* from = src + int64_t{r0 + r_in} * row + ch * 8;
-  const int64_t step = int64_t{kPassRows} * row;
-#pragma unroll
-  for (int u = 0; u < kTileRows / kPassRows; ++u) {
-    const int r = r0 + r_in + u * kPassRows;
-    unsigned char* at = to + u * (kPassRows / 8) * 1024;
-    if (r >= valid) {
-      *reinterpret_cast<uint4*>(at) = make_uint4(0, 0, 0, 0);
-    } else if (vec) {
-      cp_async_16(at, from);
-    } else {
-      *reinterpret_cast<uint4*>(at) = load_chunk<T>(from, false);
-    }
-    from += step;
-  }
-}
-
 // v_bad: the pre-pass's flag per kKeys-key tile of V (nonfinite_tiles.cuh), v_tiles per
 // head.
 template <class T, int D>
@@ -117,7 +85,7 @@ __global__ void __launch_bounds__(kThreads)
   const T* v = static_cast<const T*>(p.v) + s.v_offset + int64_t{hk} * p.v_head;
   const uint8_t* v_bad_head = v_bad + (int64_t{b} * p.Hkv + hk) * v_tiles;
 
-  start_tile<T, D, kRows>(q_s, q, p.q_row, q0, s.Lq, rows_vectorizable<T>(q, p.q_row));
+  start_swizzled_tile<T, D, kRows>(q_s, q, p.q_row, q0, s.Lq, rows_vectorizable<T>(q, p.q_row));
   cp_async_commit();
   // This thread's two rows of the warp's 16: A = row g, B = row g + 8.
   const int row_a = q0 + warp * 16 + g, row_b = row_a + 8;
@@ -133,7 +101,7 @@ __global__ void __launch_bounds__(kThreads)
 
   const bool k_vec = rows_vectorizable<T>(k, p.k_row), v_vec = rows_vectorizable<T>(v, p.v_row);
   int64_t j0 = key_lo <= key_hi ? (key_lo / kKeys) * kKeys : -1;
-  if (j0 >= 0) start_tile<T, D, kKeys>(k_s, k, p.k_row, static_cast<int>(j0), s.Lk, k_vec);
+  if (j0 >= 0) start_swizzled_tile<T, D, kKeys>(k_s, k, p.k_row, static_cast<int>(j0), s.Lk, k_vec);
   cp_async_commit();
 
   const uint64_t q_desc = wg::descriptor(shared_address(q_s), wg::kSw128Lbo, wg::kSw128Sbo, wg::kSwizzle128);
@@ -161,7 +129,7 @@ __global__ void __launch_bounds__(kThreads)
   int vb = 0;
   while (j0 >= 0) {
     unsigned char* v_tile = v_s + vb * tile_bytes<D>(kKeys);
-    start_tile<T, D, kKeys>(v_tile, v, p.v_row, static_cast<int>(j0), s.Lk, v_vec);
+    start_swizzled_tile<T, D, kKeys>(v_tile, v, p.v_row, static_cast<int>(j0), s.Lk, v_vec);
     cp_async_commit();
     const int64_t next = j0 + kKeys <= key_hi ? j0 + kKeys : -1;
     cp_async_wait<1>();  // Q, K of this tile and V of the last (this tile's V in flight)
@@ -179,7 +147,7 @@ __global__ void __launch_bounds__(kThreads)
     wg::wait<1>();  // S (P·V of the last tile may run on)
     pin_all<kNt>(sc);
     __syncthreads();  // every warp's S has read K: the next tile's K may come
-    if (next >= 0) start_tile<T, D, kKeys>(k_s, k, p.k_row, static_cast<int>(next), s.Lk, k_vec);
+    if (next >= 0) start_swizzled_tile<T, D, kKeys>(k_s, k, p.k_row, static_cast<int>(next), s.Lk, k_vec);
     cp_async_commit();
     float alpha_a, alpha_b;
     rows.step<kNt>(sc, j0, t, alpha_a, alpha_b);

@@ -1,7 +1,8 @@
-// The per-row work of the wgmma forward kernels (flash_forward_wgmma.cu,
-// flash_forward_ws.cu): the online softmax of a score tile in a warp's accumulator
-// layout, the rescale of O, P·V issued per 64-column panel of V, the element-by-element
-// P·V of a value tile with a NaN or ±∞, and the rows' final normalisation.
+// What the wgmma kernels (flash_forward_wgmma.cu, flash_forward_ws.cu,
+// flash_backward_wgmma.cu) share: the copy of a tile into the swizzled layout by one
+// warpgroup; the online softmax of a score tile in a warp's accumulator layout, the
+// rescale of O and the rows' final normalisation; A·V issued per 64-column panel of V,
+// and its element-by-element form for a tile with a NaN or ±∞.
 //
 // A warpgroup's m64 accumulator gives each warp 16 rows in mma.sync's C layout: a
 // thread holds rows A = g and B = g + 8 (g = lane / 4), columns 8·n + 2t and + 1
@@ -29,6 +30,39 @@ __device__ __forceinline__ void pin_all(float (*acc)[4]) {
   for (int n = 0; n < N; ++n) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(acc[n][e])::"memory");
+  }
+}
+
+/// Starts copying rows [r0, r0 + kTileRows) of one head of a [L, H, D] tensor (row
+/// stride `row` elements; rows ≥ valid become zeros) into a swizzled tile, by the
+/// warpgroup's 128 threads, one 16-byte chunk at a time: cp.async where the rows allow
+/// it (`vec`, block-uniform; a later cp_async_wait completes them), plain loads otherwise.
+/// A pass of the 128 threads covers 128 / (D / 8) = 8 or 16 whole rows, a multiple of the
+/// swizzle's 8-row atom, so each thread's chunks keep their place within an atom and
+/// are 1 or 2 atoms (1 KiB each) apart.
+template <class T, int D, int kTileRows>
+__device__ __forceinline__ void start_swizzled_tile(unsigned char* dst, const T* src, int64_t row, int r0, int valid,
+                                                    bool vec) {
+  constexpr int kChunks = D / 8;
+  constexpr int kPassRows = 128 / kChunks;
+  static_assert(kPassRows % 8 == 0 && kTileRows % kPassRows == 0, "passes of whole swizzle atoms");
+  const int r_in = threadIdx.x / kChunks, ch = threadIdx.x % kChunks;
+  const int panel = ch / 8, cc = ch % 8, r8 = r_in % 8;
+  unsigned char* to = dst + panel * kTileRows * 128 + (r_in / 8) * 1024 + r8 * 128 + ((cc ^ r8) * 16);
+  const T* from = src + int64_t{r0 + r_in} * row + ch * 8;
+  const int64_t step = int64_t{kPassRows} * row;
+#pragma unroll
+  for (int u = 0; u < kTileRows / kPassRows; ++u) {
+    const int r = r0 + r_in + u * kPassRows;
+    unsigned char* at = to + u * (kPassRows / 8) * 1024;
+    if (r >= valid) {
+      *reinterpret_cast<uint4*>(at) = make_uint4(0, 0, 0, 0);
+    } else if (vec) {
+      cp_async_16(at, from);
+    } else {
+      *reinterpret_cast<uint4*>(at) = load_chunk<T>(from, false);
+    }
+    from += step;
   }
 }
 

@@ -463,6 +463,28 @@ TEST_P(CudaBackward, EveryOptionWithinTwiceThePlainError) {
   }
 }
 
+// The wgmma dQ and dK/dV kernels (flash_backward_wgmma.cu, ATTN_CUDA_WGMMA_BWD=1) on the
+// calls they take on Hopper (bf16/f16, d = 64 or 128, the band alone); elsewhere these
+// are the mma.sync kernels' calls again. Odd lengths and GQA cross their 64-row tiles.
+TEST_P(CudaBackward, TheWgmmaKernelsWhereTheyApply) {
+  SKIP_WITHOUT_GPU();
+  const ScopedEnv wgmma_bwd("ATTN_CUDA_WGMMA_BWD", "1");
+  std::mt19937_64 rng = make_rng(1313);
+  const Shape shapes[] = {{2, 3, 17, 4, 2, 64, 64},       {1, 100, 100, 2, 2, 128, 128}, {2, 33, 65, 3, 1, 128, 128},
+                          {1, 70, 1000, 2, 1, 64, 64},    {1, 300, 257, 4, 1, 128, 128}, {1, 1, 1, 1, 1, 64, 64}};
+  for (const OptionCase& oc : gpu_option_cases()) {
+    const std::string name = oc.name;
+    if (name != "plain" && name != "causal" && name != "bottom-right window") continue;
+    ExpectWithinPlainBf16Error(shapes, oc, [&](const Shape& s) {
+      LowpCall c(GetParam(), s.B, s.Lq, s.Lk, s.Hq, s.Hkv, s.d, s.dv, rng);
+      OptionStore store;
+      const AttentionOptions o = oc.make(store, c, rng);
+      const GpuGrads g = run_gpu_forward_backward(c, o);
+      return compare_backward_with_reference(c, o, store, g.dq, g.dk, g.dv);
+    });
+  }
+}
+
 TEST_P(CudaBackward, IsBitwiseReproducible) {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng = make_rng(1312);
