@@ -45,7 +45,6 @@ namespace wg = wgmma;
 
 constexpr int kThreads = 128;  // one warpgroup
 constexpr int kTile = 64;      // dq: query rows per block, keys per step; dkdv: keys per block, rows per step
-constexpr int kNt = kTile / 8;
 
 template <int D>
 constexpr uint32_t kTileBytes = kTile * D * 2;
@@ -78,7 +77,7 @@ __global__ void __launch_bounds__(kThreads)
                     const uint8_t* k_bad, int k_tiles) {
 #ifdef ATTN_HAVE_WGMMA
   constexpr bool kHalf = std::is_same_v<T, __half>;
-  constexpr int kDt = D / 8;
+  constexpr int kNt = kTile / 8, kDt = D / 8;
   const ForwardParams& p = bp.fwd;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw_at = shared_address(smem_raw);
@@ -214,7 +213,7 @@ __global__ void __launch_bounds__(kThreads)
                       const uint8_t* q_bad, const uint8_t* do_bad, int q_tiles) {
 #ifdef ATTN_HAVE_WGMMA
   constexpr bool kHalf = std::is_same_v<T, __half>;
-  constexpr int kDt = D / 8;
+  constexpr int kNt = kTile / 8, kDt = D / 8;
   const ForwardParams& p = bp.fwd;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw_at = shared_address(smem_raw);
