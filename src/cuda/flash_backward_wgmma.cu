@@ -49,13 +49,13 @@ constexpr int kTile = 64;      // dq: query rows per block, keys per step; dkdv:
 template <int D>
 constexpr uint32_t kTileBytes = kTile * D * 2;
 
+#ifdef ATTN_HAVE_WGMMA
 /// The swizzled layout's descriptor of a tile at `at`, and one `bytes` further into it.
 __device__ __forceinline__ uint64_t tile_desc(const unsigned char* at) {
   return wg::descriptor(shared_address(at), wg::kSw128Lbo, wg::kSw128Sbo, wg::kSwizzle128);
 }
 __device__ __forceinline__ uint64_t advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
 
-#ifdef ATTN_HAVE_WGMMA
 /// acc (m64n64) = A·Bᵀ over d for two K-major tiles of 64 rows × D (k-step ks: columns
 /// 16·ks …, 32 bytes further along a swizzled row, a panel further every 4 steps).
 /// Issued, not committed.
