@@ -5,7 +5,7 @@
 # ATTN_CUDA_WGMMA), in one device call. For each value: the forward GPU tests (one
 # process per test, eight at a time) and the benchmark's forward rows. Writes
 # $OUT/ab.txt (or build/gpu-check/ab.txt) and the table of TFLOP/s per value, which it
-# prints last, to ab_table.txt beside it.
+# prints last, to ab_table_VARIABLE.txt beside it.
 #
 #   bash scripts/gpu-ab-env.sh NAME VARIABLE VALUE... [-- repeats=10]
 #
@@ -51,5 +51,5 @@ for v in "${values[@]}"; do header="$header $v |"; done
   echo "$header"
   paste -d'|' $(for v in "${values[@]}"; do echo "$logs/bench_$v.txt"; done) |
     awk -F'|' -v pass="$pass" 'NF > 9 && $2 ~ pass {line = "| " $3 "|" $4 "|" $7; for (i = 9; i <= NF; i += 10) line = line "| " $i; print line " |"}'
-} | tee "$out/ab_table.txt"
+} | tee "$out/ab_table_$var.txt"
 exit $status
