@@ -239,18 +239,7 @@ __global__ void __launch_bounds__(kThreads)
   cp_async_wait<0>();
 
   In* dq_out = static_cast<In*>(bp.dq) + bseqs[b].dq_offset + int64_t{h} * bp.dq_head;
-#pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    const int i = rr == 0 ? row_a : row_b;
-    if (i >= s.Lq) continue;
-    In* row = dq_out + int64_t{i} * bp.dq_row;
-#pragma unroll
-    for (int n = 0; n < kDt; ++n) {
-      const int col = n * 8 + 2 * t;
-      row[col] = from_float<In>(p.scale * dq[n][2 * rr]);
-      row[col + 1] = from_float<In>(p.scale * dq[n][2 * rr + 1]);
-    }
-  }
+  store_accumulator_rows<In, kDt>(dq, dq_out, bp.dq_row, row_a, row_b, s.Lq, p.scale);
 }
 
 // dbias: one thread per element of the mask's shape, summing dS over the dimensions the
@@ -440,21 +429,8 @@ __global__ void __launch_bounds__(kThreads)
 
   In* dk_out = static_cast<In*>(bp.dk) + bseqs[b].dk_offset + int64_t{hk} * bp.dk_head;
   In* dv_out = static_cast<In*>(bp.dv) + bseqs[b].dv_offset + int64_t{hk} * bp.dv_head;
-#pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    const int j = rr == 0 ? key_a : key_b;
-    if (j >= s.Lk) continue;
-    In* krow = dk_out + int64_t{j} * bp.dk_row;
-    In* vrow = dv_out + int64_t{j} * bp.dv_row;
-#pragma unroll
-    for (int n = 0; n < kDt; ++n) {
-      const int col = n * 8 + 2 * t;
-      krow[col] = from_float<In>(p.scale * dk[n][2 * rr]);
-      krow[col + 1] = from_float<In>(p.scale * dk[n][2 * rr + 1]);
-      vrow[col] = from_float<In>(dv[n][2 * rr]);
-      vrow[col + 1] = from_float<In>(dv[n][2 * rr + 1]);
-    }
-  }
+  store_accumulator_rows<In, kDt>(dk, dk_out, bp.dk_row, key_a, key_b, s.Lk, p.scale);
+  store_accumulator_rows<In, kDt>(dv, dv_out, bp.dv_row, key_a, key_b, s.Lk, 1.0f);
 }
 
 // Tiles per head dimension, for registers: the dq kernel's key tile (as the forward's)

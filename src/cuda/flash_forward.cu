@@ -36,7 +36,6 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRowsPerBlock = kWarps * 16;  // Br
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 // v_bad: the pre-pass's flag per Bc-key tile of V (nonfinite_tiles.cuh), v_tiles per head.
 template <class T, class In, int D, int Bc>
@@ -232,31 +231,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   cp_async_wait<0>();
 
-  // Finalise: the quad's partial sums, then out = O / l and lse = m + ln l.
-#pragma unroll
-  for (int off = 1; off < 4; off <<= 1) {
-    l_a += __shfl_xor_sync(0xffffffffu, l_a, off);
-    l_b += __shfl_xor_sync(0xffffffffu, l_b, off);
-  }
-  In* out = static_cast<In*>(p.out) + s.out_offset + int64_t{h} * p.out_head;
-#pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    const int i = rr == 0 ? row_a : row_b;
-    if (i >= s.Lq) continue;
-    const float l = rr == 0 ? l_a : l_b, m = rr == 0 ? m_a : m_b;
-    const bool empty = l == 0.0f;  // no visible key (NaN compares false: stays NaN)
-    const float inv = empty ? 0.0f : 1.0f / l;
-    In* orow = out + int64_t{i} * p.out_row;
-#pragma unroll
-    for (int n = 0; n < kDt; ++n) {
-      const int col = n * 8 + 2 * t;
-      orow[col] = from_float<In>(empty ? 0.0f : o[n][2 * rr] * inv);
-      orow[col + 1] = from_float<In>(empty ? 0.0f : o[n][2 * rr + 1] * inv);
-    }
-    if (p.lse != nullptr && t == 0) {
-      p.lse[s.lse_offset + int64_t{h} * p.lse_h + int64_t{i} * p.lse_i] = empty ? -INFINITY : m * kLn2 + logf(l);
-    }
-  }
+  finish_forward_rows<In, kDt>(o, m_a, m_b, l_a, l_b, p, s, h, row_a, row_b, t);
 }
 
 // probs: the probabilities after dropout, one warp per query row, after the forward

@@ -244,6 +244,27 @@ __device__ __forceinline__ void accumulate_product(float (*acc)[4], const float 
   }
 }
 
+/// Writes this thread's rows row_a and row_b (those < rows) of a warp's accumulator (16
+/// rows × 8·kDt columns, n-tiles in mma.sync's C layout) times `scale` to `out` (row
+/// stride `row` elements), rounded to In: a gradient's last step.
+template <class In, int kDt>
+__device__ __forceinline__ void store_accumulator_rows(const float (*acc)[4], In* out, int64_t row, int row_a,
+                                                       int row_b, int rows, float scale) {
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int i = rr == 0 ? row_a : row_b;
+    if (i >= rows) continue;
+    In* r = out + int64_t{i} * row;
+#pragma unroll
+    for (int n = 0; n < kDt; ++n) {
+      const int col = n * 8 + 2 * t;
+      r[col] = from_float<In>(scale * acc[n][2 * rr]);
+      r[col + 1] = from_float<In>(scale * acc[n][2 * rr + 1]);
+    }
+  }
+}
+
 /// Whether 8 operands (16 bytes) are all finite: an exponent field of all ones is ±∞ or NaN.
 template <class T>
 __device__ __forceinline__ bool chunk_finite(uint4 x) {

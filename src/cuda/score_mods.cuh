@@ -180,4 +180,39 @@ __device__ __forceinline__ void row_max_sum(const ForwardParams& p, const SeqDes
   max_out = mx, sum_out = sum;
 }
 
+/// The forward's last step for this thread's rows row_a and row_b of a warp's 16 (those
+/// < s.Lq) of head h: the quad's partial sums l, then out = O / l (rounded to In) and
+/// lse = m·ln 2 + ln l, m in log2 units; a row with no visible key (l = 0) gets 0 and −∞.
+/// o: the rows' output accumulator (n-tiles, mma.sync's C layout); t = lane % 4.
+template <class In, int kDt>
+__device__ __forceinline__ void finish_forward_rows(const float (*o)[4], float m_a, float m_b, float l_a, float l_b,
+                                                    const ForwardParams& p, const SeqDesc& s, int h, int row_a,
+                                                    int row_b, int t) {
+  constexpr float kLn2 = 0.6931471805599453f;
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, off);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, off);
+  }
+  In* out = static_cast<In*>(p.out) + s.out_offset + int64_t{h} * p.out_head;
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int i = rr == 0 ? row_a : row_b;
+    if (i >= s.Lq) continue;
+    const float l = rr == 0 ? l_a : l_b, m = rr == 0 ? m_a : m_b;
+    const bool empty = l == 0.0f;  // no visible key (NaN compares false: stays NaN)
+    const float inv = empty ? 0.0f : 1.0f / l;
+    In* orow = out + int64_t{i} * p.out_row;
+#pragma unroll
+    for (int n = 0; n < kDt; ++n) {
+      const int col = n * 8 + 2 * t;
+      orow[col] = from_float<In>(empty ? 0.0f : o[n][2 * rr] * inv);
+      orow[col + 1] = from_float<In>(empty ? 0.0f : o[n][2 * rr + 1] * inv);
+    }
+    if (p.lse != nullptr && t == 0) {
+      p.lse[s.lse_offset + int64_t{h} * p.lse_h + int64_t{i} * p.lse_i] = empty ? -INFINITY : m * kLn2 + logf(l);
+    }
+  }
+}
+
 }  // namespace attn::cuda

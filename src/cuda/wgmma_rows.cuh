@@ -129,36 +129,12 @@ struct SoftmaxRows {
     l_b = l_b * alpha_b + sum_b;
   }
 
-  /// out = O / l and lse = m·ln 2 + ln l for rows row_a, row_b (those < s.Lq) of head h;
-  /// a row with no visible key gets 0 and −∞.
+  /// out = O / l and lse for rows row_a, row_b (those < s.Lq) of head h
+  /// (finish_forward_rows).
   template <class T, int kDt>
   __device__ __forceinline__ void finish(const float (*o)[4], const ForwardParams& p, const SeqDesc& s, int h,
-                                         int row_a, int row_b, int t) {
-    constexpr float kLn2 = 0.6931471805599453f;
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {  // the quad's partial sums
-      l_a += __shfl_xor_sync(0xffffffffu, l_a, off);
-      l_b += __shfl_xor_sync(0xffffffffu, l_b, off);
-    }
-    T* out = static_cast<T*>(p.out) + s.out_offset + int64_t{h} * p.out_head;
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      const int i = rr == 0 ? row_a : row_b;
-      if (i >= s.Lq) continue;
-      const float l = rr == 0 ? l_a : l_b, m = rr == 0 ? m_a : m_b;
-      const bool empty = l == 0.0f;  // no visible key (NaN compares false: stays NaN)
-      const float inv = empty ? 0.0f : 1.0f / l;
-      T* orow = out + int64_t{i} * p.out_row;
-#pragma unroll
-      for (int n = 0; n < kDt; ++n) {
-        const int col = n * 8 + 2 * t;
-        orow[col] = from_float<T>(empty ? 0.0f : o[n][2 * rr] * inv);
-        orow[col + 1] = from_float<T>(empty ? 0.0f : o[n][2 * rr + 1] * inv);
-      }
-      if (p.lse != nullptr && t == 0) {
-        p.lse[s.lse_offset + int64_t{h} * p.lse_h + int64_t{i} * p.lse_i] = empty ? -INFINITY : m * kLn2 + logf(l);
-      }
-    }
+                                         int row_a, int row_b, int t) const {
+    finish_forward_rows<T, kDt>(o, m_a, m_b, l_a, l_b, p, s, h, row_a, row_b, t);
   }
 };
 
