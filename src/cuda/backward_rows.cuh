@@ -27,6 +27,16 @@ struct RowStats {
   __device__ int64_t at(int Hq, int b, int h, int i) const {
     return (int64_t{b} * Hq + h) * max_lq + i;
   }
+  /// Row i's m, 1/l and D, or a row's with no visible key (P = 0) where `real` is false
+  /// (a row past its sequence's end).
+  __device__ void load(int Hq, int b, int h, int i, bool real, float& m_i, float& inv_l_i, float& dsum_i) const {
+    if (real) {
+      const int64_t x = at(Hq, b, h, i);
+      m_i = m[x], inv_l_i = inv_l[x], dsum_i = dsum[x];
+    } else {
+      m_i = -INFINITY, inv_l_i = 0.0f, dsum_i = 0.0f;
+    }
+  }
 };
 
 /// P of one score from its row's statistics: exact 0 for a removed key (−∞) and for

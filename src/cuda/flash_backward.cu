@@ -139,17 +139,9 @@ __global__ void __launch_bounds__(kThreads)
   const int last_row = min(q0 + kBlockRows, s.Lq) - 1;
   const int64_t key_lo = max(int64_t{0}, band_of_row(p, s, q0).lo);
   const int64_t key_hi = min(int64_t{s.Lk} - 1, band_of_row(p, s, last_row).hi);
-  auto stats = [&](int i, float& m, float& inv_l, float& dsum) {
-    if (i < s.Lq) {
-      const int64_t at = st.at(p.Hq, b, h, i);
-      m = st.m[at], inv_l = st.inv_l[at], dsum = st.dsum[at];
-    } else {
-      m = -INFINITY, inv_l = 0.0f, dsum = 0.0f;
-    }
-  };
   float m_a, il_a, ds_a, m_b, il_b, ds_b;
-  stats(row_a, m_a, il_a, ds_a);
-  stats(row_b, m_b, il_b, ds_b);
+  st.load(p.Hq, b, h, row_a, row_a < s.Lq, m_a, il_a, ds_a);
+  st.load(p.Hq, b, h, row_b, row_b < s.Lq, m_b, il_b, ds_b);
   const float slope = alibi_slope(p, b, h);
   const bool dropout = p.dropout_p > 0.0f;
   const detail::DropoutRng rng = dropout_rng(p);
@@ -352,12 +344,7 @@ __global__ void __launch_bounds__(kThreads)
   float next_m = -INFINITY, next_il = 0.0f, next_ds = 0.0f;
   auto load_stats = [&](int h, int i0) {
     const int i = i0 + threadIdx.x;
-    if (threadIdx.x < Br && i < s.Lq) {
-      const int64_t at = st.at(p.Hq, b, h, i);
-      next_m = st.m[at], next_il = st.inv_l[at], next_ds = st.dsum[at];
-    } else {
-      next_m = -INFINITY, next_il = 0.0f, next_ds = 0.0f;
-    }
+    st.load(p.Hq, b, h, i, threadIdx.x < Br && i < s.Lq, next_m, next_il, next_ds);
   };
 
   int h = -1, i0 = 0, buf = 0;

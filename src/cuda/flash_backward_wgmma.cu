@@ -67,6 +67,19 @@ __device__ __forceinline__ void issue_rows_product(float (*acc)[4], uint64_t a, 
     wg::ss_m64n64k16<kHalf>(&acc[0][0], advance(a, at), advance(b, at), ks > 0 ? 1 : 0);
   }
 }
+
+/// sc = A·Bᵀ and dp = C·Dᵀ (issue_rows_product, both in flight together), waited for.
+template <bool kHalf, int D>
+__device__ __forceinline__ void scores_and_gradients(float (*sc)[4], uint64_t a, uint64_t b, float (*dp)[4],
+                                                     uint64_t c, uint64_t d) {
+  wg::fence();
+  issue_rows_product<kHalf, D>(sc, a, b);
+  issue_rows_product<kHalf, D>(dp, c, d);
+  wg::commit();
+  wg::wait<0>();
+  pin_all<kTile / 8>(sc);
+  pin_all<kTile / 8>(dp);
+}
 #endif
 
 // dQ of 64 query rows of one (sequence, head). k_bad: the pre-pass's flag per 64-key
@@ -109,17 +122,9 @@ __global__ void __launch_bounds__(kThreads)
   const Band band_first = band_of_row(p, s, q0), band_last = band_of_row(p, s, last_row);
   const int64_t key_lo = max(int64_t{0}, band_first.lo);
   const int64_t key_hi = min(int64_t{s.Lk} - 1, band_last.hi);
-  auto stats = [&](int i, float& m, float& inv_l, float& dsum) {
-    if (i < s.Lq) {
-      const int64_t at = st.at(p.Hq, b, h, i);
-      m = st.m[at], inv_l = st.inv_l[at], dsum = st.dsum[at];
-    } else {
-      m = -INFINITY, inv_l = 0.0f, dsum = 0.0f;
-    }
-  };
   float m_a, il_a, ds_a, m_b, il_b, ds_b;
-  stats(row_a, m_a, il_a, ds_a);
-  stats(row_b, m_b, il_b, ds_b);
+  st.load(p.Hq, b, h, row_a, row_a < s.Lq, m_a, il_a, ds_a);
+  st.load(p.Hq, b, h, row_b, row_b < s.Lq, m_b, il_b, ds_b);
 
   const bool k_vec = rows_vectorizable<T>(k, p.k_row), v_vec = rows_vectorizable<T>(v, p.v_row);
   auto start_keys = [&](int64_t j, int stage) {
@@ -148,13 +153,7 @@ __global__ void __launch_bounds__(kThreads)
 
     // S = Q·Kᵀ and dP = dO·Vᵀ, then dS in place of S.
     float sc[kNt][4], dp[kNt][4];
-    wg::fence();
-    issue_rows_product<kHalf, D>(sc, q_desc, tile_desc(k_s(stage)));
-    issue_rows_product<kHalf, D>(dp, do_desc, tile_desc(v_s(stage)));
-    wg::commit();
-    wg::wait<0>();
-    pin_all<kNt>(sc);
-    pin_all<kNt>(dp);
+    scores_and_gradients<kHalf, D>(sc, q_desc, tile_desc(k_s(stage)), dp, do_desc, tile_desc(v_s(stage)));
     const bool inside = tile_inside_bands(band_first, band_last, j0, j0 + kTile - 1);
 #pragma unroll
     for (int nt = 0; nt < kNt; ++nt) {
@@ -253,12 +252,7 @@ __global__ void __launch_bounds__(kThreads)
     start_swizzled_tile<T, D, kTile>(q_s(stage), q, p.q_row, i0, s.Lq, rows_vectorizable<T>(q, p.q_row));
     start_swizzled_tile<T, D, kTile>(do_s(stage), dout, bp.dout_row, i0, s.Lq, rows_vectorizable<T>(dout, bp.dout_row));
     const int i = i0 + threadIdx.x;
-    if (threadIdx.x < kTile && i < s.Lq) {
-      const int64_t at = st.at(p.Hq, b, h, i);
-      next_m = st.m[at], next_il = st.inv_l[at], next_ds = st.dsum[at];
-    } else {
-      next_m = -INFINITY, next_il = 0.0f, next_ds = 0.0f;
-    }
+    st.load(p.Hq, b, h, i, threadIdx.x < kTile && i < s.Lq, next_m, next_il, next_ds);
   };
 
   float dk[kDt][4], dv[kDt][4];
@@ -287,13 +281,7 @@ __global__ void __launch_bounds__(kThreads)
     // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: element (key, row) at (e < 2 ? key_a : key_b,
     // i0 + 8·nt + 2t + (e & 1)).
     float sc[kNt][4], dp[kNt][4];
-    wg::fence();
-    issue_rows_product<kHalf, D>(sc, k_desc, tile_desc(q_s(stage)));
-    issue_rows_product<kHalf, D>(dp, v_desc, tile_desc(do_s(stage)));
-    wg::commit();
-    wg::wait<0>();
-    pin_all<kNt>(sc);
-    pin_all<kNt>(dp);
+    scores_and_gradients<kHalf, D>(sc, k_desc, tile_desc(q_s(stage)), dp, v_desc, tile_desc(do_s(stage)));
     // Pᵀ in sc, dSᵀ in dp; only scaled scores where the key block lies inside every
     // row's band.
     const bool inside = tile_inside_bands(band_of_row(p, s, i0), band_of_row(p, s, min(i0 + kTile, s.Lq) - 1), j0,

@@ -180,6 +180,49 @@ __device__ __forceinline__ void row_max_sum(const ForwardParams& p, const SeqDes
   max_out = mx, sum_out = sum;
 }
 
+/// The raw maxima of this thread's scores of rows A (sc[·][0..1]) and B (sc[·][2..3]).
+template <int kNt>
+__device__ __forceinline__ void raw_row_maxima(const float (*sc)[4], float& mx_a, float& mx_b) {
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt) {
+    mx_a = fmaxf(mx_a, fmaxf(sc[nt][0], sc[nt][1]));
+    mx_b = fmaxf(mx_b, fmaxf(sc[nt][2], sc[nt][3]));
+  }
+}
+
+/// The online softmax's step after the scores of a tile are known: sc holds this thread's
+/// scores of rows A (sc[·][0..1]) and B (sc[·][2..3]) in log2 units once multiplied by
+/// `mul`, mx_a and mx_b their raw maxima. Takes the row maxima over the quad that shares a
+/// row (fmaxf skips NaN; a NaN score still makes its row NaN through the sum), moves m and
+/// l on, turns the scores into probabilities p = 2^(x − m) and returns in alpha what
+/// each row's O must be scaled by. A row that has seen only −∞ so far subtracts 0
+/// (e^(−∞ − 0) = 0, not NaN).
+template <int kNt>
+__device__ __forceinline__ void softmax_step(float (*sc)[4], float mx_a, float mx_b, float mul, float& m_a,
+                                             float& m_b, float& l_a, float& l_b, float& alpha_a, float& alpha_b) {
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
+  }
+  const float mn_a = fmaxf(m_a, mx_a * mul), mn_b = fmaxf(m_b, mx_b * mul);
+  const float ref_a = mn_a == -INFINITY ? 0.0f : mn_a, ref_b = mn_b == -INFINITY ? 0.0f : mn_b;
+  alpha_a = fast_exp2(m_a - ref_a), alpha_b = fast_exp2(m_b - ref_b);
+  m_a = mn_a, m_b = mn_b;
+  float sum_a = 0.0f, sum_b = 0.0f;
+#pragma unroll
+  for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float pr = fast_exp2(fmaf(sc[nt][e], mul, -(e < 2 ? ref_a : ref_b)));
+      if (e < 2) sum_a += pr; else sum_b += pr;
+      sc[nt][e] = pr;
+    }
+  }
+  l_a = l_a * alpha_a + sum_a;
+  l_b = l_b * alpha_b + sum_b;
+}
+
 /// The forward's last step for this thread's rows row_a and row_b of a warp's 16 (those
 /// < s.Lq) of head h: the quad's partial sums l, then out = O / l (rounded to In) and
 /// lse = m·ln 2 + ln l, m in log2 units; a row with no visible key (l = 0) gets 0 and −∞.

@@ -84,11 +84,7 @@ struct SoftmaxRows {
   __device__ __forceinline__ void step(float (*sc)[4], int64_t j0, int t, float& alpha_a, float& alpha_b) {
     float mx_a = -INFINITY, mx_b = -INFINITY, mul = 1.0f;
     if (tile_inside_bands(band_first, band_last, j0, j0 + kNt * 8 - 1)) {
-#pragma unroll
-      for (int nt = 0; nt < kNt; ++nt) {
-        mx_a = fmaxf(mx_a, fmaxf(sc[nt][0], sc[nt][1]));
-        mx_b = fmaxf(mx_b, fmaxf(sc[nt][2], sc[nt][3]));
-      }
+      raw_row_maxima<kNt>(sc, mx_a, mx_b);
       mul = scale_log2;
     } else {
 #pragma unroll
@@ -103,30 +99,7 @@ struct SoftmaxRows {
         }
       }
     }
-    // Row maxima over the quad that shares a row (fmaxf skips NaN; a NaN score still
-    // makes its row NaN through the sum).
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-      mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
-      mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
-    }
-    const float mn_a = fmaxf(m_a, mx_a * mul), mn_b = fmaxf(m_b, mx_b * mul);
-    // A row that has seen only −∞ so far subtracts 0 (e^(−∞ − 0) = 0, not NaN).
-    const float ref_a = mn_a == -INFINITY ? 0.0f : mn_a, ref_b = mn_b == -INFINITY ? 0.0f : mn_b;
-    alpha_a = fast_exp2(m_a - ref_a), alpha_b = fast_exp2(m_b - ref_b);
-    m_a = mn_a, m_b = mn_b;
-    float sum_a = 0.0f, sum_b = 0.0f;
-#pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float pr = fast_exp2(fmaf(sc[nt][e], mul, -(e < 2 ? ref_a : ref_b)));
-        if (e < 2) sum_a += pr; else sum_b += pr;
-        sc[nt][e] = pr;
-      }
-    }
-    l_a = l_a * alpha_a + sum_a;
-    l_b = l_b * alpha_b + sum_b;
+    softmax_step<kNt>(sc, mx_a, mx_b, mul, m_a, m_b, l_a, l_b, alpha_a, alpha_b);
   }
 
   /// out = O / l and lse for rows row_a, row_b (those < s.Lq) of head h
