@@ -89,15 +89,16 @@ __global__ void __launch_bounds__(kThreads)
   cp_async_commit();
   // This thread's two rows of the warp's 16: A = row g, B = row g + 8.
   const int row_a = q0 + warp * 16 + g, row_b = row_a + 8;
+  const Band band_a = band_of_row(p, s, row_a), band_b = band_of_row(p, s, row_b);
   const int last_row = min(q0 + kRows, s.Lq) - 1;
-  SoftmaxRows rows{band_of_row(p, s, row_a), band_of_row(p, s, row_b), band_of_row(p, s, q0),
-                   band_of_row(p, s, last_row), p.scale * kLog2e};
-  const int64_t key_lo = max(int64_t{0}, rows.band_first.lo);
-  const int64_t key_hi = min(int64_t{s.Lk} - 1, rows.band_last.hi);
+  const Band band_first = band_of_row(p, s, q0), band_last = band_of_row(p, s, last_row);
+  const int64_t key_lo = max(int64_t{0}, band_first.lo);
+  const int64_t key_hi = min(int64_t{s.Lk} - 1, band_last.hi);
 
   float o[kDt][4];
 #pragma unroll
   for (int n = 0; n < kDt; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  SoftmaxRows rows{band_a, band_b, band_first, band_last, p.scale * kLog2e};
 
   const bool k_vec = rows_vectorizable<T>(k, p.k_row), v_vec = rows_vectorizable<T>(v, p.v_row);
   int64_t j0 = key_lo <= key_hi ? (key_lo / kKeys) * kKeys : -1;
