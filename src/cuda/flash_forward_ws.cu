@@ -81,17 +81,19 @@ __device__ __forceinline__ void bar_expect(uint64_t* bar, uint32_t bytes) {
 __device__ __forceinline__ void bar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(shared_address(bar)) : "memory");
 }
-/// Waits until the barrier's phase of this parity has completed. After 2²⁶ tries
-/// (seconds; a tile takes microseconds) it traps: while the kernel is unverified, a
-/// pipeline that never completes a phase fails the call instead of hanging it.
+/// Waits until the barrier's phase of this parity has completed. After ~2·10⁹ cycles
+/// (about a second; a tile takes microseconds) it traps: while the kernel is unverified,
+/// a pipeline that never completes a phase fails the call instead of hanging it. (The
+/// clock is read inside the asm: C++ around it cost the consumers 244 bytes of spills.)
 __device__ __forceinline__ void bar_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
-      "{\n.reg .pred p;\n.reg .u32 tries;\nmov.u32 tries, 0;\n"
+      "{\n.reg .pred p;\n.reg .u64 t0, t1;\nmov.u64 t0, %%clock64;\n"
       "wait_again:\n"
       "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
       "@p bra wait_done;\n"
-      "add.u32 tries, tries, 1;\n"
-      "setp.gt.u32 p, tries, 67108864;\n"
+      "mov.u64 t1, %%clock64;\n"
+      "sub.u64 t1, t1, t0;\n"
+      "setp.gt.u64 p, t1, 2000000000;\n"
       "@p trap;\n"
       "bra wait_again;\n"
       "wait_done:\n}\n" ::"r"(shared_address(bar)),
