@@ -17,7 +17,8 @@
 # Environment: ATTN_GPU_PYTHON_ONLY=1 runs the Python GPU tests alone; ATTN_GPU_SKIP_PYTHON=1
 # skips them (an A/B call that carries two bundles and no .gpu-deps); ATTN_GPU_NCU=0 skips
 # the profile, ATTN_GPU_NCU_BUNDLE=NAME profiles that bundle instead of `main`;
-# ATTN_GPU_SKIP_TORCH=1 skips PyTorch's SDPA (a short A/B call). Without bundles, the binaries are built here. Libraries the machine lacks for
+# ATTN_GPU_SKIP_TORCH=1 skips PyTorch's SDPA (a short A/B call); ATTN_GPU_SANITIZE=0 skips the
+# compute-sanitizer reruns of crashed tests (up to 2 × 90 s). Without bundles, the binaries are built here. Libraries the machine lacks for
 # a build (Highway, OpenBLAS, GoogleTest, ...) come from .gpu-deps/ (scripts/gpu-deps.sh,
 # where Debian's mirrors are reachable): each package is unpacked and its files added
 # without overwriting any file the machine already has. The Python extension is always
@@ -89,9 +90,10 @@ check_bundle() {
   echo "[$name] GPU tests: $(cat "$dir"/tests/*.sum | grep -c " ok ") ok, $(cat "$dir"/tests/*.sum | grep -c SKIPPED) skipped"
   cat "$dir"/tests/*.sum | grep -E "FAILED|CRASHED" | sed "s/^/[$name] /" && status=1
   for t in $(grep -h -E "CRASHED" "$dir"/tests/*.sum | awk '{print $1}' | head -2); do
+    [ "${ATTN_GPU_SANITIZE:-1}" = 1 ] || break
     sanitized=$((sanitized + 1))
     command -v compute-sanitizer > /dev/null &&
-      timeout 150 compute-sanitizer --tool memcheck --print-limit 20 "$bin/cuda_attention_test" --gtest_filter="$t" \
+      timeout 90 compute-sanitizer --tool memcheck --print-limit 20 "$bin/cuda_attention_test" --gtest_filter="$t" \
         > "$dir/sanitizer_$sanitized.txt" 2>&1
   done
   cat "$dir"/tests/*.log | grep -E "Failure|Expected|Which is|Value of|actual" | head -20
