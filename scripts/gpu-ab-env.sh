@@ -38,6 +38,12 @@ for value in "${values[@]}"; do
   echo "$var=$value: $(wc -l < "$logs/list") tests, $(wc -l < "$logs/failed") failed $(tr '\n' ' ' < "$logs/failed")" |
     tee -a "$out/ab.txt"
   [ -s "$logs/failed" ] && status=1
+  # What each failure said (its assertions, a crash's last lines), into ab.txt.
+  while read -r _ t; do
+    echo "--- $var=$value $t:"
+    grep -E "Failure|Expected|Which is|Value of|actual|error|trap|CUDA" "$logs/$(echo "$t" | tr / _).log" | head -12
+    tail -3 "$logs/$(echo "$t" | tr / _).log"
+  done < "$logs/failed" >> "$out/ab.txt"
   only=forward
   [ "$pass" = forward ] || only=all
   timeout 300 "$bin/cuda_attention_bench" "$repeats" "$only" > "$logs/bench_$value.txt" 2>&1 || status=1
