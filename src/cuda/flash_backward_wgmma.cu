@@ -172,12 +172,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int kk = 0; kk < kTile / 16; ++kk) a_from_accumulator<T>(sc, kk, pa[kk]);
     if (!gated) {
-      pin_all<kDt>(dq);
-      wg::fence();
-      issue_values<kHalf, D, kTile>(dq, pa, tile_desc(k_s(stage)));
-      wg::commit();
-      wg::wait<0>();
-      pin_all<kDt>(dq);
+      accumulate_values<kHalf, D, kTile>(dq, pa, tile_desc(k_s(stage)));
     } else {
       gated_values<T, D, kTile>(dq, pa, pw_s + warp * 16 * kTile, k_s(stage));
     }

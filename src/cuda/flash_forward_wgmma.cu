@@ -170,12 +170,7 @@ __global__ void __launch_bounds__(kThreads)
     wg::fence_shared_for_async();
     __syncthreads();
     if (!slow_prev) {
-      pin_all<kDt>(o);
-      wg::fence();
-      issue_values<kHalf, D, kKeys>(o, pa_prev, at(v_desc, (vb ^ 1) * tile_bytes<D>(kKeys)));
-      wg::commit();
-      wg::wait<0>();
-      pin_all<kDt>(o);
+      accumulate_values<kHalf, D, kKeys>(o, pa_prev, at(v_desc, (vb ^ 1) * tile_bytes<D>(kKeys)));
     } else {
       gated_values<T, D, kKeys>(o, pa_prev, p_s + warp * 16 * kKeys, v_s + (vb ^ 1) * tile_bytes<D>(kKeys));
     }

@@ -249,12 +249,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tiles > 0) {
       bar_wait(full_v + st_prev, parity_prev);
       if (!slow_prev) {
-        pin_all<kDt>(o);
-        wg::fence();
-        issue_values<kHalf, D, kKeys>(o, pa_prev, desc(v_s(st_prev)));
-        wg::commit();
-        wg::wait<0>();
-        pin_all<kDt>(o);
+        accumulate_values<kHalf, D, kKeys>(o, pa_prev, desc(v_s(st_prev)));
       } else {
         gated_values<T, D, kKeys>(o, pa_prev, pw, v_s(st_prev));
       }

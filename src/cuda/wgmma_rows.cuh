@@ -137,6 +137,17 @@ __device__ __forceinline__ void issue_values(float (*o)[4], const uint32_t (*pa)
     }
   }
 }
+
+/// issue_values, waited for: O += P·V complete on return.
+template <bool kHalf, int D, int kKeys>
+__device__ __forceinline__ void accumulate_values(float (*o)[4], const uint32_t (*pa)[4], uint64_t v_desc) {
+  pin_all<D / 8>(o);
+  wgmma::fence();
+  issue_values<kHalf, D, kKeys>(o, pa, v_desc);
+  wgmma::commit();
+  wgmma::wait<0>();
+  pin_all<D / 8>(o);
+}
 #endif
 
 /// O (a warp's 16 rows × D columns) += P·V element by element, skipping p = 0, for a
