@@ -100,6 +100,9 @@ HWY_INLINE hn::Vec<DI32> ToFixed(VF x, VF inv) {
 template <int N>
 HWY_INLINE hn::Vec<DI32> TransposedSumsI32(hn::Vec<DI32>* x) {
   const DI32 di;
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  if constexpr (N == 16) return BlockTransposedSums(di, x);
+#endif
   if constexpr (N == 1) {
     return x[0];
   } else {
