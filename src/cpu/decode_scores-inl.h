@@ -40,10 +40,10 @@ HWY_INLINE VF HalfSums4(DF df, const VF* x) {
 /// AVX-512, 16 vectors x of f32 or int32: lane i of the result is the sum of x[i]'s
 /// lanes. ConcatEven/ConcatOdd rounds would take 30 two-source permutes (vpermt2ps),
 /// which on Zen 4 share the pipes of the score passes' products: a 4 × 4 bf16 pass
-/// took 93 cycles against 65 for its 64 vdpbf16ps alone. Here two rounds stay within
-/// each 128-bit block (32-bit, then 64-bit interleaves, cheap there), and two rounds
-/// of block shuffles (6 in all) end it: 76 cycles. The same count of shuffles on
-/// Intel, where each takes port 5 either way.
+/// took the time of 93 vdpbf16ps where its 64 alone take 64. Here two rounds stay
+/// within each 128-bit block (32-bit, then 64-bit interleaves, cheap there), and two
+/// rounds of block shuffles (6 in all) end it: 75 (bench/avx512_decode_sums). The
+/// same count of shuffles on Intel, where each takes port 5 either way.
 template <class D>
 HWY_INLINE hn::Vec<D> BlockTransposedSums(D d, hn::Vec<D>* x) {
   using V = hn::Vec<D>;
