@@ -96,23 +96,6 @@ HWY_INLINE hn::Vec<DI32> ToFixed(VF x, VF inv) {
   return hn::NearestInt(hn::Clamp(hn::Mul(x, inv), hn::Neg(lim), lim));
 }
 
-/// TransposedSums for int32 vectors: lane i of the result is the sum of x[i]'s lanes.
-template <int N>
-HWY_INLINE hn::Vec<DI32> TransposedSumsI32(hn::Vec<DI32>* x) {
-  const DI32 di;
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-  if constexpr (N == 16) return BlockTransposedSums(di, x);
-#endif
-  if constexpr (N == 1) {
-    return x[0];
-  } else {
-#pragma GCC unroll 16
-    for (int i = 0; i < N / 2; ++i)
-      x[i] = hn::Add(hn::ConcatEven(di, x[2 * i + 1], x[2 * i]), hn::ConcatOdd(di, x[2 * i + 1], x[2 * i]));
-    return TransposedSumsI32<N / 2>(x);
-  }
-}
-
 /// s[r·ld + c] = Σ_x q[r][x]·k_c[x] in integers, for NR rows of fixed-point queries
 /// (q: rows of dq int16, FixedQueries's) and NK i8 key rows, d a multiple of
 /// kFixedUnit; the caller multiplies row r by its unit. The sums are exact integers
@@ -140,7 +123,7 @@ HWY_INLINE void DotRowsFixed16(const int16_t* HWY_RESTRICT q, size_t dq, const i
     // then one conversion, where converting each accumulator first took 16 (AVX2
     // keeps the f32 path: its TransposedSums has an in-half schedule).
     HWY_ALIGN float out[kLanes];
-    hn::Store(hn::ConvertTo(df, TransposedSumsI32<NR * NK>(acc)), df, out);
+    hn::Store(hn::ConvertTo(df, TransposedSums<NR * NK>(di, acc)), df, out);
     for (int r = 0; r < NR; ++r) std::memcpy(s + r * ld, out + r * NK, NK * sizeof(float));
     return;
   }

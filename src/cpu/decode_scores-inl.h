@@ -83,13 +83,14 @@ HWY_INLINE hn::Vec<D> BlockTransposedSums(D d, hn::Vec<D>* x) {
 /// 3 operations per sum where SumOfLanes costs 2·log₂(kLanes) for each.
 /// The rounds are unrolled at compile time (N a template argument): with the trip
 /// counts left to the optimiser GCC kept x, the caller's accumulators, on the stack.
-template <int N = kLanes>
-HWY_INLINE VF TransposedSums(DF df, VF* x) {
+/// D: f32 (DF) or int32 lanes of the same width.
+template <int N = kLanes, class D>
+HWY_INLINE hn::Vec<D> TransposedSums(D df, hn::Vec<D>* x) {
 #if HWY_ARCH_X86 && (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL)
   if constexpr (N == 16) return BlockTransposedSums(df, x);
 #endif
 #if HWY_ARCH_X86
-  if constexpr (N == 8 && kLanes == 8) {
+  if constexpr (N == 8 && kLanes == 8 && std::is_same_v<hn::TFromD<D>, float>) {
     // AVX2: ConcatEven/ConcatOdd cross the 128-bit halves (a vpermq each, 3 µops on
     // Zen 1): 35 operations for 8 sums. Here two rounds stay within each half, and
     // one exchange of halves ends it: 21 operations.
