@@ -29,8 +29,9 @@ def _t(x):
 
 
 def reference(q, k, v, mask=None, is_causal=False, scale=None, alignment="top_left", window=None, softcap=None,
-              alibi=None, dtype=torch.float64):
+              alibi=None, allowed=None, dtype=torch.float64):
     """float64 torch tensors [..., H, L, d] → (out, lse), fully masked rows → 0 and -inf.
+    allowed: a boolean mask applied besides `mask` (a block mask's positions, say).
     With dtype=torch.float32, the same pipeline in f32: the "plain f32 implementation"
     whose error FlashAttention's rule compares with."""
     q, k, v = (_t(x).to(dtype) for x in (q, k, v))
@@ -55,6 +56,8 @@ def reference(q, k, v, mask=None, is_causal=False, scale=None, alignment="top_le
             visible = visible & m
         else:
             s = s + m.to(dtype)
+    if allowed is not None:
+        visible = visible & _t(allowed)
     if is_causal:
         visible = visible & ((j <= i) if alignment == "top_left" else (j <= ip))
     if window is not None:

@@ -1,8 +1,8 @@
 """Options in random combination, against the float64 reference: the other tests take the
 options one or two at a time; here each case draws shapes (odd head dims, dv ≠ d, L ≠ S,
 GQA), dtype and every option at once — causal in either alignment, window, softcap,
-ALiBi, a boolean or additive mask, a scale — for scaled_dot_product_attention and its
-backward, and for attention_with_kvcache on contiguous and paged caches with appended
+ALiBi, a boolean or additive mask, a scale, a block mask — for scaled_dot_product_attention
+and its backward, and for attention_with_kvcache on contiguous and paged caches with appended
 tokens and forced split counts; and that such calls (bf16 and i8 caches too) give
 bitwise the same results on 1 and 2 threads. A time-bounded campaign of the same draws
 (177k calls on AMD Zen 4, 2026-11-29) found no disagreement; these cases keep the
@@ -17,7 +17,23 @@ from test_backward import reference_grads
 from test_kvcache import _logical
 
 
-def _options(rng, B, Hq, L, S):
+def _block_mask(rng, B, Hq, L, S):
+    """A random attn.BlockMask for a [B, Hq, L, S] call, and its predicate at every
+    position, [B or 1, Hq or 1, L, S]: documents, a window with global tokens, or a
+    pattern that changes across blocks, each maybe depending on the batch and head."""
+    cuts = np.cumsum(rng.random((B, max(L, S))) < 0.05, axis=1)
+    w, g = int(rng.integers(0, 20)), int(rng.integers(0, 4))
+    mods = [lambda b, h, q, k: cuts[b, q] == cuts[b, k],
+            lambda b, h, q, k: (np.abs(q - k) <= w + 3 * h) | (k < g) | (q < g),
+            lambda b, h, q, k: ((q // 5 + k // 7 + h + b) % 3 != 0) | (k == q % S)]
+    mod = mods[int(rng.integers(len(mods)))]
+    bm, hm = (B if rng.random() < 0.5 else None), (Hq if rng.random() < 0.5 else None)
+    block = int(rng.choice([1, 3, 16, 64])) if rng.random() < 0.6 else (int(rng.choice([2, 64])), int(rng.choice([5, 64])))
+    idx = np.ix_(np.arange(bm or 1), np.arange(hm or 1), np.arange(L), np.arange(S))
+    return attn.block_mask(mod, bm, hm, L, S, block_size=block), np.broadcast_to(mod(*idx), ((bm or 1), (hm or 1), L, S))
+
+
+def _options(rng, B, Hq, L, S, block_masks=False):
     """Random options for a [B, Hq, L, S] call: the library's keywords, and the reference's."""
     opts, ref = {}, {}
     if rng.random() < 0.5:
@@ -41,6 +57,8 @@ def _options(rng, B, Hq, L, S):
         else:
             mask = (0.5 * rng.standard_normal(shape)).astype(np.float32)
         opts["attn_mask"] = ref["mask"] = mask
+    if block_masks and rng.random() < 0.3:
+        opts["block_mask"], ref["allowed"] = _block_mask(rng, B, Hq, L, S)
     return opts, ref
 
 
@@ -61,7 +79,7 @@ def test_sdpa_and_its_backward_in_random_option_combinations(rng, case):
     k = rng.standard_normal((B, Hkv, S, d)).astype(dtype)
     v = rng.standard_normal((B, Hkv, S, dv)).astype(dtype)
     g = rng.standard_normal((B, Hq, L, dv)).astype(dtype)
-    opts, ref = _options(rng, B, Hq, L, S)
+    opts, ref = _options(rng, B, Hq, L, S, block_masks=True)
     where = _where(case, opts)
     out, lse = attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, return_lse=True, **opts)
     wide = [x.astype(np.float64) for x in (q, k, v, g)]  # the reference sees the inputs as rounded
@@ -166,7 +184,7 @@ def test_thread_count_changes_no_bit_in_random_combinations(rng, case):
             x = [a.astype(np.float16) for a in x]
         elif dtype == "bf16":
             x = [torch.from_numpy(a).to(torch.bfloat16) for a in x]
-        opts, _ = _options(rng, B, Hq, L, S)
+        opts, _ = _options(rng, B, Hq, L, S, block_masks=True)
         opts.update(enable_gqa=True, seed=1234, dropout_p=0.1 if rng.random() < 0.25 else 0.0)
 
         def call():
