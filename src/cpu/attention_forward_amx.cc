@@ -767,6 +767,7 @@ bool ForwardAmxImpl(const Problem& p, int threads, bool tiles) {
     }
   }
   const int nq = static_cast<int>(qpacks.size()), nkv = static_cast<int>(kvpacks.size());
+  const bool heads_apart = p.k_head > p.k_row && p.v_head > p.v_row;
   const int nblocks = static_cast<int>(blocks.size());
   std::atomic<bool> nonfinite{false};
   OwnedRanges ranges(nblocks, nt);  // blocks are ordered by (b, h, t): a range is a few heads
@@ -784,15 +785,25 @@ bool ForwardAmxImpl(const Problem& p, int threads, bool tiles) {
         bad |= PackQueries(p, lay, pack, qpacks[i].b, h, qpacks[i].t, staging);
       }
     }
-#pragma omp for schedule(static)
-    for (int i = 0; i < nkv; ++i) {
-      const Sequence& seq = p.seqs[kvpacks[i].b];
+    // This thread's chunks, as `omp for schedule(static)` would deal them.
+    const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+    const int first = static_cast<int>(int64_t{nkv} * tid / team), last = static_cast<int>(int64_t{nkv} * (tid + 1) / team);
+    if (heads_apart) {
+      // [B, H, L, d] (SDPA's layout): a head's rows are contiguous, so each head's
+      // chunks in turn read two streams the hardware prefetcher follows.
       for (int hk = 0; hk < p.Hkv; ++hk) {
-        if (hk + 1 < p.Hkv) {
-          PrefetchBlock(p, p.k, seq.k_offset + (hk + 1) * p.k_head, p.k_row, p.d, kvpacks[i].t, kPair, seq.Lk);
-          PrefetchBlock(p, p.v, seq.v_offset + (hk + 1) * p.v_head, p.v_row, p.dv, kvpacks[i].t, kPair, seq.Lk);
+        for (int i = first; i < last; ++i) bad |= PackKeysValues(p, lay, pack, kvpacks[i].b, hk, kvpacks[i].t, staging);
+      }
+    } else {
+      for (int i = first; i < last; ++i) {
+        const Sequence& seq = p.seqs[kvpacks[i].b];
+        for (int hk = 0; hk < p.Hkv; ++hk) {
+          if (hk + 1 < p.Hkv) {
+            PrefetchBlock(p, p.k, seq.k_offset + (hk + 1) * p.k_head, p.k_row, p.d, kvpacks[i].t, kPair, seq.Lk);
+            PrefetchBlock(p, p.v, seq.v_offset + (hk + 1) * p.v_head, p.v_row, p.dv, kvpacks[i].t, kPair, seq.Lk);
+          }
+          bad |= PackKeysValues(p, lay, pack, kvpacks[i].b, hk, kvpacks[i].t, staging);
         }
-        bad |= PackKeysValues(p, lay, pack, kvpacks[i].b, hk, kvpacks[i].t, staging);
       }
     }
     if (bad) nonfinite.store(true);
