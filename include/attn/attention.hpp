@@ -293,7 +293,10 @@ CpuInfo cpu_info();
 inline constexpr int kMaxThreads = 4096;
 
 /// Number of threads the kernels use (default: all cores, or ATTN_NUM_THREADS in
-/// [1, kMaxThreads]). n outside [1, kMaxThreads] throws attn::Error.
+/// [1, kMaxThreads]). n outside [1, kMaxThreads] throws attn::Error. Calls may come
+/// from several threads at once, including the threads of the caller's own OpenMP
+/// parallel region: each such call opens a nested team, of one thread unless the
+/// caller enabled nested parallelism (omp_set_max_active_levels), with the same bits.
 void set_num_threads(int n);
 int num_threads();
 
