@@ -33,8 +33,9 @@ def _logical(cache, seqlens, b, block_table=None, scale=None):
     else:
         page = c.shape[1]
         idx = [(block_table[b, t // page], t % page) for t in range(n)]
-        rows = np.stack([c[p, r] for p, r in idx]).astype(np.float64)
-        s = None if scale is None else np.stack([scale[p, r] for p, r in idx])
+        # An empty sequence (no keys: n = 0) gives no rows.
+        rows = np.array([c[p, r] for p, r in idx], np.float64).reshape((n,) + c.shape[2:])
+        s = None if scale is None else np.array([scale[p, r] for p, r in idx], np.float64).reshape((n,) + scale.shape[2:])
     return rows if s is None else rows * s[..., None]
 
 
