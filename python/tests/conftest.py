@@ -16,6 +16,13 @@ def pytest_report_header(config):
     return "attn python tests: ATTN_TEST_SEED=%d" % SEED
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus):
+    # Again at the end: under -q (CI's runs) pytest leaves the header out, and a failure
+    # is reproduced with this seed.
+    if exitstatus != 0:
+        terminalreporter.write_line("attn python tests: rerun with ATTN_TEST_SEED=%d" % SEED)
+
+
 @pytest.fixture
 def rng(request):
     # Per test, derived from the run's seed and the test's name: reproducible one by one
