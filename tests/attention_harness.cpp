@@ -375,8 +375,14 @@ constexpr double kSlack = 1.2e-7;
     }
     // A screen for gross errors only: in a case with a row or two (Lq = 2, one of
     // them with a single key) the ratio of two rounding errors swings 5× either
-    // way; the 2× rule is applied to the pooled cases (ErrorLedger).
-    if (!(sums->fused_rel() <= 10 * sums->plain_rel() + kSlack)) {
+    // way; the 2× rule is applied to the pooled cases (ErrorLedger). With so few
+    // results the plain code can also be near exact by chance while the kernel
+    // carries its scores' rounding, which is the dot product's (~√d·eps of
+    // Σ|q·k|·scale, not of the score): seen, lse err 1.9e-7 against 3.6e-9 for two
+    // lse values at d = 128, Lk = 2 (ATTN_TEST_SEED=16634773951197762859). Those
+    // cases get a slack of 1e-6, still a thousandth of a gross error.
+    const double slack = sums->count < kFewElements ? 1e-6 : kSlack;
+    if (!(sums->fused_rel() <= 10 * sums->plain_rel() + slack)) {
       return fail((std::string(name) + " error above 10x plain f32 in one case").c_str());
     }
   }
