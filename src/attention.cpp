@@ -81,24 +81,28 @@ void attention_with_mods(const TensorView& q, const TensorView& k, const TensorV
   // A few queries per sequence (a decoding step given the whole past as k and v): the
   // decode kernel reads k and v in place, where the tiled kernels would pack them all.
   if (attention_few_queries(p, num_threads())) return;
+  // The kernels read f32 masks: a bf16/f16 mask is widened (it is one copy, read
+  // once per tile), then the call starts again.
+  if (p.mask_dtype == DType::bf16 || p.mask_dtype == DType::f16) {
+    std::vector<float> mask32;
+    const AttentionOptions o = with_f32_mask(options, mask32);
+    attention_with_mods(q, k, v, out, o, lse, probs, mods);
+    return;
+  }
+  forward_on_tiles(p, options, num_threads());
+}
+
+void forward_on_tiles(const Problem& p, const AttentionOptions& options, int threads) {
   if (needs_widening(p, options)) {
-    // The kernels read f32 masks: a bf16/f16 mask is widened (it is one copy, read
-    // once per tile), then the call starts again.
-    if (p.mask_dtype == DType::bf16 || p.mask_dtype == DType::f16) {
-      std::vector<float> mask32;
-      const AttentionOptions o = with_f32_mask(options, mask32);
-      attention_with_mods(q, k, v, out, o, lse, probs, mods);
-      return;
-    }
     if (const LowpPath path = lowp_kernel(p, options, LowpPass::forward); path != LowpPath::f32) {
-      if (attention_forward_amx(p, num_threads(), path)) return;
+      if (attention_forward_amx(p, threads, path)) return;
       // Declined (a NaN or ±∞ in q, k or v): the portable path's exact semantics.
     }
     // The portable path: the f32 kernel widens bf16/f16 rows in its packing step,
     // rounds f32 inputs to bf16 there under Precision::bf16, and takes f32 inputs
     // with Precision::bf16x3 as they are (more accurate than asked).
   }
-  attention_forward_cpu(p, num_threads());
+  attention_forward_cpu(p, threads);
 }
 
 namespace {

@@ -37,6 +37,11 @@ enum class LowpPass { forward, backward };
 /// on the thread count, so results stay bitwise identical for any thread count.
 LowpPath lowp_kernel(const Problem& p, const AttentionOptions& options, LowpPass pass);
 
+/// Runs the forward of p (checked, its mask f32) on the tiled kernels: the bf16/f16
+/// tile kernel lowp_kernel() picks, else (or where it declines non-finite inputs) the
+/// f32 kernel. What attention() does once the few-queries route has passed a call by.
+void forward_on_tiles(const Problem& p, const AttentionOptions& options, int threads);
+
 /// Bytes of the f32 copy of a bf16/f16 mask (0 for an f32 mask or none).
 size_t mask_widening_bytes(const AttentionOptions& options);
 

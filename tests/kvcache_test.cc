@@ -21,6 +21,7 @@
 #include "attn/kvcache.hpp"
 #include "cpu/attention_forward.hpp"  // simd_targets, force_simd_target
 #include "cpu/isa.hpp"
+#include "kvcache/prefill_on_tiles.hpp"
 #include "tensor/convert.hpp"
 
 namespace attn::testing {
@@ -40,6 +41,7 @@ struct KvConfig {
   int B = 1, Hq = 4, Hkv = 2, d = 16, dv = 16, Lq = 1, Lnew = 1;
   std::vector<int> cached{5};
   int page = 0;  // 0 = contiguous
+  bool pages_in_order = false;  // each sequence's pages follow one another in memory
   DType cache_dtype = DType::f32, q_dtype = DType::f32;
   Causal causal = Causal::BottomRight;
   Window window;
@@ -113,7 +115,7 @@ struct KvCase {
       // Each sequence gets distinct random pages; spare pages are never listed.
       std::vector<int32_t> perm(pages_total);
       std::iota(perm.begin(), perm.end(), 0);
-      std::shuffle(perm.begin(), perm.end(), rng);
+      if (!c.pages_in_order) std::shuffle(perm.begin(), perm.end(), rng);
       block_table.assign(perm.begin(), perm.begin() + c.B * max_blocks);
     }
     const size_t es = dtype_size(c.cache_dtype);
@@ -425,8 +427,10 @@ bool may_round_p_to_bf16(const KvConfig& c) {
 
 // The float64 reference on the logical keys and values (the cache after the call,
 // dequantized), sequence by sequence, with the queries rotated in double.
+// lse_tolerance: 0 = `tolerance`; attention()'s bf16/f16 tile kernels take 1e-4 (their
+// exponential errs by up to 8.6e-5, ample for P rounded to bf16).
 void check_against_reference(const KvCase& kc, const Result& r, const std::string& name, double tolerance = 2e-5,
-                             double* worst_seen = nullptr) {
+                             double* worst_seen = nullptr, double lse_tolerance = 0) {
   const KvConfig& c = kc.c;
   double worst = 0, scale = 1e-30, worst_lse = 0;
   const double p_round = may_round_p_to_bf16(c) ? 1.0 / 256 : 0.0;
@@ -460,7 +464,7 @@ void check_against_reference(const KvCase& kc, const Result& r, const std::strin
   // rounded the same way), then one rounding to the output dtype.
   const double out_round = c.q_dtype == DType::bf16 ? 1.0 / 256 : c.q_dtype == DType::f16 ? 1.0 / 2048 : 0.0;
   EXPECT_LE(worst, tolerance * scale + out_round * scale) << name << " (" << seed_note() << ")";
-  EXPECT_LE(worst_lse, tolerance) << name << " (" << seed_note() << ")";
+  EXPECT_LE(worst_lse, lse_tolerance > 0 ? lse_tolerance : tolerance) << name << " (" << seed_note() << ")";
   if (worst_seen != nullptr) *worst_seen = std::max(*worst_seen, worst / scale);
 }
 
@@ -803,6 +807,170 @@ TEST(KVCache, ChunkedPrefillAndSpeculativeDecoding) {
     c.cached = {100, lq};
     run_and_check(c, rng);
   }
+}
+
+// attention() on the same logical keys and values: a contiguous [B, longest, Hkv, d]
+// copy of the cache after the call, key_lengths = cache_seqlens + Lnew, the mask's
+// columns cut to the longest sequence. Queries unrotated (call it without rotary).
+Result attention_on_logical_cache(const KvCase& kc) {
+  const KvConfig& c = kc.c;
+  int longest = 0;
+  std::vector<int32_t> lengths;
+  for (int b = 0; b < c.B; ++b) lengths.push_back(c.cached[b] + c.Lnew), longest = std::max(longest, lengths.back());
+  const size_t es = dtype_size(c.cache_dtype);
+  std::vector<uint8_t> k(size_t(c.B) * longest * c.Hkv * c.d * es, 0), v(size_t(c.B) * longest * c.Hkv * c.dv * es, 0);
+  for (int b = 0; b < c.B; ++b)
+    for (int t = 0; t < lengths[b]; ++t)
+      for (int h = 0; h < c.Hkv; ++h) {
+        std::memcpy(&k[((size_t(b) * longest + t) * c.Hkv + h) * c.d * es], &kc.k_cache[kc.k_at(b, t, h) * es], c.d * es);
+        std::memcpy(&v[((size_t(b) * longest + t) * c.Hkv + h) * c.dv * es], &kc.v_cache[kc.v_at(b, t, h) * es], c.dv * es);
+      }
+  AttentionOptions o = kc.options();
+  o.precision = Precision::f32;
+  o.key_lengths = TensorView(lengths.data(), DType::i32, {c.B});
+  if (c.mask != Mask::none) {
+    std::vector<int64_t> shape = o.mask.shape(), strides;
+    for (int i = 0; i < o.mask.rank(); ++i) strides.push_back(o.mask.stride(i));
+    shape.back() = longest;
+    o.mask = TensorView(o.mask.data(), o.mask.dtype(), shape, strides);
+  }
+  Result r;
+  r.out.assign(size_t(c.B) * c.Lq * c.Hq * c.dv * dtype_size(c.q_dtype), 0xAB);
+  r.lse.assign(size_t(c.B) * c.Hq * c.Lq, 123.0f);
+  attention(kc.q_view(), TensorView(k.data(), c.cache_dtype, {c.B, longest, c.Hkv, c.d}),
+            TensorView(v.data(), c.cache_dtype, {c.B, longest, c.Hkv, c.dv}),
+            TensorView(r.out.data(), c.q_dtype, {c.B, c.Lq, c.Hq, c.dv}), o,
+            TensorView(r.lse.data(), DType::f32, {c.B, c.Hq, c.Lq}));
+  return r;
+}
+
+bool same_result(const Result& a, const Result& b) {
+  return a.out == b.out && std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * sizeof(float)) == 0;
+}
+
+// Chunked prefill (Lq ≥ max(24, 128 / group) queries) on an f32, bf16 or f16 cache
+// read by queries of its dtype runs on attention()'s tiled kernels: against float64,
+// bitwise attention()'s result on the same logical cache (so it is that kernel, with its
+// semantics), and bitwise the same on 1 and 2 threads. Contiguous caches, pages that
+// follow one another (read in place) and shuffled pages of 16 and 5 (gathered), every
+// score option and mask, an empty sequence. Below the threshold, rotated bf16/f16
+// queries, quantized caches and forced splits stay on the decode kernel.
+TEST(KVCache, ChunkedPrefillRunsOnTheTiledKernels) {
+  auto rng = make_rng(1216);
+  std::uniform_int_distribution<int> pick(0, 1 << 30);
+  for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
+    for (int n = 0; n < 8; ++n) {
+      KvConfig c;
+      c.B = 1 + n % 3;
+      c.Hkv = 1 + pick(rng) % 2;
+      c.Hq = c.Hkv * (n % 2 == 0 ? 1 : 4);
+      c.d = n % 4 == 3 ? 40 : 64, c.dv = n % 4 == 2 ? 48 : c.d;
+      c.Lq = detail::kvcache_tiles_from(c.Hq / c.Hkv) + pick(rng) % 40;
+      c.Lnew = n % 4 == 1 ? 0 : c.Lq;
+      c.cached.clear();
+      for (int b = 0; b < c.B; ++b) c.cached.push_back(b == 1 ? 0 : 30 + pick(rng) % 400);
+      if (c.Lnew == 0) c.cached[0] = std::max(c.cached[0], c.Lq);
+      c.page = (int[]){0, 16, 5, 16}[n % 4];
+      c.pages_in_order = n % 4 == 3;
+      c.cache_dtype = c.q_dtype = dt;
+      c.causal = n % 3 == 0 ? Causal::BottomRight : n % 3 == 1 ? Causal::TopLeft : Causal::None;
+      if (n % 4 == 2) c.window = {60, 5};
+      if (n % 5 == 1) c.softcap = 8.0f;
+      c.alibi = n % 3 == 2;
+      c.mask = (Mask[]){Mask::none, Mask::boolean, Mask::f32, Mask::q_dtype}[n % 4];
+      c.mask_layout = (MaskLayout[]){MaskLayout::full, MaskLayout::per_sequence_keys, MaskLayout::shared_tree}[n % 3];
+      const std::string name = "tiles " + c.name();
+      KvCase kc(c, rng);
+      const KvCase before = kc;
+      const Result r = run(kc);
+      check_append(before, kc, name);
+      check_against_reference(kc, r, name, 2e-5, nullptr, dt == DType::f32 ? 0 : 1e-4);
+      EXPECT_TRUE(same_result(r, attention_on_logical_cache(kc))) << name << ": not attention()'s result";
+      // The cache as it now is, without the append, on 2 threads.
+      KvConfig again = c;
+      again.Lnew = 0;
+      for (int b = 0; b < c.B; ++b) again.cached[b] += c.Lnew;
+      KvCase kc2 = kc;
+      kc2.c = again;
+      kc2.seqlens.assign(again.cached.begin(), again.cached.end());
+      Result two;
+      with_threads(2, [&] { two = run(kc2); });
+      EXPECT_TRUE(same_result(r, two)) << name << ": 2 threads differ";
+    }
+  }
+  // f32 with rotary embedding and Precision::bf16 (ignored, as for f32 caches).
+  KvConfig c;
+  c.B = 2, c.Hq = 8, c.Hkv = 2, c.d = c.dv = 64, c.Lq = c.Lnew = 40;
+  c.cached = {300, 41};
+  c.page = 16;
+  c.rope = Rope::interleaved;
+  c.precision = Precision::bf16;
+  KvCase kc(c, rng);
+  const KvCase rope_case = kc;
+  const Result r = run(kc);
+  check_against_reference(kc, r, "tiles rope " + c.name());
+  {
+    KvCase f32 = rope_case;
+    f32.c.precision = Precision::f32;
+    EXPECT_TRUE(same_result(r, run(f32))) << "Precision::bf16 changed an f32 cache's result";
+    KvCase decode = rope_case;
+    const ScopedEnv off("ATTN_KVCACHE_TILES_FROM", "0");
+    EXPECT_FALSE(same_result(r, run(decode))) << "the route did not run";
+  }
+  // Pages laid out [num_blocks, Hkv, page_size, d] (vLLM's order, a permuted view):
+  // gathered head by head, bitwise the result of the same values in FlashAttention's order.
+  {
+    KvConfig h = c;
+    h.rope = Rope::none, h.precision = Precision::f32, h.Lnew = 0, h.cache_dtype = h.q_dtype = DType::bf16;
+    KvCase a(h, rng);
+    const Result want = run(a);
+    const int64_t P = a.pages_total, S = a.page_size, H = h.Hkv;
+    std::vector<uint16_t> k(a.k_cache.size() / 2), v(a.v_cache.size() / 2);
+    const auto* k0 = reinterpret_cast<const uint16_t*>(a.k_cache.data());
+    const auto* v0 = reinterpret_cast<const uint16_t*>(a.v_cache.data());
+    for (int64_t pg = 0; pg < P; ++pg)
+      for (int64_t r = 0; r < S; ++r)
+        for (int64_t hh = 0; hh < H; ++hh) {
+          std::memcpy(&k[((pg * H + hh) * S + r) * h.d], &k0[((pg * S + r) * H + hh) * h.d], 2 * h.d);
+          std::memcpy(&v[((pg * H + hh) * S + r) * h.dv], &v0[((pg * S + r) * H + hh) * h.dv], 2 * h.dv);
+        }
+    KVCache cache = a.cache();
+    cache.k = TensorView(k.data(), DType::bf16, {P, S, H, h.d}, {H * S * h.d, h.d, S * h.d, 1});
+    cache.v = TensorView(v.data(), DType::bf16, {P, S, H, h.dv}, {H * S * h.dv, h.dv, S * h.dv, 1});
+    Result got;
+    got.out.assign(want.out.size(), 0xAB);
+    got.lse.assign(want.lse.size(), 123.0f);
+    attention_with_kvcache(a.q_view(), cache, a.seqlen_view(),
+                           TensorView(got.out.data(), DType::bf16, {h.B, h.Lq, h.Hq, h.dv}), a.options(), a.kv(),
+                           TensorView(got.lse.data(), DType::f32, {h.B, h.Hq, h.Lq}));
+    EXPECT_TRUE(same_result(want, got)) << "head-major pages differ";
+  }
+  // What stays on the decode kernel: bitwise the ATTN_KVCACHE_TILES_FROM=0 result.
+  auto stays = [&](KvConfig s, const char* what) {
+    KvCase a(s, rng);
+    KvCase b = a;
+    const Result on = run(a);
+    check_against_reference(a, on, std::string(what) + " " + s.name());
+    const ScopedEnv off("ATTN_KVCACHE_TILES_FROM", "0");
+    EXPECT_TRUE(same_result(on, run(b))) << what << ": left the decode kernel";
+  };
+  KvConfig below = c;
+  below.rope = Rope::none, below.precision = Precision::f32;
+  below.Lq = below.Lnew = detail::kvcache_tiles_from(4) - 1;
+  stays(below, "below the threshold");
+  KvConfig rotated = c;
+  rotated.cache_dtype = rotated.q_dtype = DType::bf16, rotated.precision = Precision::f32;
+  stays(rotated, "rotated bf16 queries");
+  KvConfig quantized = below;
+  quantized.Lq = quantized.Lnew = 64;
+  quantized.cache_dtype = DType::i8;
+  stays(quantized, "an i8 cache");
+  KvConfig mixed = quantized;
+  mixed.cache_dtype = DType::bf16;  // f32 queries
+  stays(mixed, "f32 queries on a bf16 cache");
+  KvConfig split = quantized;
+  split.cache_dtype = DType::f32, split.num_splits = 2;
+  stays(split, "forced splits");
 }
 
 TEST(KVCache, BitwiseIdenticalForAnyThreadCount) {

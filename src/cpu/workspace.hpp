@@ -23,7 +23,8 @@ enum ScratchSlot : int {
   kSlotWidened = 2,   // the f32 copies of the portable backward (attention_lowp.cpp)
   kSlotDecode = 3,    // per-worker state of the decode kernel (cpu/attention_decode.cc)
   kSlotDecodeParts = 4,  // the decode kernel's split partials of one call (owned by the calling thread)
-  kNumSlots = 5,
+  kSlotGatheredKv = 5,   // a paged sequence's keys and values gathered for the tiled kernels (calling thread)
+  kNumSlots = 6,
 };
 
 }  // namespace attn::detail

@@ -5,6 +5,7 @@
 
 #include "attention_lowp.hpp"
 #include "kvcache/decode_problem.hpp"
+#include "kvcache/prefill_on_tiles.hpp"
 
 namespace attn {
 
@@ -21,6 +22,9 @@ void attention_with_kvcache(const TensorView& q, const KVCache& cache, const Ten
     return;
   }
   detail::append_to_cache(p);
+  // Many queries (chunked prefill) run on attention()'s tiled kernels, a few on the
+  // decode kernel.
+  if (detail::attention_prefill_on_tiles(p, num_threads())) return;
   detail::attention_decode_cpu(p, num_threads());
 }
 

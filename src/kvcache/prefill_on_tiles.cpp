@@ -1,0 +1,132 @@
+// attention_with_kvcache() with many queries, on the tiled kernels (see prefill_on_tiles.hpp).
+#include "kvcache/prefill_on_tiles.hpp"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "attention_lowp.hpp"
+#include "cpu/thread_team.hpp"
+#include "cpu/workspace.hpp"
+#include "env_override.hpp"
+
+namespace attn::detail {
+namespace {
+
+/// Whether sequence b's rows of cache c lie at one stride from its first page on:
+/// a contiguous cache, or pages that follow one another in memory.
+bool rows_in_one_run(const DecodeProblem& p, const CacheTensor& c, int b) {
+  const std::vector<int32_t>& pages = p.pages[static_cast<size_t>(b)];
+  if (pages.size() <= 1) return true;
+  if (c.page_stride != p.page_size * c.row_stride) return false;
+  for (size_t j = 1; j < pages.size(); ++j) {
+    if (pages[j] != pages[0] + static_cast<int32_t>(j)) return false;
+  }
+  return true;
+}
+
+/// Copies the first `keys` logical rows of sequence b of cache c, every head, into
+/// dst laid out [keys][Hkv][width] (width = d or dv), in the cache's dtype: page by
+/// page, a page's rows in one copy where its tokens' heads lie side by side.
+void gather_rows(const DecodeProblem& p, const CacheTensor& c, int b, int keys, int width, uint8_t* dst,
+                 int threads) {
+  const size_t elt = dtype_size(p.cache_dtype), row = elt * width;
+  const auto* base = static_cast<const uint8_t*>(c.base);
+  const bool packed_rows = c.head_stride == width && c.row_stride == int64_t{p.Hkv} * width;
+  const int pages = (keys + p.page_size - 1) / p.page_size;
+  RunOnThreads(keys >= 1024 ? threads : 1, [&] {
+#pragma omp for schedule(static)
+    for (int page = 0; page < pages; ++page) {
+      const int t0 = page * p.page_size, t1 = std::min(keys, t0 + p.page_size);
+      if (packed_rows) {
+        std::memcpy(dst + static_cast<size_t>(t0) * p.Hkv * row, base + p.row_offset(c, b, t0, 0) * elt,
+                    static_cast<size_t>(t1 - t0) * p.Hkv * row);
+        continue;
+      }
+      for (int t = t0; t < t1; ++t) {
+        for (int h = 0; h < p.Hkv; ++h) {
+          std::memcpy(dst + (static_cast<size_t>(t) * p.Hkv + h) * row, base + p.row_offset(c, b, t, h) * elt, row);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+int kvcache_tiles_from(int group) {
+  const int from = std::max(24, (128 + group - 1) / group);
+  return env_override("ATTN_KVCACHE_TILES_FROM", 0, 1 << 30, from);
+}
+
+bool attention_prefill_on_tiles(const DecodeProblem& p, int threads) {
+  const int from = kvcache_tiles_from(p.group());
+  if (from == 0 || p.Lq < from || p.num_splits != 0 || p.q_dtype != p.cache_dtype ||
+      is_quantized_cache(p.cache_dtype) || (p.rot_cos != nullptr && p.q_dtype != DType::f32)) {
+    return false;
+  }
+  Problem t = p.attn;
+  t.dtype = p.q_dtype;
+  t.precision = Precision::f32;
+  t.out = static_cast<float*>(p.out);
+  t.out_row = p.out_row, t.out_head = p.out_head;
+  t.lse = p.lse, t.lse_h = p.lse_h, t.lse_i = p.lse_i;
+  // Rotated queries are f32 [B][Hq][Lq][d], unscaled (the kernels scale the scores).
+  std::vector<float> rotated;
+  int64_t q_b = p.q_b;
+  if (p.rot_cos != nullptr) {
+    rotated = prepare_queries(p, 1, /*scaled=*/false);
+    t.q = rotated.data();
+    t.q_row = p.d, t.q_head = int64_t{p.Lq} * p.d, q_b = t.q_head * p.Hq;
+  } else {
+    t.q = static_cast<const float*>(p.q);
+    t.q_row = p.q_row, t.q_head = p.q_head;
+  }
+  t.k = static_cast<const float*>(p.k.base), t.k_row = p.k.row_stride, t.k_head = p.k.head_stride;
+  t.v = static_cast<const float*>(p.v.base), t.v_row = p.v.row_stride, t.v_head = p.v.head_stride;
+  for (int b = 0; b < p.B; ++b) {
+    Sequence& s = t.seqs[static_cast<size_t>(b)];
+    s.q_offset = b * q_b, s.out_offset = b * p.out_b, s.lse_offset = b * p.lse_b;
+    const std::vector<int32_t>& pages = p.pages[static_cast<size_t>(b)];
+    s.k_offset = pages.empty() ? 0 : pages[0] * p.k.page_stride;
+    s.v_offset = pages.empty() ? 0 : pages[0] * p.v.page_stride;
+  }
+
+  bool in_place = true;
+  for (int b = 0; b < p.B; ++b) in_place = in_place && rows_in_one_run(p, p.k, b) && rows_in_one_run(p, p.v, b);
+  if (in_place) {
+    forward_on_tiles(t, AttentionOptions{}, threads);
+    return true;
+  }
+  // Scattered pages: one sequence at a time, its keys and values gathered first
+  // (the tiled kernels address a sequence's rows at one stride).
+  const size_t elt = dtype_size(p.cache_dtype);
+  const int64_t q_elt = static_cast<int64_t>(dtype_size(t.dtype));
+  for (int b = 0; b < p.B; ++b) {
+    Problem one = t;
+    const Sequence& s = t.seqs[static_cast<size_t>(b)];
+    one.B = 1, one.seqs = {s};
+    one.seqs[0].q_offset = one.seqs[0].out_offset = one.seqs[0].lse_offset = 0;
+    one.seqs[0].k_offset = one.seqs[0].v_offset = 0;
+    // q and out hold elements of the problem's dtype behind their float pointers.
+    one.q = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(t.q) + s.q_offset * q_elt);
+    one.out = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(t.out) + s.out_offset * q_elt);
+    if (t.lse != nullptr) one.lse = t.lse + s.lse_offset;
+    if (t.alibi != nullptr) one.alibi = t.alibi + b * t.alibi_b;
+    if (t.bool_mask != nullptr) one.bool_mask = t.bool_mask + b * t.mask_b;
+    if (t.add_mask != nullptr) one.add_mask = t.add_mask + b * t.mask_b;
+    // Kept from call to call (a fresh buffer's first touch would cost more than the
+    // copy); the tiled kernels use other slots.
+    const size_t key_bytes = elt * s.Lk * p.Hkv * p.d, bytes = key_bytes + elt * s.Lk * p.Hkv * p.dv;
+    auto* keys = reinterpret_cast<uint8_t*>(thread_scratch(kSlotGatheredKv, (bytes + 3) / 4));
+    gather_rows(p, p.k, b, s.Lk, p.d, keys, threads);
+    gather_rows(p, p.v, b, s.Lk, p.dv, keys + key_bytes, threads);
+    one.k = reinterpret_cast<const float*>(keys), one.k_row = int64_t{p.Hkv} * p.d, one.k_head = p.d;
+    one.v = reinterpret_cast<const float*>(keys + key_bytes), one.v_row = int64_t{p.Hkv} * p.dv, one.v_head = p.dv;
+    forward_on_tiles(one, AttentionOptions{}, threads);
+  }
+  return true;
+}
+
+}  // namespace attn::detail

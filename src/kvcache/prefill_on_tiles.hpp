@@ -1,0 +1,36 @@
+// attention_with_kvcache() calls with many queries per sequence — chunked prefill, a
+// prompt's next few hundred tokens against the cache — run on attention()'s tiled
+// kernels. The decode kernel reads each cached key once for up to 64 query rows and
+// holds them in registers 4 at a time: at many rows it computes at ~0.5–0.7× the tiled
+// kernels' rate (bf16 on Zen 4: 85 against 167 GFLOP/s at 512 queries), while the
+// tiled kernels' one pass that packs the keys and values costs less the more rows
+// share it (docs/PERFORMANCE.md, "Chunked prefill on the tiled kernels"). The
+// opposite route, attention() with a few queries on the decode kernel, is
+// few_queries.hpp.
+#pragma once
+
+#include "attn/attention.hpp"
+#include "kvcache/decode_problem.hpp"
+
+namespace attn::detail {
+
+/// The fewest queries per sequence (Lq) that take the tiled kernels, for Hq/Hkv =
+/// `group`: max(24, ⌈128 / group⌉) — at least 128 query rows per kv head, and whole
+/// query tiles mostly filled (measured crossovers on Zen 4, 512 and 4,096 keys, f32
+/// and bf16). ATTN_KVCACHE_TILES_FROM=n overrides it (0 turns the route off), so that
+/// tests run both kernels on the same calls.
+int kvcache_tiles_from(int group);
+
+/// Computes the attention part of p (checked by make_decode_problem, appended) on the
+/// tiled kernels and returns true, or returns false without touching an output when
+/// the call is not one they take: fewer queries than kvcache_tiles_from(), a forced
+/// num_splits (the decode kernel's splits), a quantized cache, queries of another
+/// dtype than the cache's, or bf16/f16 queries with rotary embedding (the decode
+/// kernel keeps rotated queries in f32; the tiled kernels would round them). The
+/// result has attention()'s arithmetic for those inputs: for f32 at f32's accuracy
+/// (options.precision is ignored, as the decode kernel ignores it for f32 caches).
+/// A paged cache whose pages for a sequence do not follow one another in memory is
+/// first copied, one sequence at a time, into a contiguous buffer.
+bool attention_prefill_on_tiles(const DecodeProblem& p, int threads);
+
+}  // namespace attn::detail
