@@ -18,6 +18,7 @@
 
 #include "attention_harness.hpp"
 #include "attn/attention.hpp"
+#include "cpu/isa.hpp"
 #include "kvcache/few_queries.hpp"
 #include "lowp_harness.hpp"
 #include "traffic.hpp"
@@ -55,6 +56,22 @@ TEST_F(FewQueries, EveryOptionItTakesAgainstTheReference) {
         s.bhsd = lk % 2 == 1;
         SCOPED_TRACE(s.describe());
         EXPECT_TRUE(took_the_decode_kernel(s, rng, ledger));
+      }
+    }
+  }
+  // 9–16 queries: the decode kernel's on AMD Zen 4/5 (few_queries_limit), else the tiled
+  // kernels'; the harness runs both either way.
+  for (int lq : {12, 16}) {
+    for (int lk : {300, 1000}) {
+      for (Causal c : {Causal::None, Causal::BottomRight}) {
+        Config s;
+        s.B = 2, s.Lq = lq, s.Lk = lk, s.Hq = 6, s.Hkv = 2, s.d = 40, s.dv = 24;
+        s.opt.causal = c;
+        if (lk == 1000) s.opt.window = {300, 0};
+        if (c == Causal::None) s.set_alibi(true, rng), s.opt.softcap = 3.0f;
+        s.bhsd = lq == 12;
+        SCOPED_TRACE(s.describe());
+        EXPECT_EQ(took_the_decode_kernel(s, rng, ledger), lq <= detail::few_queries_limit(lk, DType::f32, 3));
       }
     }
   }
@@ -145,8 +162,8 @@ TEST_F(FewQueries, CallsItDoesNotTakeRunOnTheTiledKernels) {
     EXPECT_FALSE(took_the_decode_kernel(s, rng, ledger));
   };
   {
-    Config s;  // more queries than the limit: 8 from 256 keys, else 4
-    s.Lq = 9, s.Lk = 300;
+    Config s;  // more queries than the limit: 8 from 256 keys (16 on AMD Zen 4/5), else 4
+    s.Lq = detail::few_queries_limit(300, DType::f32, 1) + 1, s.Lk = 300;
     expect_tiled(s);
     s.Lq = 5, s.Lk = 255;
     expect_tiled(s);
@@ -244,7 +261,8 @@ TEST(FewQueriesLowPrecision, WithinTwiceThePlainError) {
                           {2, 3, 17, 4, 2, 64, 64},
                           {1, 4, 300, 2, 1, 80, 48},
                           {2, 8, 1000, 8, 2, 128, 128},
-                          {1, 2, 65, 3, 1, 32, 40}};
+                          {1, 2, 65, 3, 1, 32, 40},
+                          {2, 16, 1000, 8, 2, 128, 128}};  // the decode kernel's on AMD Zen 4/5
   for (DType dt : {DType::bf16, DType::f16}) {
     SCOPED_TRACE(dtype_name(dt));
     std::mt19937_64 rng = make_rng(3006);
@@ -279,11 +297,16 @@ TEST(FewQueriesThreads, BitwiseIdenticalForAnyThreadCount) {
 }
 
 TEST(FewQueriesOverride, SetsTheLimitAndBadValuesNameTheVariable) {
-  EXPECT_EQ(detail::few_queries_limit(255), 4);
-  EXPECT_EQ(detail::few_queries_limit(256), 8);
+  // AMD Zen 4/5 (vdpbf16ps at the FMA's rate, no AMX) keep up to 16 from 256 keys on.
+  const bool zen = detail::cpu_features().bf16_dot_full_rate && !detail::cpu_features().amx_bf16;
+  for (DType dt : {DType::f32, DType::bf16, DType::f16}) EXPECT_EQ(detail::few_queries_limit(255, dt, 4), 4);
+  EXPECT_EQ(detail::few_queries_limit(256, DType::bf16, 8), zen ? 16 : 8);
+  EXPECT_EQ(detail::few_queries_limit(256, DType::f32, 4), zen ? 16 : 8);
+  EXPECT_EQ(detail::few_queries_limit(256, DType::f16, 1), zen ? 16 : 8);
+  EXPECT_EQ(detail::few_queries_limit(256, DType::f32, 8), 8);
   {
     const ScopedEnv limit("ATTN_FEW_QUERIES", "16");
-    EXPECT_EQ(detail::few_queries_limit(10), 16);
+    EXPECT_EQ(detail::few_queries_limit(10, DType::f32, 1), 16);
   }
   for (const char* bad : {"many", "-1", "65", "3x"}) {
     const ScopedEnv limit("ATTN_FEW_QUERIES", bad);

@@ -233,7 +233,7 @@ Errors run_case(Config& s, std::mt19937_64& rng, Mods mods) {
   // A few queries per sequence take the decode kernel (kvcache/few_queries.hpp) when
   // the options allow: run such a case on the tiled kernels too, so that every short
   // case checks both, and keep the worse kernel's error of each output.
-  if (s.Lq <= detail::few_queries_limit(s.Lk)) {
+  if (s.Lq <= detail::few_queries_limit(s.Lk, DType::f32, p.group())) {
     const FewQueriesOff off;
     std::fill(t.out.begin(), t.out.end(), NAN);
     std::fill(t.lse.begin(), t.lse.end(), NAN);

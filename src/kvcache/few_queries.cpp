@@ -46,7 +46,14 @@ bool bind_pages(const Problem& p, DecodeProblem& d) {
 
 }  // namespace
 
-int few_queries_limit(int max_lk) { return env_override("ATTN_FEW_QUERIES", 0, 64, max_lk >= 256 ? 8 : 4); }
+int few_queries_limit(int max_lk, DType dtype, int group) {
+  int limit = max_lk >= 256 ? 8 : 4;
+  const CpuFeatures& cpu = cpu_features();
+  if (max_lk >= 256 && cpu.bf16_dot_full_rate && !cpu.amx_bf16) {
+    limit = dtype == DType::bf16 ? 16 : std::max(limit, std::min(16, 64 / std::max(1, group)));
+  }
+  return env_override("ATTN_FEW_QUERIES", 0, 64, limit);
+}
 
 bool attention_few_queries(const Problem& p, int threads) {
   // Masks go along, boolean and additive: the decode kernel applies them as the tiled
@@ -65,7 +72,7 @@ bool attention_few_queries(const Problem& p, int threads) {
     max_lk = std::max(max_lk, s.Lk);
     max_rows = std::max(max_rows, s.Lk_rows);
   }
-  if (lq < 1 || lq > few_queries_limit(max_lk)) return false;
+  if (lq < 1 || lq > few_queries_limit(max_lk, p.dtype, p.group())) return false;
   // The decode kernel has one path for every CPU, but a bad ATTN_ISA is still an
   // error on every bf16/f16 call, as it is where the call runs on the tiled kernels.
   if (p.dtype != DType::f32) (void)lowp_path();

@@ -12,10 +12,15 @@
 namespace attn::detail {
 
 /// The most queries per sequence that take the decode kernel for keys of length
-/// max_lk: 4, or 8 from 256 keys on (measured crossovers on the Intel Xeon with AMX,
-/// against the AMX and f32 tiled kernels). ATTN_FEW_QUERIES=n overrides it (0 turns
-/// the route off), so that tests run both kernels on the same calls.
-int few_queries_limit(int max_lk);
+/// max_lk, inputs of `dtype` and Hq/Hkv = `group`: 4, or 8 from 256 keys on (measured
+/// crossovers on the Intel Xeon with AMX, against the AMX and f32 tiled kernels). On
+/// CPUs whose vdpbf16ps has the FMA's rate and that have no AMX (AMD Zen 4/5), from 256
+/// keys on: 16 for bf16, and for f32 and f16 16 while Lq·group ≤ 64 (measured on Zen 4,
+/// 1 and 2 threads, SDPA's and FlashAttention's layouts: the decode kernel took
+/// 0.32–0.77× the tiled kernels' time at 9–16 queries; docs/PERFORMANCE.md, "A few
+/// queries: up to 16 on Zen 4"). ATTN_FEW_QUERIES=n overrides it (0 turns the route
+/// off), so that tests run both kernels on the same calls.
+int few_queries_limit(int max_lk, DType dtype, int group);
 
 /// Computes the forward of p (checked by make_problem) on the decode kernel and
 /// returns true, or returns false without touching an output when the call is not
