@@ -868,7 +868,9 @@ TEST(KVCache, ChunkedPrefillRunsOnTheTiledKernels) {
       c.Lq = detail::kvcache_tiles_from(c.Hq / c.Hkv) + pick(rng) % 40;
       c.Lnew = n % 4 == 1 ? 0 : c.Lq;
       c.cached.clear();
-      for (int b = 0; b < c.B; ++b) c.cached.push_back(b == 1 ? 0 : 30 + pick(rng) % 400);
+      // Sequence 1 sees only the new tokens (none without an append), sequence 2 fewer
+      // keys than queries without one (bottom-right: its first rows see nothing).
+      for (int b = 0; b < c.B; ++b) c.cached.push_back(b == 1 ? 0 : b == 2 ? 5 : 30 + pick(rng) % 400);
       if (c.Lnew == 0) c.cached[0] = std::max(c.cached[0], c.Lq);
       c.page = (int[]){0, 16, 5, 16}[n % 4];
       c.pages_in_order = n % 4 == 3;
