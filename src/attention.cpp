@@ -89,19 +89,19 @@ void attention_with_mods(const TensorView& q, const TensorView& k, const TensorV
     attention_with_mods(q, k, v, out, o, lse, probs, mods);
     return;
   }
-  forward_on_tiles(p, options, num_threads());
+  forward_on_tiles(p, forward_tiles_path(p, options), num_threads());
 }
 
-void forward_on_tiles(const Problem& p, const AttentionOptions& options, int threads) {
-  if (needs_widening(p, options)) {
-    if (const LowpPath path = lowp_kernel(p, options, LowpPass::forward); path != LowpPath::f32) {
-      if (attention_forward_amx(p, threads, path)) return;
-      // Declined (a NaN or ±∞ in q, k or v): the portable path's exact semantics.
-    }
-    // The portable path: the f32 kernel widens bf16/f16 rows in its packing step,
-    // rounds f32 inputs to bf16 there under Precision::bf16, and takes f32 inputs
-    // with Precision::bf16x3 as they are (more accurate than asked).
-  }
+LowpPath forward_tiles_path(const Problem& p, const AttentionOptions& options) {
+  return needs_widening(p, options) ? lowp_kernel(p, options, LowpPass::forward) : LowpPath::f32;
+}
+
+void forward_on_tiles(const Problem& p, LowpPath path, int threads) {
+  if (path != LowpPath::f32 && attention_forward_amx(p, threads, path)) return;
+  // The portable path, also where the tile kernel declined (a NaN or ±∞ in q, k or v:
+  // the portable path's exact semantics): the f32 kernel widens bf16/f16 rows in its
+  // packing step, rounds f32 inputs to bf16 there under Precision::bf16, and takes f32
+  // inputs with Precision::bf16x3 as they are (more accurate than asked).
   attention_forward_cpu(p, threads);
 }
 

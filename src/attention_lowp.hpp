@@ -37,10 +37,14 @@ enum class LowpPass { forward, backward };
 /// on the thread count, so results stay bitwise identical for any thread count.
 LowpPath lowp_kernel(const Problem& p, const AttentionOptions& options, LowpPass pass);
 
-/// Runs the forward of p (checked, its mask f32) on the tiled kernels: the bf16/f16
-/// tile kernel lowp_kernel() picks, else (or where it declines non-finite inputs) the
-/// f32 kernel. What attention() does once the few-queries route has passed a call by.
-void forward_on_tiles(const Problem& p, const AttentionOptions& options, int threads);
+/// The tiled kernel attention() runs the forward of p on: lowp_kernel()'s choice for
+/// calls that need widening, else LowpPath::f32 (the f32 kernel).
+LowpPath forward_tiles_path(const Problem& p, const AttentionOptions& options);
+
+/// Runs the forward of p (checked, its mask f32) on `path`'s tile kernel, or on the f32
+/// kernel for LowpPath::f32 and where the tile kernel declines non-finite inputs. What
+/// attention() does once the few-queries route has passed a call by.
+void forward_on_tiles(const Problem& p, LowpPath path, int threads);
 
 /// Bytes of the f32 copy of a bf16/f16 mask (0 for an f32 mask or none).
 size_t mask_widening_bytes(const AttentionOptions& options);

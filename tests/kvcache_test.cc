@@ -963,6 +963,21 @@ TEST(KVCache, ChunkedPrefillRunsOnTheTiledKernels) {
   KvConfig rotated = c;
   rotated.cache_dtype = rotated.q_dtype = DType::bf16, rotated.precision = Precision::f32;
   stays(rotated, "rotated bf16 queries");
+  // ... but not under Precision::bf16, which rounds them to bf16 after the rotation
+  // (so against float64 at bf16's tolerance, as the decode kernel's bf16 products).
+  {
+    KvConfig r16 = rotated;
+    r16.precision = Precision::bf16;
+    KvCase a(r16, rng);
+    KvCase b = a, two = a;
+    const Result on = run(a);
+    check_against_reference(a, on, "rotated bf16 queries under Precision::bf16 " + r16.name(), 1.0 / 256, nullptr, 1e-3);
+    Result t2;
+    with_threads(2, [&] { t2 = run(two); });
+    EXPECT_TRUE(same_result(on, t2)) << "rotated bf16 queries: 2 threads differ";
+    const ScopedEnv off("ATTN_KVCACHE_TILES_FROM", "0");
+    EXPECT_FALSE(same_result(on, run(b))) << "rotated bf16 queries under Precision::bf16: the route did not run";
+  }
   KvConfig quantized = below;
   quantized.Lq = quantized.Lnew = 64;
   quantized.cache_dtype = DType::i8;

@@ -32,13 +32,15 @@
 // Chunked prefill: a call with Lq ≥ max(24, ⌈128·Hkv/Hq⌉) queries on an f32, bf16 or
 // f16 cache read by queries of the cache's dtype runs on attention()'s tiled kernels,
 // which pack the keys and values once for all those queries (on Zen 4, 0.57–0.81× the
-// decode kernel's time at 32–512 queries; docs/PERFORMANCE.md), with exactly
+// decode kernel's time at 32–512 queries; docs/PERFORMANCE.md), with
 // attention()'s results for those inputs: f32 at f32's accuracy (options.precision
 // ignored), bf16 and f16 as its 16-bit kernels (bf16: P rounded to bf16; lse within 1e-4
 // relative). A paged cache whose pages lie apart is gathered, a sequence at a
 // time, into a contiguous buffer first. Rotated bf16/f16 queries (the decode kernel keeps
-// them in f32), quantized caches, f32 queries on a bf16/f16 cache and a forced num_splits
-// stay on the decode kernel. ATTN_KVCACHE_TILES_FROM=n sets the threshold (0: never). An E4M3 NaN code the kernel reads
+// them in f32) stay on the decode kernel, except bf16 ones under Precision::bf16, which
+// are rounded to bf16 after the rotation (as FlashAttention rounds them); so do quantized
+// caches, f32 queries on a bf16/f16 cache and a forced num_splits.
+// ATTN_KVCACHE_TILES_FROM=n sets the threshold (0: never). An E4M3 NaN code the kernel reads
 // gives NaN, as a NaN in a float cache does. On CPUs whose vdpbf16ps runs at the
 // FMA's rate (AMD Zen 4/5; ATTN_ISA=avx512bf16 forces it, ATTN_ISA=f32 forbids it), a
 // bf16 cache read by queries whose values are all bf16 (bf16 queries without rotary

@@ -10,6 +10,7 @@
 #include "cpu/thread_team.hpp"
 #include "cpu/workspace.hpp"
 #include "env_override.hpp"
+#include "tensor/convert.hpp"
 
 namespace attn::detail {
 namespace {
@@ -62,8 +63,12 @@ int kvcache_tiles_from(int group) {
 
 bool attention_prefill_on_tiles(const DecodeProblem& p, int threads) {
   const int from = kvcache_tiles_from(p.group());
+  // Rotated queries are f32 inside the call: the tiled kernels take them as f32, or
+  // rounded to bf16 where Precision::bf16 allows that (as the decode kernel's bf16
+  // products round them under it).
+  const bool rounded_rotation = p.q_dtype == DType::bf16 && p.attn.precision == Precision::bf16;
   if (from == 0 || p.Lq < from || p.num_splits != 0 || p.q_dtype != p.cache_dtype ||
-      is_quantized_cache(p.cache_dtype) || (p.rot_cos != nullptr && p.q_dtype != DType::f32)) {
+      is_quantized_cache(p.cache_dtype) || (p.rot_cos != nullptr && p.q_dtype != DType::f32 && !rounded_rotation)) {
     return false;
   }
   Problem t = p.attn;
@@ -72,12 +77,19 @@ bool attention_prefill_on_tiles(const DecodeProblem& p, int threads) {
   t.out = static_cast<float*>(p.out);
   t.out_row = p.out_row, t.out_head = p.out_head;
   t.lse = p.lse, t.lse_h = p.lse_h, t.lse_i = p.lse_i;
-  // Rotated queries are f32 [B][Hq][Lq][d], unscaled (the kernels scale the scores).
+  // Rotated queries are f32 [B][Hq][Lq][d], unscaled (the kernels scale the scores);
+  // bf16 ones rounded to nearest even.
   std::vector<float> rotated;
+  std::vector<uint16_t> rotated16;
   int64_t q_b = p.q_b;
   if (p.rot_cos != nullptr) {
     rotated = prepare_queries(p, 1, /*scaled=*/false);
     t.q = rotated.data();
+    if (p.q_dtype == DType::bf16) {
+      rotated16.resize(rotated.size());
+      for (size_t i = 0; i < rotated.size(); ++i) rotated16[i] = f32_to_bf16(rotated[i]);
+      t.q = reinterpret_cast<const float*>(rotated16.data());
+    }
     t.q_row = p.d, t.q_head = int64_t{p.Lq} * p.d, q_b = t.q_head * p.Hq;
   } else {
     t.q = static_cast<const float*>(p.q);
@@ -95,12 +107,16 @@ bool attention_prefill_on_tiles(const DecodeProblem& p, int threads) {
 
   bool in_place = true;
   for (int b = 0; b < p.B; ++b) in_place = in_place && rows_in_one_run(p, p.k, b) && rows_in_one_run(p, p.v, b);
+  // The kernel is chosen for the whole batch, as attention() chooses it.
+  const LowpPath path = forward_tiles_path(t, AttentionOptions{});
   if (in_place) {
-    forward_on_tiles(t, AttentionOptions{}, threads);
+    forward_on_tiles(t, path, threads);
     return true;
   }
   // Scattered pages: one sequence at a time, its keys and values gathered first
-  // (the tiled kernels address a sequence's rows at one stride).
+  // (the tiled kernels address a sequence's rows at one stride). A sequence whose
+  // inputs hold a NaN or ±∞ alone then takes the portable path, where attention()
+  // would send the whole batch there: the same semantics, other roundings.
   const size_t elt = dtype_size(p.cache_dtype);
   const int64_t q_elt = static_cast<int64_t>(dtype_size(t.dtype));
   for (int b = 0; b < p.B; ++b) {
@@ -124,7 +140,7 @@ bool attention_prefill_on_tiles(const DecodeProblem& p, int threads) {
     gather_rows(p, p.v, b, s.Lk, p.dv, keys + key_bytes, threads);
     one.k = reinterpret_cast<const float*>(keys), one.k_row = int64_t{p.Hkv} * p.d, one.k_head = p.d;
     one.v = reinterpret_cast<const float*>(keys + key_bytes), one.v_row = int64_t{p.Hkv} * p.dv, one.v_head = p.dv;
-    forward_on_tiles(one, AttentionOptions{}, threads);
+    forward_on_tiles(one, path, threads);
   }
   return true;
 }

@@ -26,7 +26,8 @@ int kvcache_tiles_from(int group);
 /// the call is not one they take: fewer queries than kvcache_tiles_from(), a forced
 /// num_splits (the decode kernel's splits), a quantized cache, queries of another
 /// dtype than the cache's, or bf16/f16 queries with rotary embedding (the decode
-/// kernel keeps rotated queries in f32; the tiled kernels would round them). The
+/// kernel keeps rotated queries in f32; the tiled kernels would round them) unless
+/// bf16 ones under Precision::bf16, which allows rounding them to bf16. The
 /// result has attention()'s arithmetic for those inputs: for f32 at f32's accuracy
 /// (options.precision is ignored, as the decode kernel ignores it for f32 caches).
 /// A paged cache whose pages for a sequence do not follow one another in memory is
