@@ -12,8 +12,11 @@
 // rows in every call.
 //
 // usage: prefill_rate [f32|bf16|f16 ...] [--cached C ...] [--chunks Lq ...] [--hkv H] [--page P]
-//                     [--threads T] [--rounds R]
+//                     [--threads T] [--rounds R] [--rope]
+//        --rope: RoPE (halves, Llama's pairing) on the appended keys and the queries, under
+//                Precision::bf16 (which lets rotated bf16 queries take the tiled kernels)
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -33,6 +36,7 @@ using attn::DType;
 
 struct Shape {
   int cached, chunk, hkv, page;
+  bool rope;  // RoPE (halves) on the appended keys and the queries, under Precision::bf16
 };
 
 /// Random values of dtype dt, n of them, as raw bytes.
@@ -77,8 +81,22 @@ void time_prefill(DType dt, const Shape& s, int rounds, std::mt19937& rng, doubl
   attn::KVCacheOptions kv;
   kv.k_new = attn::TensorView(k_new.data(), dt, {1, s.chunk, s.hkv, d});
   kv.v_new = attn::TensorView(v_new.data(), dt, {1, s.chunk, s.hkv, d});
+  std::vector<float> cos_t, sin_t;
+  if (s.rope) {
+    for (int pos = 0; pos < capacity; ++pos) {
+      for (int j = 0; j < d / 2; ++j) {
+        const double angle = pos * std::pow(10000.0, -2.0 * j / d);
+        cos_t.push_back(static_cast<float>(std::cos(angle)));
+        sin_t.push_back(static_cast<float>(std::sin(angle)));
+      }
+    }
+    kv.rotary_cos = attn::TensorView(cos_t.data(), DType::f32, {capacity, d / 2});
+    kv.rotary_sin = attn::TensorView(sin_t.data(), DType::f32, {capacity, d / 2});
+    kv.rotary_interleaved = false;
+  }
   attn::AttentionOptions opt;
   opt.causal = attn::Causal::BottomRight;
+  if (s.rope) opt.precision = attn::Precision::bf16;
   auto call = [&] { attn::attention_with_kvcache(qv, cache, lens, ov, opt, kv); };
   auto timed = [&](bool decode) {
     if (decode) {
@@ -113,6 +131,7 @@ int main(int argc, char** argv) {
   std::vector<DType> dtypes;
   std::vector<int> cached, chunks;
   int hkv = 8, page = 0, threads = 1, rounds = 5;
+  bool rope = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--cached") {
@@ -125,6 +144,8 @@ int main(int argc, char** argv) {
       page = std::atoi(argv[++i]);
     } else if (a == "--threads" && i + 1 < argc) {
       threads = std::atoi(argv[++i]);
+    } else if (a == "--rope") {
+      rope = true;
     } else if (a == "--rounds" && i + 1 < argc) {
       rounds = std::atoi(argv[++i]);
     } else if (a == "f32" || a == "bf16" || a == "f16") {
@@ -132,7 +153,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: prefill_rate [f32|bf16|f16 ...] [--cached C ...] [--chunks Lq ...] [--hkv H] [--page P] "
-                   "[--threads T] [--rounds R]\n");
+                   "[--threads T] [--rounds R] [--rope]\n");
       return a == "--help" || a == "-h" ? 0 : 2;
     }
   }
@@ -144,8 +165,9 @@ int main(int argc, char** argv) {
   if (cached.empty()) cached = {1024, 4096};
   if (chunks.empty()) chunks = {32, 64, 256, 512};
   attn::set_num_threads(threads);
-  std::printf("prefill_rate: B=1 Hq=32 Hkv=%d d=128, causal, %s, %d thread(s), median of %d rounds\n", hkv,
-              page > 0 ? ("shuffled pages of " + std::to_string(page)).c_str() : "contiguous cache", threads, rounds);
+  std::printf("prefill_rate: B=1 Hq=32 Hkv=%d d=128, causal, %s, %d thread(s), median of %d rounds%s\n", hkv,
+              page > 0 ? ("shuffled pages of " + std::to_string(page)).c_str() : "contiguous cache", threads, rounds,
+              rope ? ", RoPE under Precision::bf16" : "");
   std::printf("| dtype | cached | chunk | picked: ms | GFLOP/s | decode kernel: ms | GFLOP/s | picked / decode |\n");
   std::printf("|---|---:|---:|---:|---:|---:|---:|---:|\n");
   std::mt19937 rng(2026);
@@ -153,7 +175,7 @@ int main(int argc, char** argv) {
     for (int c : cached) {
       for (int lq : chunks) {
         double tiles = 0, decode = 0;
-        time_prefill(dt, {c, lq, hkv, page}, rounds, rng, &tiles, &decode);
+        time_prefill(dt, {c, lq, hkv, page, rope}, rounds, rng, &tiles, &decode);
         const double flops = 4.0 * 32 * 128 * (double(lq) * c + double(lq) * (lq + 1) / 2);
         std::printf("| %s | %d | %d | %.2f | %.1f | %.2f | %.1f | %.2f |\n", attn::dtype_name(dt), c, lq, tiles * 1e3,
                     flops / tiles * 1e-9, decode * 1e3, flops / decode * 1e-9, tiles / decode);
