@@ -104,7 +104,7 @@ def test_kvcache_in_random_option_combinations(rng, case):
     Hq = Hkv * int(rng.choice([1, 2, 4, 5]))
     d = int(rng.choice([1, 3, 17, 32, 64, 128]))
     dv = d if rng.random() < 0.7 else int(rng.choice([1, 5, 64]))
-    Lq = int(rng.choice([1, 1, 2, 5, 17]))
+    Lq = int(rng.choice([1, 1, 2, 5, 17, 40, 130]))  # 40 and 130: chunked prefill, often the tiled route
     Lnew = 0 if rng.random() < 0.5 else int(rng.choice([Lq, 1, 4]))
     lens = rng.integers(0, int(rng.choice([1, 16, 70, 600])) + 1, size=B).astype(np.int32)
     cap = max(1, int(lens.max()) + Lnew + int(rng.integers(0, 5)))
