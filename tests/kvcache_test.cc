@@ -947,6 +947,27 @@ TEST(KVCache, ChunkedPrefillRunsOnTheTiledKernels) {
                            TensorView(got.lse.data(), DType::f32, {h.B, h.Hq, h.Lq}));
     EXPECT_TRUE(same_result(want, got)) << "head-major pages differ";
   }
+  // NaN and ∞ in keys and values no query sees (outside the window), in place and
+  // gathered, on the tile kernels (which decline such inputs) and on the f32 kernel.
+  for (DType dt : {DType::f32, DType::bf16}) {
+    for (int page : {0, 16}) {
+      KvConfig g;
+      g.B = 2, g.Hq = 8, g.Hkv = 2, g.d = g.dv = 32, g.Lq = g.Lnew = 40;
+      g.cached = {300, 90};
+      g.page = page;
+      g.window = {50, -1};
+      g.cache_dtype = g.q_dtype = dt;
+      KvCase a(g, rng);
+      for (int b = 0; b < g.B; ++b)
+        for (int t = 0; t < 10; ++t) {
+          write_elem(dt, a.k_cache.data(), a.k_at(b, t, 1), NAN);
+          write_elem(dt, a.v_cache.data(), a.v_at(b, t, 0) + 3, INFINITY);
+        }
+      const Result on = run(a);
+      check_against_reference(a, on, "tiles, garbage outside the window " + g.name(), 2e-5, nullptr,
+                              dt == DType::f32 ? 0 : 1e-4);
+    }
+  }
   // What stays on the decode kernel: bitwise the ATTN_KVCACHE_TILES_FROM=0 result.
   auto stays = [&](KvConfig s, const char* what) {
     KvCase a(s, rng);
