@@ -1009,6 +1009,13 @@ TEST(KVCache, ChunkedPrefillRunsOnTheTiledKernels) {
   KvConfig split = quantized;
   split.cache_dtype = DType::f32, split.num_splits = 2;
   stays(split, "forced splits");
+  {
+    // A bound of 0 bytes: no call with keys takes the tiled kernels.
+    const ScopedEnv bound("ATTN_KVCACHE_TILES_MAX_MIB", "0");
+    KvConfig big = below;
+    big.Lq = big.Lnew = 40;
+    stays(big, "more keys and values than the bound");
+  }
 }
 
 TEST(KVCache, BitwiseIdenticalForAnyThreadCount) {

@@ -39,8 +39,11 @@
 // time, into a contiguous buffer first. Rotated bf16/f16 queries (the decode kernel keeps
 // them in f32) stay on the decode kernel, except bf16 ones under Precision::bf16, which
 // are rounded to bf16 after the rotation (as FlashAttention rounds them); so do quantized
-// caches, f32 queries on a bf16/f16 cache and a forced num_splits.
-// ATTN_KVCACHE_TILES_FROM=n sets the threshold (0: never). An E4M3 NaN code the kernel reads
+// caches, f32 queries on a bf16/f16 cache and a forced num_splits. The tiled kernels'
+// packed copy (and a gathered sequence) stay in buffers the calling thread keeps, so a
+// call whose keys and values exceed 256 MiB (64k tokens of bf16 at Hkv = 8, d = 128)
+// runs on the decode kernel, which keeps none. ATTN_KVCACHE_TILES_FROM=n sets the
+// threshold (0: never), ATTN_KVCACHE_TILES_MAX_MIB=n the bound. An E4M3 NaN code the kernel reads
 // gives NaN, as a NaN in a float cache does. On CPUs whose vdpbf16ps runs at the
 // FMA's rate (AMD Zen 4/5; ATTN_ISA=avx512bf16 forces it, ATTN_ISA=f32 forbids it), a
 // bf16 cache read by queries whose values are all bf16 (bf16 queries without rotary

@@ -61,6 +61,10 @@ int kvcache_tiles_from(int group) {
   return env_override("ATTN_KVCACHE_TILES_FROM", 0, 1 << 30, from);
 }
 
+int64_t kvcache_tiles_max_bytes() {
+  return int64_t{env_override("ATTN_KVCACHE_TILES_MAX_MIB", 0, 1 << 20, 256)} << 20;
+}
+
 bool attention_prefill_on_tiles(const DecodeProblem& p, int threads) {
   const int from = kvcache_tiles_from(p.group());
   // Rotated queries are f32 inside the call: the tiled kernels take them as f32, or
@@ -71,6 +75,12 @@ bool attention_prefill_on_tiles(const DecodeProblem& p, int threads) {
       is_quantized_cache(p.cache_dtype) || (p.rot_cos != nullptr && p.q_dtype != DType::f32 && !rounded_rotation)) {
     return false;
   }
+  // The tiled kernels pack every key and value of the call (and a paged sequence is
+  // gathered first), in buffers each thread keeps: up to a bound, past which the
+  // decode kernel, which needs none, runs.
+  double bytes = 0;
+  for (int b = 0; b < p.B; ++b) bytes += double(p.attn.seqs[static_cast<size_t>(b)].Lk) * p.Hkv * (p.d + p.dv);
+  if (bytes * double(dtype_size(p.cache_dtype)) > double(kvcache_tiles_max_bytes())) return false;
   Problem t = p.attn;
   t.dtype = p.q_dtype;
   t.precision = Precision::f32;

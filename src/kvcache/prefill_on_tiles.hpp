@@ -9,6 +9,8 @@
 // few_queries.hpp.
 #pragma once
 
+#include <cstdint>
+
 #include "attn/attention.hpp"
 #include "kvcache/decode_problem.hpp"
 
@@ -21,9 +23,17 @@ namespace attn::detail {
 /// tests run both kernels on the same calls.
 int kvcache_tiles_from(int group);
 
+/// The most bytes of keys and values (in the cache's dtype, all sequences) a call may
+/// have to take the tiled kernels: 256 MiB (64k tokens of bf16 at Hkv = 8, d = 128).
+/// Their packed copy, and a paged sequence's gathered one, stay in buffers the calling
+/// thread keeps for its next calls; past the bound the decode kernel, which keeps
+/// none, runs. ATTN_KVCACHE_TILES_MAX_MIB=n overrides it (tests).
+int64_t kvcache_tiles_max_bytes();
+
 /// Computes the attention part of p (checked by make_decode_problem, appended) on the
 /// tiled kernels and returns true, or returns false without touching an output when
-/// the call is not one they take: fewer queries than kvcache_tiles_from(), a forced
+/// the call is not one they take: fewer queries than kvcache_tiles_from(), more keys
+/// and values than kvcache_tiles_max_bytes(), a forced
 /// num_splits (the decode kernel's splits), a quantized cache, queries of another
 /// dtype than the cache's, or bf16/f16 queries with rotary embedding (the decode
 /// kernel keeps rotated queries in f32; the tiled kernels would round them) unless
