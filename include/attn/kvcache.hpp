@@ -27,29 +27,32 @@
 // = max|x| / 127, values round(x / scale); f8e4m3: scale = max|x| / 448, values
 // x / scale rounded to the nearest E4M3, ties to even — a token of zeros gets scale
 // 0). The kernel reads the cache in its own dtype, with f32 scores, softmax and
-// accumulation; nothing is re-packed per call.
-//
-// Chunked prefill: a call with Lq ≥ max(24, ⌈128·Hkv/Hq⌉) queries on an f32, bf16 or
-// f16 cache read by queries of the cache's dtype runs on attention()'s tiled kernels,
-// which pack the keys and values once for all those queries (on Zen 4, 0.57–0.81× the
-// decode kernel's time at 32–512 queries; docs/PERFORMANCE.md), with
-// attention()'s results for those inputs: f32 at f32's accuracy (options.precision
-// ignored), bf16 and f16 as its 16-bit kernels (bf16: P rounded to bf16; lse within 1e-4
-// relative). A paged cache whose pages lie apart is gathered, a sequence at a
-// time, into a contiguous buffer first. Rotated bf16/f16 queries (the decode kernel keeps
-// them in f32) stay on the decode kernel, except bf16 ones under Precision::bf16, which
-// are rounded to bf16 after the rotation (as FlashAttention rounds them); so do quantized
-// caches, f32 queries on a bf16/f16 cache and a forced num_splits. The tiled kernels'
-// packed copy (and a gathered sequence) stay in buffers the calling thread keeps, so a
-// call whose keys and values exceed 256 MiB (64k tokens of bf16 at Hkv = 8, d = 128)
-// runs on the decode kernel, which keeps none. ATTN_KVCACHE_TILES_FROM=n sets the
-// threshold (0: never), ATTN_KVCACHE_TILES_MAX_MIB=n the bound. An E4M3 NaN code the kernel reads
+// accumulation; nothing is re-packed per call. An E4M3 NaN code the kernel reads
 // gives NaN, as a NaN in a float cache does. On CPUs whose vdpbf16ps runs at the
 // FMA's rate (AMD Zen 4/5; ATTN_ISA=avx512bf16 forces it, ATTN_ISA=f32 forbids it), a
 // bf16 cache read by queries whose values are all bf16 (bf16 queries without rotary
 // embedding, for instance) gets Q·Kᵀ on vdpbf16ps: the same exact products, summed
 // in f32 in another order, scaled after the sum rather than before, and bf16
 // subnormals (below 1.2e-38) read as zero.
+//
+// Chunked prefill: a call with Lq ≥ max(24, ⌈128·Hkv/Hq⌉) queries runs on attention()'s
+// tiled kernels, which pack the keys and values once for all those queries (on Zen 4,
+// 0.57–0.81× the decode kernel's time at 32–512 queries; docs/PERFORMANCE.md), with
+// attention()'s results for its inputs: an f32, bf16 or f16 cache read by queries of
+// its dtype as attention() computes them (f32 at f32's accuracy, options.precision
+// ignored; bf16 and f16 as its 16-bit kernels: bf16's P rounded to bf16, lse within 1e-4
+// relative), an i8 or f8e4m3 cache dequantized to f32 (scale · code) and read by f32
+// queries (bf16/f16 ones widened, the output rounded once). A paged cache whose pages
+// lie apart, and every quantized cache, is gathered a sequence at a time into a
+// contiguous buffer first. Staying on the decode kernel: rotated bf16/f16 queries on a
+// cache of their dtype (the decode kernel keeps them in f32), except bf16 ones under
+// Precision::bf16, rounded to bf16 after the rotation (as FlashAttention rounds them);
+// quantized caches under Precision::bf16 (whose integer passes are as fast); f32 queries
+// on a bf16/f16 cache; a forced num_splits; and calls with more than 256 MiB of keys and
+// values as the tiled kernels read them (64k tokens of bf16 at Hkv = 8, d = 128), since
+// their packed copy and a gathered sequence stay in buffers the calling thread keeps.
+// ATTN_KVCACHE_TILES_FROM=n sets the threshold (0: never), ATTN_KVCACHE_TILES_MAX_MIB=n
+// the bound.
 //
 // Rotary embeddings on append (FlashAttention's rotary_cos/rotary_sin): f32
 // [max_position, rotary_dim / 2]; the first rotary_dim dimensions of each new key
