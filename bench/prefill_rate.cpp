@@ -9,9 +9,10 @@
 // per sequence by the tiled route). Flops: 4·Hq·d·(Lq·C + Lq·(Lq + 1)/2) per call
 // (causal: each query sees the cache and the chunk up to itself). Fresh random keys,
 // values and queries (never constants); the append rewrites the same C .. C + Lq − 1
-// rows in every call.
+// rows in every call. An i8 cache (scales ~1/127 per token and head) is read by f32
+// queries; under --rope (Precision::bf16) it stays on the decode kernel.
 //
-// usage: prefill_rate [f32|bf16|f16 ...] [--cached C ...] [--chunks Lq ...] [--hkv H] [--page P]
+// usage: prefill_rate [f32|bf16|f16|i8 ...] [--cached C ...] [--chunks Lq ...] [--hkv H] [--page P]
 //                     [--threads T] [--rounds R] [--rope]
 //        --rope: RoPE (halves, Llama's pairing) on the appended keys and the queries, under
 //                Precision::bf16 (which lets rotated bf16 queries take the tiled kernels)
@@ -48,6 +49,8 @@ std::vector<uint8_t> random_values(DType dt, size_t n, std::mt19937& rng) {
     const float x = uniform(rng);
     if (dt == DType::f32) {
       std::memcpy(&bytes[4 * i], &x, 4);
+    } else if (dt == DType::i8) {
+      bytes[i] = static_cast<uint8_t>(static_cast<int8_t>(x * 127.0f));
     } else {
       const uint16_t h = dt == DType::bf16 ? attn::detail::f32_to_bf16(x) : attn::detail::f32_to_f16(x);
       std::memcpy(&bytes[2 * i], &h, 2);
@@ -63,10 +66,16 @@ void time_prefill(DType dt, const Shape& s, int rounds, std::mt19937& rng, doubl
   const int page = s.page > 0 ? s.page : capacity;
   const int pages = (capacity + page - 1) / page;
   const size_t rows = static_cast<size_t>(pages) * page * s.hkv * d;
+  // An i8 cache (one scale per token and head) is read by f32 queries.
+  const DType qdt = dt == DType::i8 ? DType::f32 : dt;
   std::vector<uint8_t> k = random_values(dt, rows, rng), v = random_values(dt, rows, rng);
-  std::vector<uint8_t> q = random_values(dt, static_cast<size_t>(s.chunk) * Hq * d, rng);
-  std::vector<uint8_t> k_new = random_values(dt, static_cast<size_t>(s.chunk) * s.hkv * d, rng);
-  std::vector<uint8_t> v_new = random_values(dt, k_new.size() / attn::dtype_size(dt), rng);
+  std::vector<uint8_t> q = random_values(qdt, static_cast<size_t>(s.chunk) * Hq * d, rng);
+  std::vector<uint8_t> k_new = random_values(qdt, static_cast<size_t>(s.chunk) * s.hkv * d, rng);
+  std::vector<uint8_t> v_new = random_values(qdt, k_new.size() / attn::dtype_size(qdt), rng);
+  std::uniform_real_distribution<float> around(0.8f, 1.2f);
+  std::vector<float> k_scale(rows / d), v_scale(rows / d);
+  for (float& x : k_scale) x = around(rng) / 127.0f;
+  for (float& x : v_scale) x = around(rng) / 127.0f;
   std::vector<uint8_t> out(q.size());
   std::vector<int32_t> table(static_cast<size_t>(pages)), seqlens{s.cached};
   std::iota(table.begin(), table.end(), 0);
@@ -76,11 +85,15 @@ void time_prefill(DType dt, const Shape& s, int rounds, std::mt19937& rng, doubl
   cache.k = attn::TensorView(k.data(), dt, {pages, page, s.hkv, d});
   cache.v = attn::TensorView(v.data(), dt, {pages, page, s.hkv, d});
   if (s.page > 0) cache.block_table = attn::TensorView(table.data(), DType::i32, {1, pages});
-  const attn::TensorView qv(q.data(), dt, {1, s.chunk, Hq, d}), ov(out.data(), dt, {1, s.chunk, Hq, d});
+  if (dt == DType::i8) {
+    cache.k_scale = attn::TensorView(k_scale.data(), DType::f32, {pages, page, s.hkv});
+    cache.v_scale = attn::TensorView(v_scale.data(), DType::f32, {pages, page, s.hkv});
+  }
+  const attn::TensorView qv(q.data(), qdt, {1, s.chunk, Hq, d}), ov(out.data(), qdt, {1, s.chunk, Hq, d});
   const attn::TensorView lens(seqlens.data(), DType::i32, {1});
   attn::KVCacheOptions kv;
-  kv.k_new = attn::TensorView(k_new.data(), dt, {1, s.chunk, s.hkv, d});
-  kv.v_new = attn::TensorView(v_new.data(), dt, {1, s.chunk, s.hkv, d});
+  kv.k_new = attn::TensorView(k_new.data(), qdt, {1, s.chunk, s.hkv, d});
+  kv.v_new = attn::TensorView(v_new.data(), qdt, {1, s.chunk, s.hkv, d});
   std::vector<float> cos_t, sin_t;
   if (s.rope) {
     for (int pos = 0; pos < capacity; ++pos) {
@@ -148,11 +161,11 @@ int main(int argc, char** argv) {
       rope = true;
     } else if (a == "--rounds" && i + 1 < argc) {
       rounds = std::atoi(argv[++i]);
-    } else if (a == "f32" || a == "bf16" || a == "f16") {
-      dtypes.push_back(a == "f32" ? DType::f32 : a == "bf16" ? DType::bf16 : DType::f16);
+    } else if (a == "f32" || a == "bf16" || a == "f16" || a == "i8") {
+      dtypes.push_back(a == "f32" ? DType::f32 : a == "bf16" ? DType::bf16 : a == "f16" ? DType::f16 : DType::i8);
     } else {
       std::fprintf(stderr,
-                   "usage: prefill_rate [f32|bf16|f16 ...] [--cached C ...] [--chunks Lq ...] [--hkv H] [--page P] "
+                   "usage: prefill_rate [f32|bf16|f16|i8 ...] [--cached C ...] [--chunks Lq ...] [--hkv H] [--page P] "
                    "[--threads T] [--rounds R] [--rope]\n");
       return a == "--help" || a == "-h" ? 0 : 2;
     }
