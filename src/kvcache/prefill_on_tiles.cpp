@@ -89,7 +89,7 @@ bool attention_prefill_on_tiles(const DecodeProblem& p, int threads) {
   // Quantized caches are dequantized to f32 as they are gathered, and read by f32
   // queries (bf16/f16 ones widened exactly, the output rounded once at the end); not
   // under Precision::bf16, where the decode kernel's integer passes are as fast
-  // (measured on Zen 4: 0.94–0.86× the route's time at 64–256 queries).
+  // (measured on Zen 4: 0.86–0.94× the route's time at 64–256 queries).
   const bool quantized = is_quantized_cache(p.cache_dtype);
   if (quantized && p.attn.precision == Precision::bf16) return false;
   if (from == 0 || p.Lq < from || p.num_splits != 0 || (p.q_dtype != p.cache_dtype && !quantized) ||
