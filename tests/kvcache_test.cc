@@ -1029,12 +1029,34 @@ TEST(KVCache, ChunkedPrefillRunsOnTheTiledKernels) {
   KvConfig split = mixed;
   split.cache_dtype = DType::f32, split.num_splits = 2;
   stays(split, "forced splits");
-  {
-    // A bound of 0 bytes: no call with keys takes the tiled kernels.
-    const ScopedEnv bound("ATTN_KVCACHE_TILES_MAX_MIB", "0");
-    KvConfig big = below;
-    big.Lq = big.Lnew = 40;
-    stays(big, "more keys and values than the bound");
+  // Blocks of 37 and 100 keys: a batch whose keys exceed a block runs sequence by
+  // sequence, a longer sequence block by block, each block a call placed at its keys'
+  // positions, merged by their lse. Against float64, 1 against 2 threads, and the route
+  // ran: contiguous f32 with ALiBi, a window and an f32 mask; shuffled bf16 pages with
+  // top-left causality, softcap and a boolean padding mask; an i8 cache without causality.
+  for (const char* keys : {"37", "100"}) {
+    const ScopedEnv blocks("ATTN_KVCACHE_TILES_BLOCK", keys);
+    for (int n = 0; n < 3; ++n) {
+      KvConfig g;
+      g.B = 2, g.Hq = 8, g.Hkv = 2, g.d = g.dv = 64, g.Lq = g.Lnew = 40;
+      g.cached = {300, 41};
+      if (n == 0) g.alibi = true, g.window = {150, 3}, g.mask = Mask::f32;
+      if (n == 1) {
+        g.page = 16, g.cache_dtype = g.q_dtype = DType::bf16, g.causal = Causal::TopLeft, g.softcap = 8.0f;
+        g.mask = Mask::boolean, g.mask_layout = MaskLayout::per_sequence_keys;
+      }
+      if (n == 2) g.page = 5, g.cache_dtype = DType::i8, g.causal = Causal::None, g.alibi = true, g.Lnew = 0;
+      const std::string name = std::string("blocks of ") + keys + " " + g.name();
+      KvCase a(g, rng);
+      KvCase two = a, decode = a;
+      const Result on = run(a);
+      check_against_reference(a, on, name, 2e-5, nullptr, n == 1 ? 1e-4 : 0);
+      Result t2;
+      with_threads(2, [&] { t2 = run(two); });
+      EXPECT_TRUE(same_result(on, t2)) << name << ": 2 threads differ";
+      const ScopedEnv off("ATTN_KVCACHE_TILES_FROM", "0");
+      EXPECT_FALSE(same_result(on, run(decode))) << name << ": the route did not run";
+    }
   }
 }
 

@@ -48,11 +48,12 @@
 // cache of their dtype (the decode kernel keeps them in f32), except bf16 ones under
 // Precision::bf16, rounded to bf16 after the rotation (as FlashAttention rounds them);
 // quantized caches under Precision::bf16 (whose integer passes are as fast); f32 queries
-// on a bf16/f16 cache; a forced num_splits; and calls with more than 256 MiB of keys and
-// values as the tiled kernels read them (64k tokens of bf16 at Hkv = 8, d = 128), since
-// their packed copy and a gathered sequence stay in buffers the calling thread keeps.
-// ATTN_KVCACHE_TILES_FROM=n sets the threshold (0: never), ATTN_KVCACHE_TILES_MAX_MIB=n
-// the bound.
+// on a bf16/f16 cache; a forced num_splits. The tiled kernels' packed copy (and a
+// gathered block) stays in buffers the calling thread keeps, so a call runs on them
+// in blocks of at most 64 MiB of keys and values (16k tokens of bf16 at Hkv = 8,
+// d = 128): a batch with more, sequence by sequence, a longer sequence block by block,
+// merged by the blocks' lse as merge_attention_states() merges. ATTN_KVCACHE_TILES_FROM=n
+// sets the threshold (0: never).
 //
 // Rotary embeddings on append (FlashAttention's rotary_cos/rotary_sin): f32
 // [max_position, rotary_dim / 2]; the first rotary_dim dimensions of each new key

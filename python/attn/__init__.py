@@ -917,7 +917,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     output is bfloat16 anyway). Chunked prefill (Lq >= max(24, 128·Hkv/Hq) on a float32,
     bfloat16 or float16 cache read by queries of its dtype, no rotary for 16-bit queries but
     bfloat16 ones under precision="bf16", or on an int8/fp8 cache dequantized to float32
-    unless precision="bf16"; ``num_splits`` 0, at most 256 MiB of keys and values) runs on
+    unless precision="bf16"; ``num_splits`` 0) runs on
     ``scaled_dot_product_attention``'s tiled kernels, with their results for those inputs
     (16-bit: lse within 1e-4). Returns out [B, Lq, Hq, dv] in q's
     dtype, and lse float32 [B, Hq, Lq] if ``return_softmax_lse``. NumPy or CPU torch alike.

@@ -27,30 +27,32 @@ bool rows_in_one_run(const DecodeProblem& p, const CacheTensor& c, int b) {
   return true;
 }
 
-/// Copies the first `keys` logical rows of sequence b of cache c, every head, into
+/// Copies logical rows [first, first + keys) of sequence b of cache c, every head, into
 /// dst laid out [keys][Hkv][width] (width = d or dv): in the cache's dtype, page by
 /// page, a page's rows in one copy where its tokens' heads lie side by side; a
 /// quantized cache's rows dequantized to f32 (scale · code, one rounding, as the
 /// decode kernel widens them).
-void gather_rows(const DecodeProblem& p, const CacheTensor& c, int b, int keys, int width, uint8_t* dst,
+void gather_rows(const DecodeProblem& p, const CacheTensor& c, int b, int first, int keys, int width, uint8_t* dst,
                  int threads) {
   const bool quantized = is_quantized_cache(p.cache_dtype);
   const size_t elt = dtype_size(p.cache_dtype), row = (quantized ? sizeof(float) : elt) * width;
   const auto* base = static_cast<const uint8_t*>(c.base);
   const bool packed_rows = !quantized && c.head_stride == width && c.row_stride == int64_t{p.Hkv} * width;
-  const int pages = (keys + p.page_size - 1) / p.page_size;
+  const int end = first + keys, page0 = first / p.page_size;
+  const int pages = keys == 0 ? 0 : (end - 1) / p.page_size - page0 + 1;
   RunOnThreads(keys >= 1024 ? threads : 1, [&] {
 #pragma omp for schedule(static)
-    for (int page = 0; page < pages; ++page) {
-      const int t0 = page * p.page_size, t1 = std::min(keys, t0 + p.page_size);
+    for (int n = 0; n < pages; ++n) {
+      const int page = page0 + n;
+      const int t0 = std::max(first, page * p.page_size), t1 = std::min(end, (page + 1) * p.page_size);
       if (packed_rows) {
-        std::memcpy(dst + static_cast<size_t>(t0) * p.Hkv * row, base + p.row_offset(c, b, t0, 0) * elt,
+        std::memcpy(dst + static_cast<size_t>(t0 - first) * p.Hkv * row, base + p.row_offset(c, b, t0, 0) * elt,
                     static_cast<size_t>(t1 - t0) * p.Hkv * row);
         continue;
       }
       for (int t = t0; t < t1; ++t) {
         for (int h = 0; h < p.Hkv; ++h) {
-          uint8_t* to = dst + (static_cast<size_t>(t) * p.Hkv + h) * row;
+          uint8_t* to = dst + (static_cast<size_t>(t - first) * p.Hkv + h) * row;
           const uint8_t* from = base + p.row_offset(c, b, t, h) * elt;
           if (!quantized) {
             std::memcpy(to, from, row);
@@ -69,6 +71,31 @@ void gather_rows(const DecodeProblem& p, const CacheTensor& c, int b, int keys, 
   });
 }
 
+/// Sequence b of t alone (B = 1): its q, out, lse, ALiBi slopes and mask rows.
+Problem sequence_problem(const Problem& t, int b) {
+  Problem one = t;
+  const Sequence& s = t.seqs[static_cast<size_t>(b)];
+  one.B = 1, one.seqs = {s};
+  one.seqs[0].q_offset = one.seqs[0].out_offset = one.seqs[0].lse_offset = 0;
+  // q and out hold elements of the problem's dtype behind their float pointers.
+  const int64_t q_elt = static_cast<int64_t>(dtype_size(t.dtype));
+  one.q = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(t.q) + s.q_offset * q_elt);
+  one.out = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(t.out) + s.out_offset * q_elt);
+  if (t.lse != nullptr) one.lse = t.lse + s.lse_offset;
+  if (t.alibi != nullptr) one.alibi = t.alibi + b * t.alibi_b;
+  if (t.bool_mask != nullptr) one.bool_mask = t.bool_mask + b * t.mask_b;
+  if (t.add_mask != nullptr) one.add_mask = t.add_mask + b * t.mask_b;
+  return one;
+}
+
+/// Merges a block's partial result (f32 out [Lq][Hq][dv], lse [Hq][Lq]) into the
+/// running one (the same layout), as merge_attention_states() does: in place.
+void merge_into(const DecodeProblem& p, const float* out_blk, const float* lse_blk, float* out_acc, float* lse_acc) {
+  const TensorView ob(out_blk, DType::f32, {1, p.Lq, p.Hq, p.dv}), lb(lse_blk, DType::f32, {1, p.Hq, p.Lq});
+  const TensorView oa(out_acc, DType::f32, {1, p.Lq, p.Hq, p.dv}), la(lse_acc, DType::f32, {1, p.Hq, p.Lq});
+  merge_attention_states(oa, la, ob, lb, oa, la);
+}
+
 }  // namespace
 
 int kvcache_tiles_from(int group) {
@@ -76,8 +103,9 @@ int kvcache_tiles_from(int group) {
   return env_override("ATTN_KVCACHE_TILES_FROM", 0, 1 << 30, from);
 }
 
-int64_t kvcache_tiles_max_bytes() {
-  return int64_t{env_override("ATTN_KVCACHE_TILES_MAX_MIB", 0, 1 << 20, 256)} << 20;
+int kvcache_tiles_block_keys(int64_t bytes_per_key) {
+  const int64_t keys = (int64_t{64} << 20) / std::max<int64_t>(1, bytes_per_key) / 256 * 256;
+  return env_override("ATTN_KVCACHE_TILES_BLOCK", 1, 1 << 30, static_cast<int>(std::clamp<int64_t>(keys, 256, 1 << 30)));
 }
 
 bool attention_prefill_on_tiles(const DecodeProblem& p, int threads) {
@@ -96,13 +124,8 @@ bool attention_prefill_on_tiles(const DecodeProblem& p, int threads) {
       (p.rot_cos != nullptr && p.q_dtype != DType::f32 && !rounded_rotation && !quantized)) {
     return false;
   }
-  // The tiled kernels pack every key and value of the call (and a paged sequence is
-  // gathered first), in buffers each thread keeps: up to a bound, past which the
-  // decode kernel, which needs none, runs.
-  double bytes = 0;
-  for (int b = 0; b < p.B; ++b) bytes += double(p.attn.seqs[static_cast<size_t>(b)].Lk) * p.Hkv * (p.d + p.dv);
   const size_t elt = quantized ? sizeof(float) : dtype_size(p.cache_dtype);  // of the kernels' keys and values
-  if (bytes * double(elt) > double(kvcache_tiles_max_bytes())) return false;
+  const int block = kvcache_tiles_block_keys(static_cast<int64_t>(elt) * p.Hkv * (p.d + p.dv));
   Problem t = p.attn;
   t.dtype = quantized ? DType::f32 : p.q_dtype;
   t.precision = Precision::f32;
@@ -135,49 +158,88 @@ bool attention_prefill_on_tiles(const DecodeProblem& p, int threads) {
   }
   t.k = static_cast<const float*>(p.k.base), t.k_row = p.k.row_stride, t.k_head = p.k.head_stride;
   t.v = static_cast<const float*>(p.v.base), t.v_row = p.v.row_stride, t.v_head = p.v.head_stride;
+  // The whole batch in one call where its keys fit in a block and lie in place.
+  bool in_place = !quantized;
+  int64_t total_keys = 0;
   for (int b = 0; b < p.B; ++b) {
     Sequence& s = t.seqs[static_cast<size_t>(b)];
     s.q_offset = b * q_b, s.out_offset = b * out_b, s.lse_offset = b * p.lse_b;
     const std::vector<int32_t>& pages = p.pages[static_cast<size_t>(b)];
     s.k_offset = pages.empty() ? 0 : pages[0] * p.k.page_stride;
     s.v_offset = pages.empty() ? 0 : pages[0] * p.v.page_stride;
+    in_place = in_place && rows_in_one_run(p, p.k, b) && rows_in_one_run(p, p.v, b);
+    total_keys += s.Lk;
   }
-
-  bool in_place = !quantized;
-  for (int b = 0; b < p.B; ++b) in_place = in_place && rows_in_one_run(p, p.k, b) && rows_in_one_run(p, p.v, b);
+  in_place = in_place && total_keys <= block;
   // The kernel is chosen for the whole batch, as attention() chooses it.
   const LowpPath path = forward_tiles_path(t, AttentionOptions{});
   if (in_place) {
     forward_on_tiles(t, path, threads);
-    return true;
-  }
-  // Scattered pages: one sequence at a time, its keys and values gathered first
-  // (the tiled kernels address a sequence's rows at one stride). A sequence whose
-  // inputs hold a NaN or ±∞ alone then takes the portable path, where attention()
-  // would send the whole batch there: the same semantics, other roundings.
-  const int64_t q_elt = static_cast<int64_t>(dtype_size(t.dtype));
-  for (int b = 0; b < p.B; ++b) {
-    Problem one = t;
-    const Sequence& s = t.seqs[static_cast<size_t>(b)];
-    one.B = 1, one.seqs = {s};
-    one.seqs[0].q_offset = one.seqs[0].out_offset = one.seqs[0].lse_offset = 0;
-    one.seqs[0].k_offset = one.seqs[0].v_offset = 0;
-    // q and out hold elements of the problem's dtype behind their float pointers.
-    one.q = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(t.q) + s.q_offset * q_elt);
-    one.out = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(t.out) + s.out_offset * q_elt);
-    if (t.lse != nullptr) one.lse = t.lse + s.lse_offset;
-    if (t.alibi != nullptr) one.alibi = t.alibi + b * t.alibi_b;
-    if (t.bool_mask != nullptr) one.bool_mask = t.bool_mask + b * t.mask_b;
-    if (t.add_mask != nullptr) one.add_mask = t.add_mask + b * t.mask_b;
-    // Kept from call to call (a fresh buffer's first touch would cost more than the
-    // copy); the tiled kernels use other slots.
-    const size_t key_bytes = elt * s.Lk * p.Hkv * p.d, bytes = key_bytes + elt * s.Lk * p.Hkv * p.dv;
-    auto* keys = reinterpret_cast<uint8_t*>(thread_scratch(kSlotGatheredKv, (bytes + 3) / 4));
-    gather_rows(p, p.k, b, s.Lk, p.d, keys, threads);
-    gather_rows(p, p.v, b, s.Lk, p.dv, keys + key_bytes, threads);
-    one.k = reinterpret_cast<const float*>(keys), one.k_row = int64_t{p.Hkv} * p.d, one.k_head = p.d;
-    one.v = reinterpret_cast<const float*>(keys + key_bytes), one.v_row = int64_t{p.Hkv} * p.dv, one.v_head = p.dv;
-    forward_on_tiles(one, path, threads);
+  } else {
+    // One sequence at a time, in blocks of keys the tiled kernels read at one stride:
+    // in place, or gathered into a buffer the thread keeps from call to call (a fresh
+    // buffer's first touch would cost more than the copy; the tiled kernels use other
+    // slots). A sequence longer than a block takes its keys block by block, each a
+    // call placed at its keys' positions (as ring attention's blocks are), merged by
+    // their lse: the packed and gathered copies stay within a block's size. A sequence
+    // whose inputs hold a NaN or ±∞ alone takes the portable path, where attention()
+    // would send the whole batch there: the same semantics, other roundings.
+    std::vector<float> out_blk, lse_blk, out_acc, lse_acc;
+    for (int b = 0; b < p.B; ++b) {
+      const Problem one = sequence_problem(t, b);
+      const int lk = one.seqs[0].Lk;
+      const bool blocks = lk > block;
+      if (blocks) {
+        out_blk.resize(static_cast<size_t>(p.Lq) * p.Hq * p.dv), lse_blk.resize(static_cast<size_t>(p.Hq) * p.Lq);
+        out_acc.resize(out_blk.size()), lse_acc.resize(lse_blk.size());
+      }
+      const bool here = !quantized && rows_in_one_run(p, p.k, b) && rows_in_one_run(p, p.v, b);
+      for (int k0 = 0; k0 < std::max(lk, 1); k0 += block) {
+        const int keys = std::min(block, lk - k0);
+        Problem part = one;
+        part.seqs[0].Lk = part.seqs[0].Lk_rows = std::max(keys, 0);
+        if (here) {
+          part.seqs[0].k_offset += k0 * p.k.row_stride, part.seqs[0].v_offset += k0 * p.v.row_stride;
+        } else {
+          const size_t key_bytes = elt * std::max(keys, 0) * p.Hkv * p.d;
+          const size_t bytes = key_bytes + elt * std::max(keys, 0) * p.Hkv * p.dv;
+          auto* kv = reinterpret_cast<uint8_t*>(thread_scratch(kSlotGatheredKv, (bytes + 3) / 4));
+          gather_rows(p, p.k, b, k0, std::max(keys, 0), p.d, kv, threads);
+          gather_rows(p, p.v, b, k0, std::max(keys, 0), p.dv, kv + key_bytes, threads);
+          part.seqs[0].k_offset = part.seqs[0].v_offset = 0;
+          part.k = reinterpret_cast<const float*>(kv), part.k_row = int64_t{p.Hkv} * p.d, part.k_head = p.d;
+          part.v = reinterpret_cast<const float*>(kv + key_bytes), part.v_row = int64_t{p.Hkv} * p.dv;
+          part.v_head = p.dv;
+        }
+        if (blocks) {
+          // Keys at their positions k0 + j (bands, ALiBi); mask columns from k0; the
+          // block's f32 result and lse into the first or the running buffers.
+          part.k_pos0 = k0;
+          if (part.bool_mask != nullptr) part.bool_mask += k0 * part.mask_j;
+          if (part.add_mask != nullptr) part.add_mask += k0 * part.mask_j;
+          const bool first = k0 == 0;
+          part.out_f32 = true;
+          part.out = first ? out_acc.data() : out_blk.data();
+          part.out_row = int64_t{p.Hq} * p.dv, part.out_head = p.dv;
+          part.lse = first ? lse_acc.data() : lse_blk.data(), part.lse_h = p.Lq, part.lse_i = 1;
+        }
+        forward_on_tiles(part, path, threads);
+        if (blocks && k0 > 0) merge_into(p, out_blk.data(), lse_blk.data(), out_acc.data(), lse_acc.data());
+      }
+      if (blocks) {  // the merged result into the sequence's out (rounded once) and lse
+        for (int i = 0; i < p.Lq; ++i) {
+          for (int h = 0; h < p.Hq; ++h) {
+            const float* row = out_acc.data() + (static_cast<size_t>(i) * p.Hq + h) * p.dv;
+            if (one.dtype == DType::f32 || !out32.empty()) {
+              std::memcpy(one.out + i * one.out_row + h * one.out_head, row, sizeof(float) * p.dv);
+            } else {
+              store_f32_row(one.dtype, one.out, i * one.out_row + h * one.out_head, row, p.dv);
+            }
+            if (one.lse != nullptr) one.lse[h * one.lse_h + i * one.lse_i] = lse_acc[static_cast<size_t>(h) * p.Lq + i];
+          }
+        }
+      }
+    }
   }
   if (!out32.empty()) {  // rounded once into q's dtype
     for (int b = 0; b < p.B; ++b) {

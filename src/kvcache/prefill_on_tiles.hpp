@@ -23,19 +23,19 @@ namespace attn::detail {
 /// tests run both kernels on the same calls.
 int kvcache_tiles_from(int group);
 
-/// The most bytes of keys and values (all sequences; as the tiled kernels read them:
-/// in the cache's dtype, f32 for quantized caches) a call may have to take the tiled
-/// kernels: 256 MiB (64k tokens of bf16 at Hkv = 8, d = 128). Their packed copy, and a
-/// gathered sequence, stay in buffers the calling thread keeps for its next calls; past
-/// the bound the decode kernel, which keeps none, runs. ATTN_KVCACHE_TILES_MAX_MIB=n
-/// overrides it (tests).
-int64_t kvcache_tiles_max_bytes();
+/// Keys per block for a sequence whose keys and values take `bytes_per_key` bytes per
+/// token as the tiled kernels read them (the cache's dtype; f32 for quantized caches):
+/// 64 MiB of them, in whole 256-key panels (16,384 tokens of bf16 at Hkv = 8, d = 128).
+/// A batch with more keys runs sequence by sequence, and a longer sequence block by
+/// block, merged by the blocks' lse, so that the kernels' packed copy and a gathered
+/// block, which stay in buffers the calling thread keeps, never hold more than a
+/// block. ATTN_KVCACHE_TILES_BLOCK=n overrides it (tests).
+int kvcache_tiles_block_keys(int64_t bytes_per_key);
 
 /// Computes the attention part of p (checked by make_decode_problem, appended) on the
 /// tiled kernels and returns true, or returns false without touching an output when
-/// the call is not one they take: fewer queries than kvcache_tiles_from(), more keys
-/// and values than kvcache_tiles_max_bytes(), a forced num_splits (the decode kernel's
-/// splits), f32 queries on a bf16/f16 cache (or the reverse), bf16/f16 queries with
+/// the call is not one they take: fewer queries than kvcache_tiles_from(), a forced
+/// num_splits (the decode kernel's splits), f32 queries on a bf16/f16 cache (or the reverse), bf16/f16 queries with
 /// rotary embedding on a cache of their dtype (the decode kernel keeps rotated queries
 /// in f32; the tiled kernels would round them) unless bf16 ones under Precision::bf16,
 /// which allows rounding them to bf16, or a quantized cache under Precision::bf16 (its
@@ -44,7 +44,8 @@ int64_t kvcache_tiles_max_bytes();
 /// ignores it for f32 caches). A quantized cache is dequantized to f32 (scale · code)
 /// and read by f32 queries (bf16/f16 ones widened, the output rounded once). It, and a
 /// paged cache whose pages for a sequence do not follow one another in memory, is first
-/// copied, one sequence at a time, into a contiguous buffer.
+/// copied, one sequence (or block of kvcache_tiles_block_keys()) at a time, into a
+/// contiguous buffer.
 bool attention_prefill_on_tiles(const DecodeProblem& p, int threads);
 
 }  // namespace attn::detail
