@@ -10,8 +10,6 @@
 #include "attention_lowp.hpp"
 #include "cpu/attention_backward.hpp"
 #include "cpu/attention_backward_amx.hpp"
-#include "cpu/attention_forward.hpp"
-#include "cpu/attention_forward_amx.hpp"
 #include "problem.hpp"
 
 namespace attn::detail {
@@ -55,13 +53,7 @@ void attention_placed(const TensorView& q, const TensorView& k, const TensorView
   // read bf16/f16 inputs where they pack them, so no input is copied.
   Problem p = make_problem(fn, q, k, v, out, options, lse, {}, nullptr, /*on_device=*/false, /*out_f32=*/true);
   place(p, where, fn);
-  if (needs_widening(p, options)) {
-    if (const LowpPath path = lowp_kernel(p, options, LowpPass::forward); path != LowpPath::f32) {
-      if (attention_forward_amx(p, num_threads(), path)) return;
-      // Declined (a NaN or ±∞ in q, k or v): the portable path's exact semantics.
-    }
-  }
-  attention_forward_cpu(p, num_threads());
+  forward_on_tiles(p, forward_tiles_path(p, options), num_threads());
 }
 
 void attention_backward_placed(const TensorView& q, const TensorView& k, const TensorView& v,
