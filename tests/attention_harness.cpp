@@ -49,6 +49,7 @@ Errors::Sums squared_sums(const std::vector<double>& ref, const std::vector<floa
     s.fused += (fused[i] - ref[i]) * (fused[i] - ref[i]);
     s.plain += (plain[i] - ref[i]) * (plain[i] - ref[i]);
     s.ref += ref[i] * ref[i];
+    s.nonzero += ref[i] != 0.0;
   }
   return s;
 }
@@ -368,8 +369,10 @@ constexpr double kSlack = 1.2e-7;
     // case of fewer than kFewElements results: an RMS over a handful of roundings
     // swings several-fold (seen: 16 outputs of 333 keys each, d = dv = 1, at 2.7× the
     // plain error, 1.2e-6); the screen below and the pooled checks judge those.
+    // Results count where the reference is not 0: a causal case of 2 queries over 64
+    // keys has 512 probabilities, of which 3 per head are not exact zeros.
     constexpr double kFewElements = 32;
-    if (absolute_bar && sums->count >= kFewElements && sums->plain_rel() <= 0.5e-6 &&
+    if (absolute_bar && sums->nonzero >= kFewElements && sums->plain_rel() <= 0.5e-6 &&
         !(sums->fused_rel() <= 1e-6)) {
       return fail((std::string(name) + " error above 1e-6").c_str());
     }
@@ -379,9 +382,11 @@ constexpr double kSlack = 1.2e-7;
     // results the plain code can also be near exact by chance while the kernel
     // carries its scores' rounding, which is the dot product's (~√d·eps of
     // Σ|q·k|·scale, not of the score): seen, lse err 1.9e-7 against 3.6e-9 for two
-    // lse values at d = 128, Lk = 2 (ATTN_TEST_SEED=16634773951197762859). Those
-    // cases get a slack of 1e-6, still a thousandth of a gross error.
-    const double slack = sums->count < kFewElements ? 1e-6 : kSlack;
+    // lse values at d = 128, Lk = 2 (ATTN_TEST_SEED=16634773951197762859), and probs
+    // err 2.5e-7 against 1.1e-8 for 12 non-zero probabilities among 512 (top-left
+    // causal, Lq = 2, softcap 1: ATTN_TEST_SEED=11507507220749547513). Those cases get a
+    // slack of 1e-6, still a thousandth of a gross error.
+    const double slack = sums->nonzero < kFewElements ? 1e-6 : kSlack;
     if (!(sums->fused_rel() <= 10 * sums->plain_rel() + slack)) {
       return fail((std::string(name) + " error above 10x plain f32 in one case").c_str());
     }

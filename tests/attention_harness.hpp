@@ -117,11 +117,13 @@ struct Errors {
   struct Sums {
     double fused = 0, plain = 0, ref = 0;  // Σ(fused − ref)², Σ(plain − ref)², Σ ref²
     double count = 0;                      // elements
+    double nonzero = 0;                    // elements whose reference is not 0 (exact zeros
+                                           // of removed keys and rows carry no rounding)
     double floor = 1e-3;
     double fused_rel() const;
     double plain_rel() const;
     void add(const Sums& o) {
-      fused += o.fused, plain += o.plain, ref += o.ref, count += o.count, floor = o.floor;
+      fused += o.fused, plain += o.plain, ref += o.ref, count += o.count, nonzero += o.nonzero, floor = o.floor;
     }
   };
   Sums out, lse, probs;
