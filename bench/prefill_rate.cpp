@@ -10,12 +10,12 @@
 // (causal: each query sees the cache and the chunk up to itself). Fresh random keys,
 // values and queries (never constants); the append rewrites the same C .. C + Lq − 1
 // rows in every call. An i8 cache (scales ~1/127 per token and head) is read by f32
-// queries; under --rope (Precision::bf16) it stays on the decode kernel.
+// queries; under --precision bf16 it stays on the decode kernel.
 //
 // usage: prefill_rate [f32|bf16|f16|i8 ...] [--cached C ...] [--chunks Lq ...] [--hkv H] [--page P]
-//                     [--threads T] [--rounds R] [--rope]
-//        --rope: RoPE (halves, Llama's pairing) on the appended keys and the queries, under
-//                Precision::bf16 (which lets rotated bf16 queries take the tiled kernels)
+//                     [--threads T] [--rounds R] [--rope] [--precision f32|bf16]
+//        --rope: RoPE (halves, Llama's pairing) on the appended keys and the queries
+//        --precision: options.precision (default f32)
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -37,7 +37,8 @@ using attn::DType;
 
 struct Shape {
   int cached, chunk, hkv, page;
-  bool rope;  // RoPE (halves) on the appended keys and the queries, under Precision::bf16
+  bool rope;  // RoPE (halves) on the appended keys and the queries
+  attn::Precision precision;
 };
 
 /// Random values of dtype dt, n of them, as raw bytes.
@@ -109,7 +110,7 @@ void time_prefill(DType dt, const Shape& s, int rounds, std::mt19937& rng, doubl
   }
   attn::AttentionOptions opt;
   opt.causal = attn::Causal::BottomRight;
-  if (s.rope) opt.precision = attn::Precision::bf16;
+  opt.precision = s.precision;
   auto call = [&] { attn::attention_with_kvcache(qv, cache, lens, ov, opt, kv); };
   auto timed = [&](bool decode) {
     if (decode) {
@@ -145,6 +146,7 @@ int main(int argc, char** argv) {
   std::vector<int> cached, chunks;
   int hkv = 8, page = 0, threads = 1, rounds = 5;
   bool rope = false;
+  attn::Precision precision = attn::Precision::f32;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--cached") {
@@ -159,6 +161,9 @@ int main(int argc, char** argv) {
       threads = std::atoi(argv[++i]);
     } else if (a == "--rope") {
       rope = true;
+    } else if (a == "--precision" && i + 1 < argc && (std::strcmp(argv[i + 1], "f32") == 0 ||
+                                                      std::strcmp(argv[i + 1], "bf16") == 0)) {
+      precision = std::strcmp(argv[++i], "bf16") == 0 ? attn::Precision::bf16 : attn::Precision::f32;
     } else if (a == "--rounds" && i + 1 < argc) {
       rounds = std::atoi(argv[++i]);
     } else if (a == "f32" || a == "bf16" || a == "f16" || a == "i8") {
@@ -166,7 +171,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: prefill_rate [f32|bf16|f16|i8 ...] [--cached C ...] [--chunks Lq ...] [--hkv H] [--page P] "
-                   "[--threads T] [--rounds R] [--rope]\n");
+                   "[--threads T] [--rounds R] [--rope] [--precision f32|bf16]\n");
       return a == "--help" || a == "-h" ? 0 : 2;
     }
   }
@@ -178,9 +183,9 @@ int main(int argc, char** argv) {
   if (cached.empty()) cached = {1024, 4096};
   if (chunks.empty()) chunks = {32, 64, 256, 512};
   attn::set_num_threads(threads);
-  std::printf("prefill_rate: B=1 Hq=32 Hkv=%d d=128, causal, %s, %d thread(s), median of %d rounds%s\n", hkv,
+  std::printf("prefill_rate: B=1 Hq=32 Hkv=%d d=128, causal, %s, %d thread(s), median of %d rounds%s%s\n", hkv,
               page > 0 ? ("shuffled pages of " + std::to_string(page)).c_str() : "contiguous cache", threads, rounds,
-              rope ? ", RoPE under Precision::bf16" : "");
+              rope ? ", RoPE" : "", precision == attn::Precision::bf16 ? ", Precision::bf16" : "");
   std::printf("| dtype | cached | chunk | picked: ms | GFLOP/s | decode kernel: ms | GFLOP/s | picked / decode |\n");
   std::printf("|---|---:|---:|---:|---:|---:|---:|---:|\n");
   std::mt19937 rng(2026);
@@ -188,7 +193,7 @@ int main(int argc, char** argv) {
     for (int c : cached) {
       for (int lq : chunks) {
         double tiles = 0, decode = 0;
-        time_prefill(dt, {c, lq, hkv, page, rope}, rounds, rng, &tiles, &decode);
+        time_prefill(dt, {c, lq, hkv, page, rope, precision}, rounds, rng, &tiles, &decode);
         const double flops = 4.0 * 32 * 128 * (double(lq) * c + double(lq) * (lq + 1) / 2);
         std::printf("| %s | %d | %d | %.2f | %.1f | %.2f | %.1f | %.2f |\n", attn::dtype_name(dt), c, lq, tiles * 1e3,
                     flops / tiles * 1e-9, decode * 1e3, flops / decode * 1e-9, tiles / decode);

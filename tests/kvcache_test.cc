@@ -386,8 +386,8 @@ std::vector<float> logical_values(const KvCase& kc, int b) {
 }
 
 // The float64 reference for sequence b on its logical keys (the cache after the call,
-// dequantized) and the values v ([lk, Hkv, dv]), the queries rotated in double:
-// out [Lq, Hq, dv], lse [Hq, Lq].
+// dequantized) and the values v ([lk, Hkv, dv]), the queries rotated in double (bf16
+// ones then rounded to bf16, as the call rounds them): out [Lq, Hq, dv], lse [Hq, Lq].
 void reference_of_sequence(const KvCase& kc, int b, const std::vector<float>& v, int dv, std::vector<float>& out,
                            std::vector<float>& lse) {
   const KvConfig& c = kc.c;
@@ -400,7 +400,9 @@ void reference_of_sequence(const KvCase& kc, int b, const std::vector<float>& v,
       std::vector<double> x(c.d);
       for (int e = 0; e < c.d; ++e) x[e] = read_elem(c.q_dtype, kc.q.data(), ((int64_t(b) * c.Lq + i) * c.Hq + h) * c.d + e);
       kc.rotate(x, lk - c.Lq + i);
-      for (int e = 0; e < c.d; ++e) q[(size_t(i) * c.Hq + h) * c.d + e] = float(x[e]);
+      const bool rounded = c.rope != Rope::none && c.q_dtype == DType::bf16;
+      for (int e = 0; e < c.d; ++e)
+        q[(size_t(i) * c.Hq + h) * c.d + e] = rounded ? detail::bf16_to_f32(detail::f32_to_bf16(float(x[e]))) : float(x[e]);
     }
   for (int t = 0; t < lk; ++t)
     for (int h = 0; h < c.Hkv; ++h)
@@ -605,7 +607,7 @@ KvConfig pass_case(const PassShape& sh, DType cache, int variant) {
 // ATTN_ISA=f32 forces the f32 pass. Both against float64 at f32's tolerance: f32
 // queries rounded to bf16 values (so the output is f32, not rounded to bf16), d a
 // multiple of 32 (the pass's unit) and not, 1 to 9 rows per kv head, every score
-// option, masks, splits; rotated queries are not bf16 and take the f32 pass.
+// option, masks, splits; rotated f32 queries are not bf16 and take the f32 pass.
 TEST(KVCache, Bf16ScorePassOnBf16ValuedQueries) {
   auto rng = make_rng(1211);
   const PassShape shapes[] = {{32, 8, 1, 128, 128, 0}, {8, 2, 1, 64, 64, 16}, {4, 4, 1, 32, 96, 256},
@@ -705,8 +707,8 @@ TEST(KVCache, Bf16CachesOnBf16ProductsUnderPrecisionBf16) {
 }
 
 // bf16 queries are bf16 inputs: on a bf16 cache they take both bf16 products by
-// default, P rounded to bf16 as attention()'s bf16 kernels round it, so without rotary
-// embedding (which makes the queries f32 inside the call) the result is bitwise the
+// default, P rounded to bf16 as attention()'s bf16 kernels round it, rotated ones
+// too (rounded back to bf16 after the rotation), so the result is bitwise the
 // Precision::bf16 one (that test holds it to FlashAttention's rule), and it is within
 // the P rounding's bound of float64 (check_against_reference). f16 queries keep the
 // f32 passes: bitwise the ATTN_ISA=f32 result.
@@ -736,7 +738,7 @@ TEST(KVCache, Bf16QueriesOnBf16CachesTakeBf16ProductsByDefault) {
           EXPECT_EQ(r.out, exact.out) << c.name() << ": must be the f32 passes' result";
           continue;
         }
-        if (c.rope == Rope::none) EXPECT_EQ(r.out, run(as_bf16).out) << c.name() << ": not the Precision::bf16 result";
+        EXPECT_EQ(r.out, run(as_bf16).out) << c.name() << ": not the Precision::bf16 result";
         // Variant 2's random mask removes a key from nearly every pass (f32 P·V there).
         if (variant != 2) EXPECT_NE(r.out, exact.out) << c.name() << ": the bf16 passes did not run";
       }
@@ -856,6 +858,60 @@ bool same_result(const Result& a, const Result& b) {
   return a.out == b.out && std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * sizeof(float)) == 0;
 }
 
+// Rotated bf16 queries are rounded back to bf16 after the rotation (as FlashAttention's
+// kernel stores them): a call with rotary embedding gives bitwise the result of the
+// same call on the cache it leaves, with the queries rotated and rounded beforehand
+// and no rotary. The tables and queries are chosen so that the rotation is exact in
+// f32 (multiples of 1/8 times multiples of 1/64), and the rotated values have up to
+// 11 significant bits, so rounding them to bf16 changes many. On the decode kernel
+// (3 queries; bf16 and f32 passes) and the tiled kernels (chunked prefill), pairs and
+// halves, contiguous and paged.
+TEST(KVCache, RotatedBf16QueriesAreRoundedBackToBf16) {
+  auto rng = make_rng(1217);
+  std::uniform_int_distribution<int> q_steps(-96, 96), angle_steps(-8, 8);
+  for (const char* isa : {"", "f32"}) {
+    const ScopedEnv forced("ATTN_ISA", *isa != '\0' ? isa : nullptr);
+    for (int lq : {3, detail::kvcache_tiles_from(4) + 5}) {
+      for (Rope rope : {Rope::half, Rope::interleaved}) {
+        KvConfig c;
+        c.B = 2, c.Hq = 8, c.Hkv = 2, c.d = c.dv = 64, c.Lq = c.Lnew = lq;
+        c.cached = {150, 37};
+        c.page = rope == Rope::half ? 0 : 16;
+        c.cache_dtype = c.q_dtype = DType::bf16;
+        c.rope = rope;
+        KvCase a(c, rng);
+        for (float& x : a.cos_t) x = angle_steps(rng) / 8.0f;
+        for (float& x : a.sin_t) x = angle_steps(rng) / 8.0f;
+        for (size_t n = 0; n < a.q.size() / 2; ++n) write_elem(DType::bf16, a.q.data(), int64_t(n), q_steps(rng) / 64.0f);
+        const KvCase before = a;
+        const Result got = run(a);
+        // The same keys, already in the cache; the queries rotated here (exactly) and rounded.
+        KvCase b = a;
+        b.c.Lnew = 0, b.c.rope = Rope::none;
+        int changed = 0;
+        for (int s = 0; s < c.B; ++s) {
+          b.c.cached[s] += lq, b.seqlens[s] += lq;
+          for (int i = 0; i < lq; ++i)
+            for (int h = 0; h < c.Hq; ++h) {
+              const int64_t at = ((int64_t(s) * lq + i) * c.Hq + h) * c.d;
+              std::vector<double> x(c.d);
+              for (int e = 0; e < c.d; ++e) x[e] = read_elem(DType::bf16, before.q.data(), at + e);
+              a.rotate(x, c.cached[s] + i);
+              for (int e = 0; e < c.d; ++e) {
+                write_elem(DType::bf16, b.q.data(), at + e, float(x[e]));
+                changed += read_elem(DType::bf16, b.q.data(), at + e) != float(x[e]);
+              }
+            }
+        }
+        const std::string name = c.name() + " ATTN_ISA=" + isa;
+        EXPECT_GT(changed, 100) << name << ": the rounding changes few queries; the test would not see it";
+        EXPECT_TRUE(same_result(got, run(b))) << name << ": not the result of the rounded rotated queries";
+        check_against_reference(a, got, name, 2e-5, nullptr, 1e-4);
+      }
+    }
+  }
+}
+
 // Chunked prefill (Lq ≥ max(24, 128 / group) queries) on an f32, bf16 or f16 cache
 // read by queries of its dtype, or on a quantized cache (dequantized to f32 as it is
 // gathered), runs on attention()'s tiled kernels: against float64, bitwise attention()'s
@@ -863,7 +919,7 @@ bool same_result(const Result& a, const Result& b) {
 // bf16 queries on a quantized cache, which attention() cannot mix), and bitwise the same
 // on 1 and 2 threads. Contiguous caches, pages that follow one another (read in place)
 // and shuffled pages of 16 and 5 (gathered), every score option and mask, an empty
-// sequence. Below the threshold, rotated bf16/f16 queries, mixed float dtypes, forced
+// sequence. Below the threshold, rotated f16 queries, mixed float dtypes, forced
 // splits and calls past the size bound stay on the decode kernel.
 TEST(KVCache, ChunkedPrefillRunsOnTheTiledKernels) {
   auto rng = make_rng(1216);
@@ -1002,22 +1058,22 @@ TEST(KVCache, ChunkedPrefillRunsOnTheTiledKernels) {
   below.Lq = below.Lnew = detail::kvcache_tiles_from(4) - 1;
   stays(below, "below the threshold");
   KvConfig rotated = c;
-  rotated.cache_dtype = rotated.q_dtype = DType::bf16, rotated.precision = Precision::f32;
-  stays(rotated, "rotated bf16 queries");
-  // ... but not under Precision::bf16, which rounds them to bf16 after the rotation
-  // (so against float64 at bf16's tolerance, as the decode kernel's bf16 products).
-  {
+  rotated.cache_dtype = rotated.q_dtype = DType::f16, rotated.precision = Precision::f32;
+  stays(rotated, "rotated f16 queries");
+  // Rotated bf16 queries are rounded back to bf16 after the rotation, so they take the
+  // route whatever the precision (against float64 on the rounded queries).
+  for (Precision precision : {Precision::f32, Precision::bf16}) {
     KvConfig r16 = rotated;
-    r16.precision = Precision::bf16;
+    r16.cache_dtype = r16.q_dtype = DType::bf16, r16.precision = precision;
     KvCase a(r16, rng);
     KvCase b = a, two = a;
     const Result on = run(a);
-    check_against_reference(a, on, "rotated bf16 queries under Precision::bf16 " + r16.name(), 1.0 / 256, nullptr, 1e-3);
+    check_against_reference(a, on, "rotated bf16 queries " + r16.name(), 2e-5, nullptr, 1e-4);
     Result t2;
     with_threads(2, [&] { t2 = run(two); });
     EXPECT_TRUE(same_result(on, t2)) << "rotated bf16 queries: 2 threads differ";
     const ScopedEnv off("ATTN_KVCACHE_TILES_FROM", "0");
-    EXPECT_FALSE(same_result(on, run(b))) << "rotated bf16 queries under Precision::bf16: the route did not run";
+    EXPECT_FALSE(same_result(on, run(b))) << "rotated bf16 queries " << r16.name() << ": the route did not run";
   }
   KvConfig mixed = below;
   mixed.Lq = mixed.Lnew = 64;

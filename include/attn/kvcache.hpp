@@ -30,8 +30,8 @@
 // accumulation; nothing is re-packed per call. An E4M3 NaN code the kernel reads
 // gives NaN, as a NaN in a float cache does. On CPUs whose vdpbf16ps runs at the
 // FMA's rate (AMD Zen 4/5; ATTN_ISA=avx512bf16 forces it, ATTN_ISA=f32 forbids it), a
-// bf16 cache read by queries whose values are all bf16 (bf16 queries without rotary
-// embedding, for instance) gets Q·Kᵀ on vdpbf16ps: the same exact products, summed
+// bf16 cache read by queries whose values are all bf16 (bf16 queries, rotated or not,
+// for instance) gets Q·Kᵀ on vdpbf16ps: the same exact products, summed
 // in f32 in another order, scaled after the sum rather than before, and bf16
 // subnormals (below 1.2e-38) read as zero.
 //
@@ -44,10 +44,9 @@
 // relative), an i8 or f8e4m3 cache dequantized to f32 (scale · code) and read by f32
 // queries (bf16/f16 ones widened, the output rounded once). A paged cache whose pages
 // lie apart, and every quantized cache, is gathered a sequence at a time into a
-// contiguous buffer first. Staying on the decode kernel: rotated bf16/f16 queries on a
-// cache of their dtype (the decode kernel keeps them in f32), except bf16 ones under
-// Precision::bf16, rounded to bf16 after the rotation (as FlashAttention rounds them);
-// quantized caches under Precision::bf16 (whose integer passes are as fast); f32 queries
+// contiguous buffer first. Staying on the decode kernel: rotated f16 queries on an f16
+// cache (the decode kernel keeps them in f32); quantized caches under Precision::bf16
+// (whose integer passes are as fast); f32 queries
 // on a bf16/f16 cache; a forced num_splits. The tiled kernels' packed copy (and a
 // gathered block) stays in buffers the calling thread keeps, so a call runs on them
 // in blocks of at most 64 MiB of keys and values (16k tokens of bf16 at Hkv = 8,
@@ -61,7 +60,11 @@
 // cache_seqlens[b] + Lnew − Lq + i, aligned with the new tokens) rotate by the table's
 // angles; interleaved pairs (0,1), (2,3)… (GPT-J) or halves (i, i + rotary_dim/2)
 // (GPT-NeoX, Llama). FlashAttention rotates every query of a non-causal call at
-// cache_seqlens[b]; attn rotates each query at its own position.
+// cache_seqlens[b]; attn rotates each query at its own position. The rotation is
+// computed in f32; rotated bf16 queries are then rounded to bf16 (nearest even), as
+// FlashAttention's kernel writes them back in their dtype, so that they stay bf16
+// inputs (bf16 products on a bf16 cache, on either kernel); rotated f16 queries stay
+// in f32 (their rounding to f16 could overflow).
 //
 // Split-KV (Flash-Decoding): each sequence's keys are cut into splits that separate
 // threads compute, and the partial results are combined in split order as

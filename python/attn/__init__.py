@@ -895,7 +895,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     cached; not advanced by the call). ``k``, ``v`` [B, Lnew, Hkv, d / dv] are written into the
     cache in place at cache_seqlens (rotated by ``rotary_cos``/``rotary_sin`` [positions,
     rotary_dim / 2] if given: keys at their positions, queries at cache_seqlens + Lnew - Lq + i;
-    ``rotary_interleaved`` pairs (0,1),(2,3)… else halves), then each sequence attends over its
+    ``rotary_interleaved`` pairs (0,1),(2,3)… else halves; computed in float32, and rotated
+    bfloat16 queries rounded back to bfloat16 as FlashAttention's kernel stores them, float16
+    ones kept in float32), then each sequence attends over its
     cache_seqlens[b] + Lnew keys. ``causal`` is bottom-right aligned (the last query sees every
     key). The cache may be float32, float16, bfloat16 (torch), or quantized with ``k_scale``/
     ``v_scale`` float32 [B or num_blocks, capacity or page_size, Hkv]: int8 (key = scale · int8;
@@ -915,8 +917,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     caches ignore it. bfloat16 queries on a bfloat16 cache take those products whatever
     ``precision`` says (bf16 inputs, as ``scaled_dot_product_attention`` treats them; the
     output is bfloat16 anyway). Chunked prefill (Lq >= max(24, 128·Hkv/Hq) on a float32,
-    bfloat16 or float16 cache read by queries of its dtype, no rotary for 16-bit queries but
-    bfloat16 ones under precision="bf16", or on an int8/fp8 cache dequantized to float32
+    bfloat16 or float16 cache read by queries of its dtype, no rotary for float16 queries,
+    or on an int8/fp8 cache dequantized to float32
     unless precision="bf16"; ``num_splits`` 0) runs on
     ``scaled_dot_product_attention``'s tiled kernels, with their results for those inputs
     (16-bit: lse within 1e-4). Returns out [B, Lq, Hq, dv] in q's

@@ -227,8 +227,10 @@ def test_bfloat16_queries_on_a_bfloat16_cache_take_bf16_products(rng, page):
     np.testing.assert_array_equal(half.float().numpy(), torch.from_numpy(exact16).half().float().numpy())
 
 
-def test_torch_bfloat16_cache_with_rope_and_chunked_prefill(rng):
-    B, H, Hkv, d, cap, lq = 2, 4, 2, 32, 64, 5
+@pytest.mark.parametrize("lq", [5, 70])  # the decode kernel; the tiled kernels (from 64 queries here)
+def test_torch_bfloat16_cache_with_rope_and_chunked_prefill(rng, lq):
+    B, H, Hkv, d = 2, 4, 2, 32
+    cap = 24 + lq
     k_cache = torch.zeros(B, cap, Hkv, d, dtype=torch.bfloat16)
     v_cache = torch.zeros(B, cap, Hkv, d, dtype=torch.bfloat16)
     k_cache[:, :20] = torch.from_numpy(rng.uniform(-1, 1, (B, 20, Hkv, d)).astype(np.float32)).bfloat16()
@@ -241,7 +243,8 @@ def test_torch_bfloat16_cache_with_rope_and_chunked_prefill(rng):
     out = attn.attention_with_kvcache(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens=20, causal=True,
                                       rotary_interleaved=False)
     assert out.dtype == torch.bfloat16 and out.shape == (B, lq, H, d)
-    # The queries rotated the same way (positions 20..24, halves pairing), in float64.
+    # The queries rotated the same way (positions 20.., halves pairing), in float64, then
+    # rounded back to bfloat16 as the call rounds them.
     qr = q.double().numpy().copy()
     half = d // 2
     for i in range(lq):
@@ -249,6 +252,7 @@ def test_torch_bfloat16_cache_with_rope_and_chunked_prefill(rng):
         x0, x1 = qr[:, i, :, :half].copy(), qr[:, i, :, half:].copy()
         qr[:, i, :, :half] = x0 * c - x1 * s
         qr[:, i, :, half:] = x0 * s + x1 * c
+    qr = torch.from_numpy(qr).bfloat16().double().numpy()
     _check(qr, out, None, k_cache, v_cache, np.full(B, 20 + lq), tol=1e-2)
     # The appended keys are the rotated new keys, rounded once to bfloat16.
     kr = k.double().numpy()

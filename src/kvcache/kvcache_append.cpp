@@ -91,6 +91,13 @@ std::vector<float> prepare_queries(const DecodeProblem& p, int multiple, bool sc
         const int64_t at = b * p.q_b + i * p.q_row + h * p.q_head;
         load_f32_row(p.q_dtype, p.q, at, dst, p.d);
         rotate(p, dst, int64_t{p.cached[b]} + p.Lnew - p.Lq + i);
+        // Rotated bf16 queries are bf16 inputs again, as in FlashAttention, whose kernel
+        // writes them back in their dtype: so they take bf16 products on the decode
+        // kernel and the tiled kernels alike, and a call's result does not depend on
+        // which of the two runs it. (f16 ones stay f32: rounding to f16 could overflow.)
+        if (p.rot_cos != nullptr && p.q_dtype == DType::bf16) {
+          for (int x = 0; x < p.d; ++x) dst[x] = bf16_to_f32(f32_to_bf16(dst[x]));
+        }
         if (scaled) for (int x = 0; x < p.d; ++x) dst[x] *= p.attn.scale;
       }
     }

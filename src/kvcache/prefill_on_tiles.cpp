@@ -110,10 +110,11 @@ int kvcache_tiles_block_keys(int64_t bytes_per_key) {
 
 bool attention_prefill_on_tiles(const DecodeProblem& p, int threads) {
   const int from = kvcache_tiles_from(p.group());
-  // Rotated queries are f32 inside the call: the tiled kernels take them as f32, or
-  // rounded to bf16 where Precision::bf16 allows that (as the decode kernel's bf16
-  // products round them under it).
-  const bool rounded_rotation = p.q_dtype == DType::bf16 && p.attn.precision == Precision::bf16;
+  // Rotated queries come out of the rotation in f32: the tiled kernels take f32 ones
+  // as they are and bf16 ones rounded back to bf16 (prepare_queries rounds them so for
+  // the decode kernel too); rotated f16 ones stay f32 in the decode kernel, which the
+  // f16 tiles cannot take (a quantized cache's tiles read f32 queries).
+  const bool rotated_f16 = p.rot_cos != nullptr && p.q_dtype == DType::f16;
   // Quantized caches are dequantized to f32 as they are gathered, and read by f32
   // queries (bf16/f16 ones widened exactly, the output rounded once at the end); not
   // under Precision::bf16, where the decode kernel's integer passes are as fast
@@ -121,7 +122,7 @@ bool attention_prefill_on_tiles(const DecodeProblem& p, int threads) {
   const bool quantized = is_quantized_cache(p.cache_dtype);
   if (quantized && p.attn.precision == Precision::bf16) return false;
   if (from == 0 || p.Lq < from || p.num_splits != 0 || (p.q_dtype != p.cache_dtype && !quantized) ||
-      (p.rot_cos != nullptr && p.q_dtype != DType::f32 && !rounded_rotation && !quantized)) {
+      (rotated_f16 && !quantized)) {
     return false;
   }
   const size_t elt = quantized ? sizeof(float) : dtype_size(p.cache_dtype);  // of the kernels' keys and values

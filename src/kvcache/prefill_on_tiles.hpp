@@ -35,11 +35,10 @@ int kvcache_tiles_block_keys(int64_t bytes_per_key);
 /// Computes the attention part of p (checked by make_decode_problem, appended) on the
 /// tiled kernels and returns true, or returns false without touching an output when
 /// the call is not one they take: fewer queries than kvcache_tiles_from(), a forced
-/// num_splits (the decode kernel's splits), f32 queries on a bf16/f16 cache (or the reverse), bf16/f16 queries with
-/// rotary embedding on a cache of their dtype (the decode kernel keeps rotated queries
-/// in f32; the tiled kernels would round them) unless bf16 ones under Precision::bf16,
-/// which allows rounding them to bf16, or a quantized cache under Precision::bf16 (its
-/// integer passes are as fast). The result has attention()'s arithmetic for those
+/// num_splits (the decode kernel's splits), f32 queries on a bf16/f16 cache (or the
+/// reverse), f16 queries with rotary embedding on an f16 cache (the decode kernel keeps
+/// rotated f16 queries in f32; rotated bf16 ones are rounded back to bf16 for either
+/// kernel), or a quantized cache under Precision::bf16 (its integer passes are as fast). The result has attention()'s arithmetic for those
 /// inputs: f32 at f32's accuracy (options.precision is ignored, as the decode kernel
 /// ignores it for f32 caches). A quantized cache is dequantized to f32 (scale · code)
 /// and read by f32 queries (bf16/f16 ones widened, the output rounded once). It, and a
