@@ -13,9 +13,11 @@
 // queries; under --precision bf16 it stays on the decode kernel.
 //
 // usage: prefill_rate [f32|bf16|f16|i8 ...] [--cached C ...] [--chunks Lq ...] [--hkv H] [--page P]
-//                     [--threads T] [--rounds R] [--rope] [--precision f32|bf16]
+//                     [--threads T] [--rounds R] [--rope] [--precision f32|bf16] [--f32-queries]
 //        --rope: RoPE (halves, Llama's pairing) on the appended keys and the queries
 //        --precision: options.precision (default f32)
+//        --f32-queries: f32 queries (and new keys and values) on every cache dtype, as
+//                       attn's modules compute (default: the cache's dtype; f32 for i8)
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -39,6 +41,7 @@ struct Shape {
   int cached, chunk, hkv, page;
   bool rope;  // RoPE (halves) on the appended keys and the queries
   attn::Precision precision;
+  bool f32_queries;
 };
 
 /// Random values of dtype dt, n of them, as raw bytes.
@@ -68,7 +71,7 @@ void time_prefill(DType dt, const Shape& s, int rounds, std::mt19937& rng, doubl
   const int pages = (capacity + page - 1) / page;
   const size_t rows = static_cast<size_t>(pages) * page * s.hkv * d;
   // An i8 cache (one scale per token and head) is read by f32 queries.
-  const DType qdt = dt == DType::i8 ? DType::f32 : dt;
+  const DType qdt = dt == DType::i8 || s.f32_queries ? DType::f32 : dt;
   std::vector<uint8_t> k = random_values(dt, rows, rng), v = random_values(dt, rows, rng);
   std::vector<uint8_t> q = random_values(qdt, static_cast<size_t>(s.chunk) * Hq * d, rng);
   std::vector<uint8_t> k_new = random_values(qdt, static_cast<size_t>(s.chunk) * s.hkv * d, rng);
@@ -145,7 +148,7 @@ int main(int argc, char** argv) {
   std::vector<DType> dtypes;
   std::vector<int> cached, chunks;
   int hkv = 8, page = 0, threads = 1, rounds = 5;
-  bool rope = false;
+  bool rope = false, f32_queries = false;
   attn::Precision precision = attn::Precision::f32;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -161,6 +164,8 @@ int main(int argc, char** argv) {
       threads = std::atoi(argv[++i]);
     } else if (a == "--rope") {
       rope = true;
+    } else if (a == "--f32-queries") {
+      f32_queries = true;
     } else if (a == "--precision" && i + 1 < argc && (std::strcmp(argv[i + 1], "f32") == 0 ||
                                                       std::strcmp(argv[i + 1], "bf16") == 0)) {
       precision = std::strcmp(argv[++i], "bf16") == 0 ? attn::Precision::bf16 : attn::Precision::f32;
@@ -171,7 +176,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: prefill_rate [f32|bf16|f16|i8 ...] [--cached C ...] [--chunks Lq ...] [--hkv H] [--page P] "
-                   "[--threads T] [--rounds R] [--rope] [--precision f32|bf16]\n");
+                   "[--threads T] [--rounds R] [--rope] [--precision f32|bf16] [--f32-queries]\n");
       return a == "--help" || a == "-h" ? 0 : 2;
     }
   }
@@ -183,9 +188,10 @@ int main(int argc, char** argv) {
   if (cached.empty()) cached = {1024, 4096};
   if (chunks.empty()) chunks = {32, 64, 256, 512};
   attn::set_num_threads(threads);
-  std::printf("prefill_rate: B=1 Hq=32 Hkv=%d d=128, causal, %s, %d thread(s), median of %d rounds%s%s\n", hkv,
+  std::printf("prefill_rate: B=1 Hq=32 Hkv=%d d=128, causal, %s, %d thread(s), median of %d rounds%s%s%s\n", hkv,
               page > 0 ? ("shuffled pages of " + std::to_string(page)).c_str() : "contiguous cache", threads, rounds,
-              rope ? ", RoPE" : "", precision == attn::Precision::bf16 ? ", Precision::bf16" : "");
+              rope ? ", RoPE" : "", precision == attn::Precision::bf16 ? ", Precision::bf16" : "",
+              f32_queries ? ", f32 queries" : "");
   std::printf("| dtype | cached | chunk | picked: ms | GFLOP/s | decode kernel: ms | GFLOP/s | picked / decode |\n");
   std::printf("|---|---:|---:|---:|---:|---:|---:|---:|\n");
   std::mt19937 rng(2026);
@@ -193,7 +199,7 @@ int main(int argc, char** argv) {
     for (int c : cached) {
       for (int lq : chunks) {
         double tiles = 0, decode = 0;
-        time_prefill(dt, {c, lq, hkv, page, rope, precision}, rounds, rng, &tiles, &decode);
+        time_prefill(dt, {c, lq, hkv, page, rope, precision, f32_queries}, rounds, rng, &tiles, &decode);
         const double flops = 4.0 * 32 * 128 * (double(lq) * c + double(lq) * (lq + 1) / 2);
         std::printf("| %s | %d | %d | %.2f | %.1f | %.2f | %.1f | %.2f |\n", attn::dtype_name(dt), c, lq, tiles * 1e3,
                     flops / tiles * 1e-9, decode * 1e3, flops / decode * 1e-9, tiles / decode);

@@ -819,15 +819,17 @@ Result attention_on_logical_cache(const KvCase& kc) {
   int longest = 0;
   std::vector<int32_t> lengths;
   for (int b = 0; b < c.B; ++b) lengths.push_back(c.cached[b] + c.Lnew), longest = std::max(longest, lengths.back());
-  // A quantized cache's rows dequantized (f32), others copied in their dtype.
-  const DType kv_dtype = kc.quantized() ? DType::f32 : c.cache_dtype;
+  // A quantized cache's rows dequantized (f32), a float cache read by queries of
+  // another dtype widened to f32, others copied in their dtype.
+  const bool widened = kc.quantized() || c.cache_dtype != c.q_dtype;
+  const DType kv_dtype = widened ? DType::f32 : c.cache_dtype;
   const size_t es = dtype_size(kv_dtype);
   std::vector<uint8_t> k(size_t(c.B) * longest * c.Hkv * c.d * es, 0), v(size_t(c.B) * longest * c.Hkv * c.dv * es, 0);
   for (int b = 0; b < c.B; ++b)
     for (int t = 0; t < lengths[b]; ++t)
       for (int h = 0; h < c.Hkv; ++h) {
         const size_t kt = ((size_t(b) * longest + t) * c.Hkv + h) * c.d, vt = ((size_t(b) * longest + t) * c.Hkv + h) * c.dv;
-        if (kc.quantized()) {
+        if (widened) {
           for (int x = 0; x < c.d; ++x) reinterpret_cast<float*>(k.data())[kt + x] = kc.k_value(b, t, h, x);
           for (int x = 0; x < c.dv; ++x) reinterpret_cast<float*>(v.data())[vt + x] = kc.v_value(b, t, h, x);
           continue;
@@ -919,22 +921,29 @@ TEST(KVCache, RotatedBf16QueriesAreRoundedBackToBf16) {
 // bf16 queries on a quantized cache, which attention() cannot mix), and bitwise the same
 // on 1 and 2 threads. Contiguous caches, pages that follow one another (read in place)
 // and shuffled pages of 16 and 5 (gathered), every score option and mask, an empty
-// sequence. Below the threshold, rotated f16 queries, mixed float dtypes, forced
-// splits and calls past the size bound stay on the decode kernel.
+// sequence. Mixed float dtypes (the cache widened to f32) and rotated f16 queries take
+// the route from twice the threshold, f32 queries on a bf16 cache under
+// Precision::bf16 from the threshold (on the bf16 kernel). Below the thresholds,
+// forced splits and calls past the size bound stay on the decode kernel.
 TEST(KVCache, ChunkedPrefillRunsOnTheTiledKernels) {
   auto rng = make_rng(1216);
   std::uniform_int_distribution<int> pick(0, 1 << 30);
-  const std::pair<DType, DType> dtypes[] = {{DType::f32, DType::f32},   {DType::bf16, DType::bf16},
-                                            {DType::f16, DType::f16},   {DType::i8, DType::f32},
-                                            {DType::f8e4m3, DType::f32}, {DType::i8, DType::bf16}};
+  // (cache, queries): a bf16/f16 cache read by queries of another dtype is widened
+  // to f32 per call, and takes the route from twice the threshold.
+  const std::pair<DType, DType> dtypes[] = {{DType::f32, DType::f32},    {DType::bf16, DType::bf16},
+                                            {DType::f16, DType::f16},    {DType::i8, DType::f32},
+                                            {DType::f8e4m3, DType::f32}, {DType::i8, DType::bf16},
+                                            {DType::bf16, DType::f32},   {DType::f16, DType::f32},
+                                            {DType::f32, DType::bf16},   {DType::f16, DType::bf16}};
   for (const auto& [dt, qdt] : dtypes) {
+    const bool widened = dt != qdt && (dt == DType::bf16 || dt == DType::f16);
     for (int n = 0; n < 8; ++n) {
       KvConfig c;
       c.B = 1 + n % 3;
       c.Hkv = 1 + pick(rng) % 2;
       c.Hq = c.Hkv * (n % 2 == 0 ? 1 : 4);
       c.d = n % 4 == 3 ? 40 : 64, c.dv = n % 4 == 2 ? 48 : c.d;
-      c.Lq = detail::kvcache_tiles_from(c.Hq / c.Hkv) + pick(rng) % 40;
+      c.Lq = detail::kvcache_tiles_from(c.Hq / c.Hkv) * (widened ? 2 : 1) + pick(rng) % 40;
       c.Lnew = n % 4 == 1 ? 0 : c.Lq;
       c.cached.clear();
       // Sequence 1 sees only the new tokens (none without an append), sequence 2 fewer
@@ -955,9 +964,9 @@ TEST(KVCache, ChunkedPrefillRunsOnTheTiledKernels) {
       const KvCase before = kc;
       const Result r = run(kc);
       check_append(before, kc, name);
-      const bool tiles16 = dt == DType::bf16 || dt == DType::f16;  // attention()'s 16-bit kernels
+      const bool tiles16 = dt == qdt && (dt == DType::bf16 || dt == DType::f16);  // attention()'s 16-bit kernels
       check_against_reference(kc, r, name, 2e-5, nullptr, tiles16 ? 1e-4 : 0);
-      if (!kc.quantized() || qdt == DType::f32) {
+      if (dt == qdt || qdt == DType::f32) {
         EXPECT_TRUE(same_result(r, attention_on_logical_cache(kc))) << name << ": not attention()'s result";
       } else {
         const ScopedEnv off("ATTN_KVCACHE_TILES_FROM", "0");
@@ -1057,9 +1066,22 @@ TEST(KVCache, ChunkedPrefillRunsOnTheTiledKernels) {
   below.rope = Rope::none, below.precision = Precision::f32;
   below.Lq = below.Lnew = detail::kvcache_tiles_from(4) - 1;
   stays(below, "below the threshold");
+  // Rotated f16 queries stay f32, so they read an f16 cache widened to f32, from
+  // twice the threshold.
   KvConfig rotated = c;
   rotated.cache_dtype = rotated.q_dtype = DType::f16, rotated.precision = Precision::f32;
-  stays(rotated, "rotated f16 queries");
+  stays(rotated, "rotated f16 queries below twice the threshold");
+  {
+    KvConfig r16 = rotated;
+    r16.Lq = r16.Lnew = 2 * detail::kvcache_tiles_from(4) + 3;
+    r16.cached = {300, 80};
+    KvCase a(r16, rng);
+    KvCase b = a;
+    const Result on = run(a);
+    check_against_reference(a, on, "rotated f16 queries " + r16.name());
+    const ScopedEnv off("ATTN_KVCACHE_TILES_FROM", "0");
+    EXPECT_FALSE(same_result(on, run(b))) << "rotated f16 queries " << r16.name() << ": the route did not run";
+  }
   // Rotated bf16 queries are rounded back to bf16 after the rotation, so they take the
   // route whatever the precision (against float64 on the rounded queries).
   for (Precision precision : {Precision::f32, Precision::bf16}) {
@@ -1076,9 +1098,31 @@ TEST(KVCache, ChunkedPrefillRunsOnTheTiledKernels) {
     EXPECT_FALSE(same_result(on, run(b))) << "rotated bf16 queries " << r16.name() << ": the route did not run";
   }
   KvConfig mixed = below;
-  mixed.Lq = mixed.Lnew = 64;
+  mixed.Lq = mixed.Lnew = 2 * detail::kvcache_tiles_from(4) - 1;
   mixed.cache_dtype = DType::bf16;  // f32 queries
-  stays(mixed, "f32 queries on a bf16 cache");
+  stays(mixed, "f32 queries on a bf16 cache below twice the threshold");
+  // Under Precision::bf16 they are rounded to bf16 and read the cache in place on the
+  // bf16 kernel, from the threshold on, the output f32: against float64 on the rounded
+  // queries at bf16's tolerance (P is rounded to bf16 too), as the decode kernel's bf16
+  // products under it.
+  for (int page : {0, 16}) {
+    KvConfig r32 = below;
+    r32.Lq = r32.Lnew = detail::kvcache_tiles_from(4) + 7;
+    r32.cache_dtype = DType::bf16, r32.precision = Precision::bf16, r32.page = page;
+    KvCase a(r32, rng);
+    KvCase b = a, two = a;
+    const Result on = run(a);
+    KvCase rounded = a;
+    float* q = reinterpret_cast<float*>(rounded.q.data());
+    for (size_t n = 0; n < rounded.q.size() / sizeof(float); ++n) q[n] = detail::bf16_to_f32(detail::f32_to_bf16(q[n]));
+    check_against_reference(rounded, on, "f32 queries on a bf16 cache under Precision::bf16 " + r32.name(), 1.0 / 256,
+                            nullptr, 1e-4);
+    Result t2;
+    with_threads(2, [&] { t2 = run(two); });
+    EXPECT_TRUE(same_result(on, t2)) << "f32 queries on a bf16 cache under Precision::bf16: 2 threads differ";
+    const ScopedEnv off("ATTN_KVCACHE_TILES_FROM", "0");
+    EXPECT_FALSE(same_result(on, run(b))) << r32.name() << ": the route did not run";
+  }
   KvConfig integer = mixed;
   integer.cache_dtype = DType::i8, integer.precision = Precision::bf16;
   stays(integer, "an i8 cache under Precision::bf16", 3e-4);  // the integer passes' bound

@@ -41,13 +41,16 @@
 // attention()'s results for its inputs: an f32, bf16 or f16 cache read by queries of
 // its dtype as attention() computes them (f32 at f32's accuracy, options.precision
 // ignored; bf16 and f16 as its 16-bit kernels: bf16's P rounded to bf16, lse within 1e-4
-// relative), an i8 or f8e4m3 cache dequantized to f32 (scale · code) and read by f32
-// queries (bf16/f16 ones widened, the output rounded once). A paged cache whose pages
-// lie apart, and every quantized cache, is gathered a sequence at a time into a
-// contiguous buffer first. Staying on the decode kernel: rotated f16 queries on an f16
-// cache (the decode kernel keeps them in f32); quantized caches under Precision::bf16
-// (whose integer passes are as fast); f32 queries
-// on a bf16/f16 cache; a forced num_splits. The tiled kernels' packed copy (and a
+// relative); f32 queries on a bf16 cache under Precision::bf16 as attention() computes
+// f32 inputs under it (queries rounded to bf16, P too; the output f32); any other pair
+// at f32's accuracy on the f32 kernel: an i8 or f8e4m3 cache dequantized to f32
+// (scale · code), a bf16/f16 cache read by queries of another dtype (or an f16 cache by
+// rotated f16 queries) widened to f32 exactly, from twice the threshold (the widening
+// costs a copy per call), queries not in f32 widened and the output rounded once. A
+// paged cache whose pages lie apart, and every widened cache, is gathered a sequence
+// at a time into a contiguous buffer first. Staying on the decode kernel: quantized
+// caches under Precision::bf16 (whose integer passes are as fast); a forced
+// num_splits. The tiled kernels' packed copy (and a
 // gathered block) stays in buffers the calling thread keeps, so a call runs on them
 // in blocks of at most 64 MiB of keys and values (16k tokens of bf16 at Hkv = 8,
 // d = 128): a batch with more, sequence by sequence, a longer sequence block by block,

@@ -916,12 +916,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     probabilities rounded to bf16 for P·V, as a plain bf16 implementation rounds them; other
     caches ignore it. bfloat16 queries on a bfloat16 cache take those products whatever
     ``precision`` says (bf16 inputs, as ``scaled_dot_product_attention`` treats them; the
-    output is bfloat16 anyway). Chunked prefill (Lq >= max(24, 128·Hkv/Hq) on a float32,
-    bfloat16 or float16 cache read by queries of its dtype, no rotary for float16 queries,
-    or on an int8/fp8 cache dequantized to float32
-    unless precision="bf16"; ``num_splits`` 0) runs on
-    ``scaled_dot_product_attention``'s tiled kernels, with their results for those inputs
-    (16-bit: lse within 1e-4). Returns out [B, Lq, Hq, dv] in q's
+    output is bfloat16 anyway). Chunked prefill (Lq >= max(24, 128·Hkv/Hq), ``num_splits``
+    0) runs on ``scaled_dot_product_attention``'s tiled kernels, with their results for
+    those inputs (16-bit: lse within 1e-4): a float cache read by queries of its dtype in
+    place; float32 queries on a bfloat16 cache under precision="bf16" on the bf16 kernel;
+    other pairs on the float32 kernel at float32's accuracy, an int8/fp8 cache
+    dequantized (not under precision="bf16"), a 16-bit cache read by queries of another
+    dtype (or float16 by rotated float16 queries) widened, from twice that many queries. Returns out [B, Lq, Hq, dv] in q's
     dtype, and lse float32 [B, Hq, Lq] if ``return_softmax_lse``. NumPy or CPU torch alike.
     """
     if (rotary_cos is None and rotary_sin is None and alibi_slopes is None and attn_mask is None and k_scale is None

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "attention_lowp.hpp"
+#include "cpu/storage_rows.hpp"
 #include "cpu/thread_team.hpp"
 #include "cpu/workspace.hpp"
 #include "env_override.hpp"
@@ -29,15 +30,15 @@ bool rows_in_one_run(const DecodeProblem& p, const CacheTensor& c, int b) {
 
 /// Copies logical rows [first, first + keys) of sequence b of cache c, every head, into
 /// dst laid out [keys][Hkv][width] (width = d or dv): in the cache's dtype, page by
-/// page, a page's rows in one copy where its tokens' heads lie side by side; a
-/// quantized cache's rows dequantized to f32 (scale · code, one rounding, as the
-/// decode kernel widens them).
-void gather_rows(const DecodeProblem& p, const CacheTensor& c, int b, int first, int keys, int width, uint8_t* dst,
-                 int threads) {
+/// page, a page's rows in one copy where its tokens' heads lie side by side; or, with
+/// to_f32, widened to f32 (bf16, f16: exactly; a quantized cache's rows dequantized,
+/// scale · code, one rounding, as the decode kernel widens them).
+void gather_rows(const DecodeProblem& p, const CacheTensor& c, int b, int first, int keys, int width, bool to_f32,
+                 uint8_t* dst, int threads) {
   const bool quantized = is_quantized_cache(p.cache_dtype);
-  const size_t elt = dtype_size(p.cache_dtype), row = (quantized ? sizeof(float) : elt) * width;
+  const size_t elt = dtype_size(p.cache_dtype), row = (to_f32 ? sizeof(float) : elt) * width;
   const auto* base = static_cast<const uint8_t*>(c.base);
-  const bool packed_rows = !quantized && c.head_stride == width && c.row_stride == int64_t{p.Hkv} * width;
+  const bool packed_rows = c.head_stride == width && c.row_stride == int64_t{p.Hkv} * width;
   const int end = first + keys, page0 = first / p.page_size;
   const int pages = keys == 0 ? 0 : (end - 1) / p.page_size - page0 + 1;
   RunOnThreads(keys >= 1024 ? threads : 1, [&] {
@@ -45,21 +46,31 @@ void gather_rows(const DecodeProblem& p, const CacheTensor& c, int b, int first,
     for (int n = 0; n < pages; ++n) {
       const int page = page0 + n;
       const int t0 = std::max(first, page * p.page_size), t1 = std::min(end, (page + 1) * p.page_size);
-      if (packed_rows) {
-        std::memcpy(dst + static_cast<size_t>(t0 - first) * p.Hkv * row, base + p.row_offset(c, b, t0, 0) * elt,
-                    static_cast<size_t>(t1 - t0) * p.Hkv * row);
+      if (packed_rows && !quantized) {  // the page's rows in one run
+        uint8_t* to = dst + static_cast<size_t>(t0 - first) * p.Hkv * row;
+        const int64_t at = p.row_offset(c, b, t0, 0);
+        if (to_f32) {
+          load_row_f32_cpu(p.cache_dtype, c.base, at, (t1 - t0) * p.Hkv * width, reinterpret_cast<float*>(to));
+        } else {
+          std::memcpy(to, base + at * elt, static_cast<size_t>(t1 - t0) * p.Hkv * row);
+        }
         continue;
       }
       for (int t = t0; t < t1; ++t) {
         for (int h = 0; h < p.Hkv; ++h) {
           uint8_t* to = dst + (static_cast<size_t>(t - first) * p.Hkv + h) * row;
-          const uint8_t* from = base + p.row_offset(c, b, t, h) * elt;
-          if (!quantized) {
-            std::memcpy(to, from, row);
+          const int64_t at = p.row_offset(c, b, t, h);
+          if (!to_f32) {
+            std::memcpy(to, base + at * elt, row);
             continue;
           }
-          const float scale = c.scale[p.scale_offset(c, b, t, h)];
           auto* out = reinterpret_cast<float*>(to);
+          if (!quantized) {
+            load_row_f32_cpu(p.cache_dtype, c.base, at, width, out);
+            continue;
+          }
+          const uint8_t* from = base + at * elt;
+          const float scale = c.scale[p.scale_offset(c, b, t, h)];
           if (p.cache_dtype == DType::i8) {
             for (int x = 0; x < width; ++x) out[x] = scale * static_cast<float>(reinterpret_cast<const int8_t*>(from)[x]);
           } else {
@@ -77,10 +88,12 @@ Problem sequence_problem(const Problem& t, int b) {
   const Sequence& s = t.seqs[static_cast<size_t>(b)];
   one.B = 1, one.seqs = {s};
   one.seqs[0].q_offset = one.seqs[0].out_offset = one.seqs[0].lse_offset = 0;
-  // q and out hold elements of the problem's dtype behind their float pointers.
+  // q and out hold elements of the problem's dtype behind their float pointers (out:
+  // f32 ones under out_f32).
   const int64_t q_elt = static_cast<int64_t>(dtype_size(t.dtype));
+  const int64_t out_elt = t.out_f32 ? int64_t{sizeof(float)} : q_elt;
   one.q = reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(t.q) + s.q_offset * q_elt);
-  one.out = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(t.out) + s.out_offset * q_elt);
+  one.out = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(t.out) + s.out_offset * out_elt);
   if (t.lse != nullptr) one.lse = t.lse + s.lse_offset;
   if (t.alibi != nullptr) one.alibi = t.alibi + b * t.alibi_b;
   if (t.bool_mask != nullptr) one.bool_mask = t.bool_mask + b * t.mask_b;
@@ -110,41 +123,50 @@ int kvcache_tiles_block_keys(int64_t bytes_per_key) {
 
 bool attention_prefill_on_tiles(const DecodeProblem& p, int threads) {
   const int from = kvcache_tiles_from(p.group());
-  // Rotated queries come out of the rotation in f32: the tiled kernels take f32 ones
-  // as they are and bf16 ones rounded back to bf16 (prepare_queries rounds them so for
-  // the decode kernel too); rotated f16 ones stay f32 in the decode kernel, which the
-  // f16 tiles cannot take (a quantized cache's tiles read f32 queries).
-  const bool rotated_f16 = p.rot_cos != nullptr && p.q_dtype == DType::f16;
-  // Quantized caches are dequantized to f32 as they are gathered, and read by f32
-  // queries (bf16/f16 ones widened exactly, the output rounded once at the end); not
-  // under Precision::bf16, where the decode kernel's integer passes are as fast
-  // (measured on Zen 4: 0.86–0.94× the route's time at 64–256 queries).
+  // The tiled kernels take one dtype. Queries and a cache of the same float dtype are
+  // read as they are, and so are f32 queries on a bf16 cache under Precision::bf16,
+  // which lets the call round them to bf16 (the decode kernel's bf16 products round
+  // them so; the output stays f32). Anything else runs on the f32 kernel: a bf16/f16
+  // cache read by queries of another dtype is widened to f32 (exactly) as it is
+  // gathered, and so is an f16 cache read by rotated f16 queries (the rotation keeps
+  // them in f32, as the decode kernel does; rotated bf16 ones are rounded back to bf16
+  // by prepare_queries); a quantized cache is dequantized to f32. Queries not in f32
+  // are then widened, and the output rounded once at the end.
   const bool quantized = is_quantized_cache(p.cache_dtype);
+  // Not under Precision::bf16, where a quantized cache's integer passes are as fast
+  // (the route took 1.06–1.16× their time on Zen 4 at 64–256 queries).
   if (quantized && p.attn.precision == Precision::bf16) return false;
-  if (from == 0 || p.Lq < from || p.num_splits != 0 || (p.q_dtype != p.cache_dtype && !quantized) ||
-      (rotated_f16 && !quantized)) {
-    return false;
-  }
-  const size_t elt = quantized ? sizeof(float) : dtype_size(p.cache_dtype);  // of the kernels' keys and values
+  const bool rounded_f32 =
+      p.q_dtype == DType::f32 && p.cache_dtype == DType::bf16 && p.attn.precision == Precision::bf16;
+  const bool rotated_f16 = p.rot_cos != nullptr && p.q_dtype == DType::f16;
+  const bool f32_tiles = !rounded_f32 && (quantized || p.q_dtype != p.cache_dtype || rotated_f16);
+  const bool cache_to_f32 = f32_tiles && p.cache_dtype != DType::f32;
+  // A bf16/f16 cache widened per call costs its f32 copy's writes: from twice the
+  // queries (measured on Zen 4: 0.9–1.05× the decode kernel's time at 32 queries
+  // over 1,024–4,096 keys, 0.74–1.01× at 64, 0.67–0.81× at 256).
+  const int widened_from = cache_to_f32 && !quantized ? 2 * from : from;
+  if (from == 0 || p.Lq < widened_from || p.num_splits != 0) return false;
+  const size_t elt = cache_to_f32 ? sizeof(float) : dtype_size(p.cache_dtype);  // of the kernels' keys and values
   const int block = kvcache_tiles_block_keys(static_cast<int64_t>(elt) * p.Hkv * (p.d + p.dv));
   Problem t = p.attn;
-  t.dtype = quantized ? DType::f32 : p.q_dtype;
+  t.dtype = f32_tiles ? DType::f32 : rounded_f32 ? DType::bf16 : p.q_dtype;
+  t.out_f32 = rounded_f32;
   t.precision = Precision::f32;
   t.out = static_cast<float*>(p.out);
   t.out_row = p.out_row, t.out_head = p.out_head;
   t.lse = p.lse, t.lse_h = p.lse_h, t.lse_i = p.lse_i;
   int64_t out_b = p.out_b;
-  std::vector<float> out32;  // [B][Lq][Hq][dv]: a quantized cache's output for bf16/f16 queries
-  if (quantized && p.q_dtype != DType::f32) {
+  std::vector<float> out32;  // [B][Lq][Hq][dv]: the f32 kernel's output for bf16/f16 queries
+  if (f32_tiles && p.q_dtype != DType::f32) {
     out32.resize(static_cast<size_t>(p.B) * p.Lq * p.Hq * p.dv);
     t.out = out32.data(), t.out_row = int64_t{p.Hq} * p.dv, t.out_head = p.dv, out_b = t.out_row * p.Lq;
   }
-  // Rotated queries (and a quantized cache's) are f32 [B][Hq][Lq][d], unscaled (the
-  // kernels scale the scores); rotated bf16 ones rounded to nearest even.
+  // Rotated queries (and widened ones) are f32 [B][Hq][Lq][d], unscaled (the kernels
+  // scale the scores), and bf16 again for the bf16 kernel.
   std::vector<float> rotated;
   std::vector<uint16_t> rotated16;
   int64_t q_b = p.q_b;
-  if (p.rot_cos != nullptr || quantized) {
+  if (p.rot_cos != nullptr || t.dtype != p.q_dtype) {
     rotated = prepare_queries(p, 1, /*scaled=*/false);
     t.q = rotated.data();
     if (t.dtype == DType::bf16) {
@@ -160,7 +182,7 @@ bool attention_prefill_on_tiles(const DecodeProblem& p, int threads) {
   t.k = static_cast<const float*>(p.k.base), t.k_row = p.k.row_stride, t.k_head = p.k.head_stride;
   t.v = static_cast<const float*>(p.v.base), t.v_row = p.v.row_stride, t.v_head = p.v.head_stride;
   // The whole batch in one call where its keys fit in a block and lie in place.
-  bool in_place = !quantized;
+  bool in_place = !cache_to_f32;
   int64_t total_keys = 0;
   for (int b = 0; b < p.B; ++b) {
     Sequence& s = t.seqs[static_cast<size_t>(b)];
@@ -194,7 +216,7 @@ bool attention_prefill_on_tiles(const DecodeProblem& p, int threads) {
         out_blk.resize(static_cast<size_t>(p.Lq) * p.Hq * p.dv), lse_blk.resize(static_cast<size_t>(p.Hq) * p.Lq);
         out_acc.resize(out_blk.size()), lse_acc.resize(lse_blk.size());
       }
-      const bool here = !quantized && rows_in_one_run(p, p.k, b) && rows_in_one_run(p, p.v, b);
+      const bool here = !cache_to_f32 && rows_in_one_run(p, p.k, b) && rows_in_one_run(p, p.v, b);
       for (int k0 = 0; k0 < std::max(lk, 1); k0 += block) {
         const int keys = std::min(block, lk - k0);
         Problem part = one;
@@ -205,8 +227,8 @@ bool attention_prefill_on_tiles(const DecodeProblem& p, int threads) {
           const size_t key_bytes = elt * std::max(keys, 0) * p.Hkv * p.d;
           const size_t bytes = key_bytes + elt * std::max(keys, 0) * p.Hkv * p.dv;
           auto* kv = reinterpret_cast<uint8_t*>(thread_scratch(kSlotGatheredKv, (bytes + 3) / 4));
-          gather_rows(p, p.k, b, k0, std::max(keys, 0), p.d, kv, threads);
-          gather_rows(p, p.v, b, k0, std::max(keys, 0), p.dv, kv + key_bytes, threads);
+          gather_rows(p, p.k, b, k0, std::max(keys, 0), p.d, cache_to_f32, kv, threads);
+          gather_rows(p, p.v, b, k0, std::max(keys, 0), p.dv, cache_to_f32, kv + key_bytes, threads);
           part.seqs[0].k_offset = part.seqs[0].v_offset = 0;
           part.k = reinterpret_cast<const float*>(kv), part.k_row = int64_t{p.Hkv} * p.d, part.k_head = p.d;
           part.v = reinterpret_cast<const float*>(kv + key_bytes), part.v_row = int64_t{p.Hkv} * p.dv;
@@ -231,7 +253,7 @@ bool attention_prefill_on_tiles(const DecodeProblem& p, int threads) {
         for (int i = 0; i < p.Lq; ++i) {
           for (int h = 0; h < p.Hq; ++h) {
             const float* row = out_acc.data() + (static_cast<size_t>(i) * p.Hq + h) * p.dv;
-            if (one.dtype == DType::f32 || !out32.empty()) {
+            if (one.dtype == DType::f32 || one.out_f32 || !out32.empty()) {
               std::memcpy(one.out + i * one.out_row + h * one.out_head, row, sizeof(float) * p.dv);
             } else {
               store_f32_row(one.dtype, one.out, i * one.out_row + h * one.out_head, row, p.dv);

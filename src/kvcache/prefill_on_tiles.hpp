@@ -34,17 +34,22 @@ int kvcache_tiles_block_keys(int64_t bytes_per_key);
 
 /// Computes the attention part of p (checked by make_decode_problem, appended) on the
 /// tiled kernels and returns true, or returns false without touching an output when
-/// the call is not one they take: fewer queries than kvcache_tiles_from(), a forced
-/// num_splits (the decode kernel's splits), f32 queries on a bf16/f16 cache (or the
-/// reverse), f16 queries with rotary embedding on an f16 cache (the decode kernel keeps
-/// rotated f16 queries in f32; rotated bf16 ones are rounded back to bf16 for either
-/// kernel), or a quantized cache under Precision::bf16 (its integer passes are as fast). The result has attention()'s arithmetic for those
-/// inputs: f32 at f32's accuracy (options.precision is ignored, as the decode kernel
-/// ignores it for f32 caches). A quantized cache is dequantized to f32 (scale · code)
-/// and read by f32 queries (bf16/f16 ones widened, the output rounded once). It, and a
-/// paged cache whose pages for a sequence do not follow one another in memory, is first
-/// copied, one sequence (or block of kvcache_tiles_block_keys()) at a time, into a
-/// contiguous buffer.
+/// the call is not one they take: fewer queries than kvcache_tiles_from() (twice that
+/// where a bf16/f16 cache is widened to f32, below), a forced num_splits (the decode
+/// kernel's splits), or a quantized cache under Precision::bf16 (its integer passes are
+/// as fast). The kernel and its inputs:
+///   - queries and a cache of one float dtype: attention()'s kernel for that dtype,
+///     the cache read in place (rotated bf16 queries are bf16 again: prepare_queries);
+///   - f32 queries on a bf16 cache under Precision::bf16: the bf16 kernel, the queries
+///     rounded to bf16 (as the decode kernel's bf16 products round them), out f32;
+///   - otherwise the f32 kernel at f32's accuracy: a bf16/f16 cache read by queries of
+///     another dtype, or an f16 cache read by rotated f16 queries (which stay f32), is
+///     widened to f32 exactly; a quantized cache is dequantized (scale · code); queries
+///     not in f32 are widened, and the output rounded once.
+/// options.precision is otherwise ignored, as the decode kernel ignores it for f32
+/// caches. A widened cache, and a paged cache whose pages for a sequence do not follow
+/// one another in memory, is first copied, one sequence (or block of
+/// kvcache_tiles_block_keys()) at a time, into a contiguous buffer.
 bool attention_prefill_on_tiles(const DecodeProblem& p, int threads);
 
 }  // namespace attn::detail
