@@ -835,9 +835,10 @@ def _fast_index(x, batch):
 
 
 def _kvcache_fast(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits,
-                  return_softmax_lse, precision):
+                  return_softmax_lse, precision, rotary_cos, rotary_sin, rotary_interleaved, window, softcap):
     """attention_with_kvcache's result for a call with float caches and no option beyond
-    these, or None when the call is not such a call or the library rejects it. The
+    these (no mask, ALiBi or quantized cache), or None when the call is not such a call or
+    the library rejects it. The
     checked path's conversions (a NumPy view of each of up to 11 arguments) and its
     keyword call cost ~35 µs of a 64-key decoding call's ~55 µs (Zen 4); here the
     arguments go as they are (torch tensors as DLPack capsules) to a positional entry.
@@ -848,14 +849,17 @@ def _kvcache_fast(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
         return None
     if softmax_scale is not None and type(softmax_scale) not in (int, float):
         return None
+    if (type(window) is not tuple or len(window) != 2 or any(type(w) is not int for w in window)
+            or type(softcap) not in (int, float) or type(rotary_interleaved) is not bool):
+        return None
     ops = [_fast_operand(x) for x in (q, k_cache, v_cache)]
     if any(x is None for x in ops):
         return None
     (qa, q_shape), (kc, _), (vc, v_shape) = ops
     if len(q_shape) != 4 or len(v_shape) != 4:
         return None
-    new = [None, None]
-    for i, x in enumerate((k, v)):
+    new = [None, None, None, None]  # k, v, rotary_cos, rotary_sin
+    for i, x in enumerate((k, v, rotary_cos, rotary_sin)):
         if x is not None:
             op = _fast_operand(x)
             if op is None:
@@ -876,7 +880,8 @@ def _kvcache_fast(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
     try:
         _attn.kvcache_lean(qa, kc, vc, table, seqlens, new[0], new[1], out_arg, lse,
                            None if softmax_scale is None else float(softmax_scale), 2 if causal else 0, num_splits,
-                           _PRECISIONS[precision])
+                           _PRECISIONS[precision], new[2], new[3], rotary_interleaved, window[0], window[1],
+                           float(softcap))
     except (Error, TypeError, ValueError):
         return None
     return (out, _like(lse, q)) if return_softmax_lse else out
@@ -925,11 +930,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     dtype (or float16 by rotated float16 queries) widened, from twice that many queries. Returns out [B, Lq, Hq, dv] in q's
     dtype, and lse float32 [B, Hq, Lq] if ``return_softmax_lse``. NumPy or CPU torch alike.
     """
-    if (rotary_cos is None and rotary_sin is None and alibi_slopes is None and attn_mask is None and k_scale is None
-            and v_scale is None and type(window_size) is tuple and window_size == (-1, -1)
-            and (softcap is None or (type(softcap) in (int, float) and softcap == 0))):
+    if alibi_slopes is None and attn_mask is None and k_scale is None and v_scale is None:
         fast = _kvcache_fast(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits,
-                             return_softmax_lse, precision)
+                             return_softmax_lse, precision, rotary_cos, rotary_sin, rotary_interleaved, window_size,
+                             0.0 if softcap is None else softcap)
         if fast is not None:
             return fast
     qa = _array(q, "q")

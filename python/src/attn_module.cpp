@@ -408,10 +408,12 @@ PYBIND11_MODULE(_attn, m) {
       "kvcache_lean",
       [](const py::object& q, const py::object& k_cache, const py::object& v_cache, const py::object& block_table,
          const py::object& cache_seqlens, const py::object& k_new, const py::object& v_new, const py::object& out,
-         const py::object& lse, std::optional<float> scale, int causal, int num_splits, int precision) {
+         const py::object& lse, std::optional<float> scale, int causal, int num_splits, int precision,
+         const py::object& rotary_cos, const py::object& rotary_sin, bool rotary_interleaved, int window_left,
+         int window_right, float softcap) {
         // The decoding calls with no option beyond these, positional (pybind11 matches
-        // kvcache's 27 keywords by name in several µs): float caches, no rotary, masks,
-        // ALiBi, window or softcap. DLPack capsules carry their dtype, bf16 included.
+        // kvcache's 27 keywords by name in several µs): float caches, no masks or ALiBi.
+        // DLPack capsules carry their dtype, bf16 included.
         attn::KVCache cache;
         cache.k = view_of(k_cache, "k_cache", true);
         cache.v = view_of(v_cache, "v_cache", true);
@@ -419,19 +421,25 @@ PYBIND11_MODULE(_attn, m) {
         attn::KVCacheOptions kv;
         kv.k_new = view_of(k_new, "k", false);
         kv.v_new = view_of(v_new, "v", false);
+        kv.rotary_cos = view_of(rotary_cos, "rotary_cos", false);
+        kv.rotary_sin = view_of(rotary_sin, "rotary_sin", false);
+        kv.rotary_interleaved = rotary_interleaved;
         kv.num_splits = num_splits;
         attn::AttentionOptions o;
         o.scale = scale;
         o.causal = causal_of(causal);
+        o.window = {window_left, window_right};
+        o.softcap = softcap;
         o.precision = static_cast<attn::Precision>(precision);  // checked by the library
         const attn::TensorView qv = view_of(q, "q", false), sl = view_of(cache_seqlens, "cache_seqlens", false),
                                ov = view_of(out, "out", true), lv = view_of(lse, "lse", true);
         py::gil_scoped_release release;
         attn::attention_with_kvcache(qv, cache, sl, ov, o, kv, lv);
       },
-      "attention_with_kvcache with no option beyond a scale, causal, num_splits and precision, positional: (q, "
-      "k_cache, v_cache, block_table, cache_seqlens, k, v, out, lse, scale, causal, num_splits, precision); "
-      "block_table, k, v and lse may be None.");
+      "attention_with_kvcache without masks, ALiBi or quantized caches, positional: (q, k_cache, v_cache, "
+      "block_table, cache_seqlens, k, v, out, lse, scale, causal, num_splits, precision, rotary_cos, rotary_sin, "
+      "rotary_interleaved, window_left, window_right, softcap); block_table, k, v, lse and the rotary tables may "
+      "be None.");
 
   m.def(
       "cpu_info",

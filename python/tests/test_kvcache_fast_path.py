@@ -1,6 +1,7 @@
 """attention_with_kvcache's lean path (attn._kvcache_fast): calls on float caches with
-no option beyond a scale, causal, num_splits, precision, lse, a block table and new
-tokens go to the kernels' positional entry (torch tensors as DLPack capsules). It must
+no option beyond a scale, causal, num_splits, precision, lse, a block table, new tokens,
+rotary tables, a window and a softcap go to the kernels' positional entry (torch tensors
+as DLPack capsules). It must
 give bitwise the checked path's output, lse and cache, take the calls it is meant for,
 leave every other call to the checked path, and keep the checked path's errors and
 messages."""
@@ -21,10 +22,10 @@ def count_checked(monkeypatch):
     return count_calls(monkeypatch, attn, "_kvcache_args")
 
 
-def checked(*args, **kwargs):
-    """The call on the checked path: window_size as a list, the same unbounded window,
-    is a form the lean path leaves to it."""
-    return attn.attention_with_kvcache(*args, window_size=[-1, -1], **kwargs)
+def checked(*args, window_size=(-1, -1), **kwargs):
+    """The call on the checked path: window_size as a list, the same window, is a form
+    the lean path leaves to it."""
+    return attn.attention_with_kvcache(*args, window_size=list(window_size), **kwargs)
 
 
 def cases(rng):
@@ -33,9 +34,13 @@ def cases(rng):
     for B, Hq, Hkv, d, dv, lq, cap, page in [(1, 1, 1, 1, 1, 1, 3, None), (3, 8, 2, 40, 40, 1, 90, 16),
                                              (2, 6, 3, 17, 33, 3, 50, 7), (1, 32, 8, 128, 128, 1, 300, None),
                                              (2, 4, 1, 64, 64, 17, 70, 1)]:
-        yield dict(B=B, Hq=Hq, Hkv=Hkv, d=d, dv=dv, lq=lq, cap=cap, page=page, append=bool(rng.integers(2)),
+        append = bool(rng.integers(2))
+        yield dict(B=B, Hq=Hq, Hkv=Hkv, d=d, dv=dv, lq=lq, cap=cap, page=page, append=append,
                    causal=bool(rng.integers(2)), scale=None if rng.integers(2) else float(rng.uniform(0.05, 0.5)),
-                   num_splits=int(rng.choice([0, 1, 3])), lse=bool(rng.integers(2)))
+                   num_splits=int(rng.choice([0, 1, 3])), lse=bool(rng.integers(2)),
+                   rope=append and d >= 2 and bool(rng.integers(2)), interleaved=bool(rng.integers(2)),
+                   window=(-1, -1) if rng.integers(2) else (int(rng.integers(0, 30)), int(rng.integers(-1, 3))),
+                   softcap=0.0 if rng.integers(2) else float(rng.uniform(2, 30)))
 
 
 def make(rng, c, dtype, as_torch):
@@ -70,7 +75,14 @@ def test_plain_calls_take_the_lean_path_and_match_the_checked_path_bitwise(rng, 
     for c in cases(rng):
         t, seqlens, table = make(rng, c, dtype, as_torch)
         kw = dict(cache_seqlens=seqlens, block_table=table, softmax_scale=c["scale"], causal=c["causal"],
-                  num_splits=c["num_splits"], return_softmax_lse=c["lse"])
+                  num_splits=c["num_splits"], return_softmax_lse=c["lse"], window_size=c["window"],
+                  softcap=c["softcap"])
+        if c["rope"]:  # tables over every position, as float32 arrays or tensors like the rest
+            angles = rng.uniform(0, 6, (c["cap"], c["d"] // 2))
+            tables = [np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)]
+            if as_torch:
+                tables = [torch.from_numpy(x) for x in tables]
+            kw.update(rotary_cos=tables[0], rotary_sin=tables[1], rotary_interleaved=c["interleaved"])
         caches = [(clone(t["k_cache"]), clone(t["v_cache"])) for _ in range(2)]
         before = count_checked[0]
         lean = attn.attention_with_kvcache(t["q"], *caches[0], t["k"], t["v"], **kw)
@@ -84,7 +96,7 @@ def test_plain_calls_take_the_lean_path_and_match_the_checked_path_bitwise(rng, 
             assert same(x, y), c
         if dtype == "f32":  # and it is attention: the float64 reference
             total = np.asarray(seqlens) + (c["lq"] if c["append"] else 0)
-            if c["scale"] is None and c["causal"]:
+            if c["scale"] is None and c["causal"] and not c["rope"] and c["window"] == (-1, -1) and not c["softcap"]:
                 _check(t["q"], lean[0], lean[1] if c["lse"] else None, caches[0][0], caches[0][1], total,
                        None if table is None else np.asarray(table))
 
@@ -107,8 +119,10 @@ def test_calls_with_other_options_take_the_checked_path(rng, count_checked):
     cos = np.cos(rng.uniform(0, 3, (cap, d // 2))).astype(np.float32)
     sin = np.sin(rng.uniform(0, 3, (cap, d // 2))).astype(np.float32)
     new = rng.uniform(-1, 1, (B, 1, Hkv, d)).astype(np.float32)
-    others = [dict(window_size=(4, 0)), dict(softcap=30.0), dict(alibi_slopes=np.full(Hq, 0.1, np.float32)),
-              dict(attn_mask=np.ones((1, 21), bool)), dict(k=new, v=new, rotary_cos=cos, rotary_sin=sin),
+    others = [dict(window_size=[4, 0]), dict(window_size=(4.0, 0)), dict(softcap=np.float32(30.0)),
+              dict(alibi_slopes=np.full(Hq, 0.1, np.float32)), dict(attn_mask=np.ones((1, 21), bool)),
+              dict(k=new, v=new, rotary_cos=cos.astype(np.float64), rotary_sin=sin.astype(np.float64)),
+              dict(k=new, v=new, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=1),
               dict(cache_seqlens=seqlens.astype(np.int64)), dict(precision="bf16x9")]
     for i, extra in enumerate(others):
         kw = dict(cache_seqlens=seqlens)
