@@ -1,11 +1,14 @@
 // The KV cache's write side: new keys and values rotated (RoPE), then rounded to the
 // cache's dtype or quantized (i8, f8e4m3) with one scale per token and head; and the
 // queries' f32 copy (scaled, rotated) that the decode kernel reads. New tokens are
-// few per call (one per sequence when decoding), so this is plain scalar code.
+// few per call (one per sequence when decoding), so this is plain code, but rows are
+// widened and rounded by the kernels' vector conversions: element by element, a
+// decoding step of 8 bf16 heads spent ~10 µs in function calls (Zen 4).
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
+#include "cpu/storage_rows.hpp"
 #include "kvcache/decode_problem.hpp"
 #include "tensor/convert.hpp"
 #include "traffic.hpp"
@@ -34,7 +37,7 @@ void store_row(const DecodeProblem& p, const CacheTensor& c, int64_t at, int64_t
     case DType::f32:
     case DType::bf16:
     case DType::f16:
-      for (int i = 0; i < n; ++i) store_f32(p.cache_dtype, c.base, at + i, x[i]);
+      store_row_f32_cpu(p.cache_dtype, c.base, at, x, n);
       break;
     default: {  // i8, f8e4m3: symmetric, one scale per row; the checks made x finite
       float amax = 0.0f;
@@ -66,11 +69,11 @@ void append_to_cache(const DecodeProblem& p) {
       const int pos = p.cached[b] + t;
       for (int h = 0; h < p.Hkv; ++h) {
         const int64_t k_at = b * p.kn_b + t * p.kn_row + h * p.kn_head;
-        for (int x = 0; x < p.d; ++x) row[x] = load_f32(p.new_dtype, p.k_new, k_at + x);
+        load_row_f32_cpu(p.new_dtype, p.k_new, k_at, p.d, row.data());
         rotate(p, row.data(), pos);
         store_row(p, p.k, p.row_offset(p.k, b, pos, h), p.scale_offset(p.k, b, pos, h), row.data(), p.d);
         const int64_t v_at = b * p.vn_b + t * p.vn_row + h * p.vn_head;
-        for (int x = 0; x < p.dv; ++x) row[x] = load_f32(p.new_dtype, p.v_new, v_at + x);
+        load_row_f32_cpu(p.new_dtype, p.v_new, v_at, p.dv, row.data());
         store_row(p, p.v, p.row_offset(p.v, b, pos, h), p.scale_offset(p.v, b, pos, h), row.data(), p.dv);
       }
     }
@@ -89,15 +92,13 @@ std::vector<float> prepare_queries(const DecodeProblem& p, int multiple, bool sc
       for (int i = 0; i < p.Lq; ++i) {
         float* dst = qs.data() + ((static_cast<size_t>(b) * p.Hq + h) * p.Lq + i) * dp;
         const int64_t at = b * p.q_b + i * p.q_row + h * p.q_head;
-        load_f32_row(p.q_dtype, p.q, at, dst, p.d);
+        load_row_f32_cpu(p.q_dtype, p.q, at, p.d, dst);
         rotate(p, dst, int64_t{p.cached[b]} + p.Lnew - p.Lq + i);
         // Rotated bf16 queries are bf16 inputs again, as in FlashAttention, whose kernel
         // writes them back in their dtype: so they take bf16 products on the decode
         // kernel and the tiled kernels alike, and a call's result does not depend on
         // which of the two runs it. (f16 ones stay f32: rounding to f16 could overflow.)
-        if (p.rot_cos != nullptr && p.q_dtype == DType::bf16) {
-          for (int x = 0; x < p.d; ++x) dst[x] = bf16_to_f32(f32_to_bf16(dst[x]));
-        }
+        if (p.rot_cos != nullptr && p.q_dtype == DType::bf16) round_f32_row_to_bf16(dst, dst, p.d);
         if (scaled) for (int x = 0; x < p.d; ++x) dst[x] *= p.attn.scale;
       }
     }

@@ -171,7 +171,7 @@ bool attention_prefill_on_tiles(const DecodeProblem& p, int threads) {
     t.q = rotated.data();
     if (t.dtype == DType::bf16) {
       rotated16.resize(rotated.size());
-      for (size_t i = 0; i < rotated.size(); ++i) rotated16[i] = f32_to_bf16(rotated[i]);
+      store_f32_row(DType::bf16, rotated16.data(), 0, rotated.data(), static_cast<int64_t>(rotated.size()));
       t.q = reinterpret_cast<const float*>(rotated16.data());
     }
     t.q_row = p.d, t.q_head = int64_t{p.Lq} * p.d, q_b = t.q_head * p.Hq;
