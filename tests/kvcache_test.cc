@@ -42,6 +42,10 @@ struct KvConfig {
   std::vector<int> cached{5};
   int page = 0;  // 0 = contiguous
   bool pages_in_order = false;  // each sequence's pages follow one another in memory
+  // Contiguous caches: > 0 = a pool of this many batch rows, each sequence's row picked
+  // at random (cache.batch_idx): distinct ones, or with repeats when shared_rows.
+  int pool = 0;
+  bool shared_rows = false;
   DType cache_dtype = DType::f32, q_dtype = DType::f32;
   Causal causal = Causal::BottomRight;
   Window window;
@@ -62,7 +66,7 @@ struct KvConfig {
                     std::to_string(softcap) + (alibi ? " alibi" : "") + " rope" + std::to_string(int(rope)) +
                     " splits" + std::to_string(num_splits) + " mask" + std::to_string(int(mask)) + "/" +
                     std::to_string(int(mask_layout)) + (precision == Precision::bf16 ? " precision bf16" : "") +
-                    " cached";
+                    (pool ? " pool" + std::to_string(pool) + (shared_rows ? " shared" : "") : "") + " cached";
     for (int c : cached) s += " " + std::to_string(c);
     return s;
   }
@@ -95,6 +99,7 @@ struct KvCase {
   std::vector<uint8_t> k_cache, v_cache;  // raw bytes
   std::vector<float> k_scale, v_scale;
   std::vector<int32_t> block_table, seqlens;
+  std::vector<int32_t> batch_idx;  // c.pool > 0: each sequence's batch row
   std::vector<uint8_t> q, k_new, v_new;  // q dtype
   std::vector<float> cos_t, sin_t, slopes;
   std::vector<uint8_t> mask;          // options.mask's bytes, shape mask_shape
@@ -106,8 +111,14 @@ struct KvCase {
     const int cap_needed = *std::max_element(c.cached.begin(), c.cached.end()) + c.Lnew;
     if (c.page == 0) {
       page_size = cap_needed + 3;  // spare rows at the end
-      pages_total = c.B;
+      pages_total = c.pool > 0 ? c.pool : c.B;
       max_blocks = 1;
+      if (c.pool > 0) {
+        std::vector<int32_t> rows(c.pool);
+        std::iota(rows.begin(), rows.end(), 0);
+        std::shuffle(rows.begin(), rows.end(), rng);
+        for (int b = 0; b < c.B; ++b) batch_idx.push_back(c.shared_rows ? rows[size_t(b) % 2] : rows[size_t(b)]);
+      }
     } else {
       page_size = c.page;
       max_blocks = (cap_needed + page_size - 1) / page_size + 1;
@@ -243,7 +254,10 @@ struct KvCase {
   }
 
   bool quantized() const { return c.cache_dtype == DType::i8 || c.cache_dtype == DType::f8e4m3; }
-  int32_t page_of(int b, int t) const { return c.page == 0 ? b : block_table[size_t(b) * max_blocks + t / page_size]; }
+  int32_t page_of(int b, int t) const {
+    if (c.page == 0) return batch_idx.empty() ? b : batch_idx[size_t(b)];
+    return block_table[size_t(b) * max_blocks + t / page_size];
+  }
   int64_t k_at(int b, int t, int h) const { return ((int64_t(page_of(b, t)) * page_size + t % page_size) * c.Hkv + h) * c.d; }
   int64_t v_at(int b, int t, int h) const { return ((int64_t(page_of(b, t)) * page_size + t % page_size) * c.Hkv + h) * c.dv; }
   int64_t s_at(int b, int t, int h) const { return (int64_t(page_of(b, t)) * page_size + t % page_size) * c.Hkv + h; }
@@ -265,6 +279,7 @@ struct KvCase {
       kc.v_scale = TensorView(v_scale.data(), DType::f32, {pages_total, page_size, c.Hkv});
     }
     if (c.page != 0) kc.block_table = TensorView(block_table.data(), DType::i32, {c.B, max_blocks});
+    if (!batch_idx.empty()) kc.batch_idx = TensorView(batch_idx.data(), DType::i32, {c.B});
     return kc;
   }
   KVCacheOptions kv() {
@@ -912,6 +927,81 @@ TEST(KVCache, RotatedBf16QueriesAreRoundedBackToBf16) {
       }
     }
   }
+}
+
+// cache.batch_idx (FlashAttention's cache_batch_idx): each sequence of a contiguous
+// cache reads and appends to the row it names in a pool of rows, in any order; rows
+// nobody names hold NaN and stay untouched (check_append compares every byte). Every
+// cache dtype, decoding and chunked prefill (the tiled route), with and without an
+// append and rotary embedding, forced splits, 2 threads bitwise; rows shared by
+// sequences that only read them; and the errors: a row out of range, a row two
+// sequences append to, batch_idx with a block_table, a wrong shape or dtype.
+TEST(KVCache, BatchIdxPicksEachSequencesCacheRow) {
+  auto rng = make_rng(1218);
+  std::uniform_int_distribution<int> pick(0, 1 << 30);
+  int n = 0;
+  for (DType dt : {DType::f32, DType::bf16, DType::f16, DType::i8, DType::f8e4m3}) {
+    for (int lq : {1, 4, detail::kvcache_tiles_from(4) + 3}) {
+      for (bool shared : {false, true}) {
+        KvConfig c;
+        c.B = 3, c.Hq = 8, c.Hkv = 2, c.d = c.dv = 32;
+        c.Lq = lq;
+        c.Lnew = shared ? 0 : lq;
+        c.cached = {40 + pick(rng) % 60, 7, 90};
+        if (c.Lnew == 0)
+          for (int& x : c.cached) x = std::max(x, lq);
+        c.pool = 5, c.shared_rows = shared;
+        c.cache_dtype = dt;
+        c.q_dtype = dt == DType::bf16 || dt == DType::f16 ? dt : DType::f32;
+        if (c.Lnew > 0 && n % 2 == 0) c.rope = Rope::half;
+        if (n % 3 == 1) c.num_splits = 3;
+        ++n;
+        KvCase kc(c, rng);
+        const KvCase before = kc;
+        KvCase two = kc;
+        const Result r = run(kc);
+        check_append(before, kc, "batch_idx " + c.name());
+        const bool tiles16 = lq > 16 && (dt == DType::bf16 || dt == DType::f16);
+        check_against_reference(kc, r, "batch_idx " + c.name(), 2e-5, nullptr, tiles16 ? 1e-4 : 0);
+        Result r2;
+        with_threads(2, [&] { r2 = run(two); });
+        EXPECT_TRUE(same_result(r, r2)) << "batch_idx " << c.name() << ": 2 threads differ";
+      }
+    }
+  }
+  // Errors, before anything is written.
+  KvConfig c;
+  c.B = 3, c.cached = {4, 5, 6};
+  c.pool = 4;
+  KvCase kc(c, rng);
+  const KvCase untouched = kc;
+  Result r;
+  r.out.assign(size_t(c.B) * c.Lq * c.Hq * c.dv * 4, 0);
+  auto call = [&](const KVCache& cache) {
+    attention_with_kvcache(kc.q_view(), cache, kc.seqlen_view(), TensorView(r.out.data(), DType::f32, {c.B, c.Lq, c.Hq, c.dv}),
+                           kc.options(), kc.kv());
+  };
+  std::vector<int32_t> rows = {0, 4, 1};
+  KVCache bad = kc.cache();
+  bad.batch_idx = TensorView(rows.data(), DType::i32, {3});
+  expect_attn_error([&] { call(bad); }, "cache.batch_idx[1] = 4 is out of range");
+  rows = {2, 1, 2};
+  expect_attn_error([&] { call(bad); }, "sequences 0 and 2 both use cache row 2");
+  rows = {-1, 0, 1};
+  expect_attn_error([&] { call(bad); }, "cache.batch_idx[0] = -1");
+  std::vector<float> rows_f = {0, 1, 2};
+  bad.batch_idx = TensorView(rows_f.data(), DType::f32, {3});
+  expect_attn_error([&] { call(bad); }, "cache.batch_idx");
+  bad.batch_idx = TensorView(rows.data(), DType::i32, {2});
+  expect_attn_error([&] { call(bad); }, "cache.batch_idx");
+  KVCache no_idx = kc.cache();
+  no_idx.batch_idx = {};
+  expect_attn_error([&] { call(no_idx); }, "or give cache.batch_idx");
+  std::vector<int32_t> table = {0, 1, 2};
+  KVCache paged = kc.cache();
+  paged.block_table = TensorView(table.data(), DType::i32, {3, 1});
+  expect_attn_error([&] { call(paged); }, "cache.batch_idx is for contiguous caches");
+  EXPECT_TRUE(kc.k_cache == untouched.k_cache && kc.v_cache == untouched.v_cache) << "a rejected call wrote the cache";
 }
 
 // Chunked prefill (Lq ≥ max(24, 128 / group) queries) on an f32, bf16 or f16 cache

@@ -12,6 +12,8 @@
 //                [num_blocks, page_size, Hkv]): key row = k_scale · k (one scale per
 //                token and head; f8e4m3 codes are OCP E4M3 "e4m3fn", attn/tensor.hpp).
 //   cache_seqlens int32 [B]: tokens already in each sequence's cache.
+//   cache.batch_idx int32 [B] (contiguous caches, optional): sequence b's row of
+//                cache.k / cache.v, which may then hold any number of rows.
 //   k_new, v_new [B, Lnew, Hkv, d / dv]: appended in place at positions
 //                cache_seqlens[b] … cache_seqlens[b] + Lnew − 1 before attending.
 //
@@ -90,6 +92,12 @@ struct KVCache {
   TensorView k, v;
   TensorView k_scale, v_scale;
   TensorView block_table;
+  /// Contiguous caches only (FlashAttention's cache_batch_idx): int32 [B], the batch
+  /// row of cache.k / cache.v (and of the scales) that sequence b reads and appends
+  /// to; empty = row b. The cache may then hold any number of rows ≥ 1 (a pool of
+  /// slots that requests come and go in). Rows may repeat for reading; a call that
+  /// appends may not write a row twice (attn::Error, naming both sequences).
+  TensorView batch_idx;
 };
 
 /// What attention_with_kvcache appends and how it splits.
@@ -135,7 +143,8 @@ inline constexpr int kMaxKVSplits = 256;
 /// rounded to bf16; the output is bf16 anyway); f16 queries keep f32 P·V. Throws
 /// attn::Error, naming the argument, before writing anything: shapes, dtypes, a
 /// block_table entry out of range or repeated within a sequence, a page another
-/// sequence uses that this call would write, cache_seqlens + Lnew beyond the
+/// sequence uses that this call would write, a cache.batch_idx row out of range (or
+/// written twice, or given with a block_table), cache_seqlens + Lnew beyond the
 /// capacity, a non-finite new value for a quantized cache, overlapping outputs.
 void attention_with_kvcache(const TensorView& q, const KVCache& cache, const TensorView& cache_seqlens,
                             const TensorView& out, const AttentionOptions& options = {},

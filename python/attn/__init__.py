@@ -802,11 +802,12 @@ def _seqlens(cache_seqlens, batch):
 
 
 def _kvcache_args(k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table, k_scale, v_scale,
-                  batch):
+                  batch, cache_batch_idx=None):
     kc, vc = _cache_array(k_cache, "k_cache"), _cache_array(v_cache, "v_cache")
     args = dict(k_scale=_array(k_scale, "k_scale", allow_none=True) if k_scale is not None else None,
                 v_scale=_array(v_scale, "v_scale", allow_none=True) if v_scale is not None else None,
                 block_table=_array(block_table, "block_table", kinds=("i",), allow_none=True),
+                batch_idx=_array(cache_batch_idx, "cache_batch_idx", kinds=("i",), allow_none=True),
                 cache_seqlens=_seqlens(cache_seqlens, batch),
                 k=_array(k, "k", allow_none=True), v=_array(v, "v", allow_none=True),
                 rotary_cos=_array(rotary_cos, "rotary_cos", allow_none=True),
@@ -891,13 +892,17 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
                            cache_seqlens=None, block_table=None, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
                            num_splits=0, return_softmax_lse=False, *, k_scale=None, v_scale=None, attn_mask=None,
-                           precision="f32"):
+                           precision="f32", cache_batch_idx=None):
     """Attention of new queries against a KV cache, FlashAttention's ``flash_attn_with_kvcache``.
 
     Layouts are FlashAttention's (sequence before heads): q [B, Lq, Hq, d]; k_cache, v_cache
     [B, capacity, Hkv, d / dv], or paged [num_blocks, page_size, Hkv, d] with ``block_table``
     int32 [B, max_blocks] (any page size); cache_seqlens int or int32 [B] (tokens already
-    cached; not advanced by the call). ``k``, ``v`` [B, Lnew, Hkv, d / dv] are written into the
+    cached; not advanced by the call). ``cache_batch_idx`` int32 [B] (contiguous caches):
+    the cache row each sequence reads and appends to, as in FlashAttention, so the cache
+    may hold any number of rows (a row may serve several sequences, but not be appended
+    to twice in one call). FlashAttention's ``cache_leftpad`` is not taken: a padding
+    ``attn_mask`` [B, 1, 1, K] removes a sequence's leading rows instead. ``k``, ``v`` [B, Lnew, Hkv, d / dv] are written into the
     cache in place at cache_seqlens (rotated by ``rotary_cos``/``rotary_sin`` [positions,
     rotary_dim / 2] if given: keys at their positions, queries at cache_seqlens + Lnew - Lq + i;
     ``rotary_interleaved`` pairs (0,1),(2,3)… else halves; computed in float32, and rotated
@@ -930,7 +935,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     dtype (or float16 by rotated float16 queries) widened, from twice that many queries. Returns out [B, Lq, Hq, dv] in q's
     dtype, and lse float32 [B, Hq, Lq] if ``return_softmax_lse``. NumPy or CPU torch alike.
     """
-    if alibi_slopes is None and attn_mask is None and k_scale is None and v_scale is None:
+    if alibi_slopes is None and attn_mask is None and k_scale is None and v_scale is None and cache_batch_idx is None:
         fast = _kvcache_fast(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits,
                              return_softmax_lse, precision, rotary_cos, rotary_sin, rotary_interleaved, window_size,
                              0.0 if softcap is None else softcap)
@@ -940,7 +945,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     if qa.ndim != 4:
         raise ValueError("q: expected shape [B, Lq, Hq, d], got %s" % (qa.shape,))
     kc, vc, args = _kvcache_args(k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table,
-                                 k_scale, v_scale, qa.shape[0])
+                                 k_scale, v_scale, qa.shape[0], cache_batch_idx)
     if vc.ndim != 4:
         raise ValueError("v_cache: expected 4 dimensions, got %s" % (vc.shape,))
     left, right = _window(window_size)
@@ -957,13 +962,14 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
 
 
 def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, block_table=None, rotary_cos=None, rotary_sin=None,
-                   rotary_interleaved=True, *, k_scale=None, v_scale=None):
+                   rotary_interleaved=True, *, k_scale=None, v_scale=None, cache_batch_idx=None):
     """Only the append of ``attention_with_kvcache``: writes k, v [B, Lnew, Hkv, d / dv] into
-    the cache at cache_seqlens (rotated, rounded or quantized the same way), e.g. a prompt's
-    keys and values before decoding. cache_seqlens is not advanced."""
+    the cache at cache_seqlens (rotated, rounded or quantized the same way; into rows
+    ``cache_batch_idx`` of a contiguous cache if given), e.g. a prompt's keys and values
+    before decoding. cache_seqlens is not advanced."""
     ka = _array(k, "k")
     kc, vc, args = _kvcache_args(k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table,
-                                 k_scale, v_scale, ka.shape[0] if ka.ndim == 4 else 1)
+                                 k_scale, v_scale, ka.shape[0] if ka.ndim == 4 else 1, cache_batch_idx)
     _attn.kvcache(None, kc, vc, rotary_interleaved=bool(rotary_interleaved), **args)
 
 

@@ -354,7 +354,8 @@ PYBIND11_MODULE(_attn, m) {
   m.def(
       "kvcache",
       [](const py::object& q, const py::object& k_cache, const py::object& v_cache, const py::object& k_scale,
-         const py::object& v_scale, const py::object& block_table, const py::object& cache_seqlens,
+         const py::object& v_scale, const py::object& block_table, const py::object& batch_idx,
+         const py::object& cache_seqlens,
          const py::object& k_new, const py::object& v_new, const py::object& rotary_cos,
          const py::object& rotary_sin, bool rotary_interleaved, const py::object& out, const py::object& lse,
          std::optional<float> scale, int causal, int window_left, int window_right, float softcap,
@@ -366,6 +367,7 @@ PYBIND11_MODULE(_attn, m) {
         cache.k_scale = view_of(k_scale, "k_scale", true);
         cache.v_scale = view_of(v_scale, "v_scale", true);
         cache.block_table = view_of(block_table, "block_table", false);
+        cache.batch_idx = view_of(batch_idx, "cache_batch_idx", false);
         attn::KVCacheOptions kv;
         kv.k_new = view_of(k_new, "k", false, new_bf16);
         kv.v_new = view_of(v_new, "v", false, new_bf16);
@@ -393,7 +395,8 @@ PYBIND11_MODULE(_attn, m) {
         attn::attention_with_kvcache(qv, cache, sl, ov, o, kv, lv);
       },
       py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::kw_only(), py::arg("k_scale") = py::none(),
-      py::arg("v_scale") = py::none(), py::arg("block_table") = py::none(), py::arg("cache_seqlens"),
+      py::arg("v_scale") = py::none(), py::arg("block_table") = py::none(), py::arg("batch_idx") = py::none(),
+      py::arg("cache_seqlens"),
       py::arg("k") = py::none(), py::arg("v") = py::none(), py::arg("rotary_cos") = py::none(),
       py::arg("rotary_sin") = py::none(), py::arg("rotary_interleaved") = true, py::arg("out") = py::none(),
       py::arg("lse") = py::none(), py::arg("scale") = py::none(), py::arg("causal") = 0,

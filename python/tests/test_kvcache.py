@@ -378,3 +378,42 @@ def test_mask_errors_name_the_argument(rng):
     with pytest.raises(TypeError, match="attn_mask: expected dtype"):
         attn.attention_with_kvcache(q, k_cache, k_cache.copy(), cache_seqlens=seqlens,
                                     attn_mask=np.ones((1, 9), np.int32))
+
+
+@pytest.mark.parametrize("as_torch", [False, True])
+def test_cache_batch_idx_picks_each_sequences_row(rng, as_torch):
+    """cache_batch_idx (FlashAttention's): sequence b reads and appends to row
+    cache_batch_idx[b] of a contiguous cache holding any number of rows. The same as the
+    call on a cache gathered into batch order; other rows untouched; errors for a row
+    out of range and for a row two sequences append to."""
+    B, Hq, Hkv, d, cap, rows, lq = 3, 8, 2, 32, 40, 5, 2
+    pool_k = rng.uniform(-1, 1, (rows, cap, Hkv, d)).astype(np.float32)
+    pool_v = rng.uniform(-1, 1, (rows, cap, Hkv, d)).astype(np.float32)
+    idx = np.array([3, 0, 4], np.int32)
+    q = rng.uniform(-1, 1, (B, lq, Hq, d)).astype(np.float32)
+    k = rng.uniform(-1, 1, (B, lq, Hkv, d)).astype(np.float32)
+    v = rng.uniform(-1, 1, (B, lq, Hkv, d)).astype(np.float32)
+    lens = np.array([10, 0, 33], np.int32)
+    gk, gv = pool_k[idx].copy(), pool_v[idx].copy()  # the same rows in batch order
+    want, want_lse = attn.attention_with_kvcache(q, gk, gv, k, v, cache_seqlens=lens, causal=True,
+                                                 return_softmax_lse=True)
+    wrap = torch.from_numpy if as_torch else (lambda x: x)
+    pk, pv = wrap(pool_k.copy()), wrap(pool_v.copy())
+    out, lse = attn.attention_with_kvcache(wrap(q), pk, pv, wrap(k), wrap(v), cache_seqlens=wrap(lens), causal=True,
+                                           return_softmax_lse=True, cache_batch_idx=wrap(idx))
+    np.testing.assert_array_equal(np.asarray(out), want)
+    np.testing.assert_array_equal(np.asarray(lse), want_lse)
+    np.testing.assert_array_equal(np.asarray(pk)[idx], gk)  # the appended rows, where batch_idx put them
+    np.testing.assert_array_equal(np.asarray(pv)[idx], gv)
+    others = [r for r in range(rows) if r not in idx]
+    np.testing.assert_array_equal(np.asarray(pk)[others], pool_k[others])
+    # kvcache_append takes it too; a shared row may be read, not appended to twice.
+    attn.kvcache_append(pk, pv, wrap(k), wrap(v), cache_seqlens=wrap(lens + lq), cache_batch_idx=wrap(idx))
+    attn.kvcache_append(gk, gv, k, v, cache_seqlens=lens + lq)
+    np.testing.assert_array_equal(np.asarray(pk)[idx], gk)
+    shared = np.array([1, 1, 2], np.int32)
+    attn.attention_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens + lq, cache_batch_idx=shared)
+    with pytest.raises(attn.Error, match="both use cache row 1"):
+        attn.attention_with_kvcache(q, pool_k, pool_v, k, v, cache_seqlens=lens, cache_batch_idx=shared)
+    with pytest.raises(attn.Error, match=r"cache.batch_idx\[2\] = 5 is out of range"):
+        attn.attention_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens, cache_batch_idx=np.array([0, 1, 5], np.int32))

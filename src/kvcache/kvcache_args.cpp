@@ -119,9 +119,17 @@ void check_cache(const Checker& c, const KVCache& cache, DecodeProblem& p, int64
   if (quantized) c.disjoint(cache.k_scale, "cache.k_scale", cache.v_scale, "cache.v_scale");
 
   if (!p.paged) {
-    c.dim_equals(cache.k, "cache.k", 0, B, "B, the batch of cache_seqlens");
+    if (cache.batch_idx.empty()) {
+      c.dim_equals(cache.k, "cache.k", 0, B, "B, the batch of cache_seqlens (or give cache.batch_idx)");
+      return;
+    }
+    c.tensor(cache.batch_idx, "cache.batch_idx", DType::i32, 1, "[B]");
+    c.dim_equals(cache.batch_idx, "cache.batch_idx", 0, B, "B, the batch of cache_seqlens");
+    c.require(cache.k.size(0) >= 1, [&] { return "cache.k must hold at least one batch row, got " + cache.k.describe(); });
     return;
   }
+  c.require(cache.batch_idx.empty(),
+            "cache.batch_idx is for contiguous caches: a paged cache's block_table already maps each sequence");
   const TensorView& bt = cache.block_table;
   c.tensor(bt, "cache.block_table", DType::i32, 2, "[B, max_blocks]");
   c.dim_equals(bt, "cache.block_table", 0, B, "B, the batch of cache_seqlens");
@@ -138,9 +146,30 @@ void read_pages(const Checker& c, const KVCache& cache, DecodeProblem& p) {
   const int64_t num_blocks = cache.k.size(0);
   p.pages.assign(p.B, {});
   if (!p.paged) {
+    // Sequence b's batch row: b, or cache.batch_idx[b] (in range; written at most once
+    // when the call appends).
+    const TensorView& bi = cache.batch_idx;
+    std::vector<int> writer;
+    if (!bi.empty() && p.Lnew > 0) writer.assign(static_cast<size_t>(num_blocks), -1);
     for (int b = 0; b < p.B; ++b) {
+      int32_t row = b;
+      if (!bi.empty()) {
+        row = bi.data_as<const int32_t>()[b * bi.stride(0)];
+        if (row < 0 || row >= num_blocks) {
+          c.fail("cache.batch_idx[" + str(b) + "] = " + str(row) + " is out of range: cache.k holds batch rows 0 .. " +
+                 str(num_blocks - 1));
+        }
+        if (!writer.empty()) {
+          int& w = writer[static_cast<size_t>(row)];
+          if (w >= 0) {
+            c.fail("cache.batch_idx: sequences " + str(w) + " and " + str(b) + " both use cache row " + str(row) +
+                   ", and this call appends into it (a shared row must be read-only)");
+          }
+          w = b;
+        }
+      }
       const int64_t used = (int64_t{p.cached[b]} + p.Lnew + p.page_size - 1) / p.page_size;
-      p.pages[b].assign(static_cast<size_t>(used), b);
+      p.pages[b].assign(static_cast<size_t>(used), row);
     }
     return;
   }
@@ -401,7 +430,8 @@ DecodeProblem make_decode_problem(const char* fn, const TensorView& q, const KVC
   // Every input may be read after an output is written, so outputs overlap nothing.
   const std::pair<const TensorView*, const char*> inputs[] = {
       {&q, "q"}, {&cache.k, "cache.k"}, {&cache.v, "cache.v"}, {&cache.k_scale, "cache.k_scale"},
-      {&cache.v_scale, "cache.v_scale"}, {&cache.block_table, "cache.block_table"}, {&cache_seqlens, "cache_seqlens"},
+      {&cache.v_scale, "cache.v_scale"}, {&cache.block_table, "cache.block_table"},
+      {&cache.batch_idx, "cache.batch_idx"}, {&cache_seqlens, "cache_seqlens"},
       {&kv.k_new, "kv.k_new"}, {&kv.v_new, "kv.v_new"}, {&kv.rotary_cos, "kv.rotary_cos"},
       {&kv.rotary_sin, "kv.rotary_sin"}, {&options.alibi_slopes, "options.alibi_slopes"},
       {&options.mask, "options.mask"}};
