@@ -888,11 +888,44 @@ def _kvcache_fast(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
     return (out, _like(lse, q)) if return_softmax_lse else out
 
 
+def _leftpad_mask(cache_leftpad, attn_mask, q, k, cache_seqlens):
+    """attn_mask with the cache positions before cache_leftpad[b] removed from sequence
+    b: a boolean [B, 1, 1, K] mask (True = attend), or attn_mask combined with it (a
+    boolean one by and, an additive one by -inf where removed), K = the longest
+    cache_seqlens[b] + Lnew (or attn_mask's key dimension, if longer)."""
+    qa = _array(q, "q")
+    if qa.ndim != 4:
+        raise ValueError("q: expected shape [B, Lq, Hq, d], got %s" % (qa.shape,))
+    B = qa.shape[0]
+    lens = _seqlens(cache_seqlens, B)
+    lnew = _array(k, "k").shape[1] if k is not None else 0
+    pad = _np.asarray(cache_leftpad.numpy() if _is_torch(cache_leftpad) else cache_leftpad)
+    if pad.dtype.kind not in "iu" or pad.ndim > 1 or (pad.ndim == 1 and pad.shape[0] != B):
+        raise ValueError("cache_leftpad must be an int or an integer array of shape [B] = [%d], got %r"
+                         % (B, cache_leftpad if pad.ndim == 0 else pad.shape))
+    pad = _np.broadcast_to(pad.astype(_np.int64), (B,))
+    if (pad < 0).any() or (pad > _np.asarray(lens, _np.int64)).any():
+        raise ValueError("cache_leftpad[b] must be in 0 .. cache_seqlens[b], got %s for cache_seqlens %s"
+                         % (pad.tolist(), _np.asarray(lens).tolist()))
+    keys = int(_np.asarray(lens, _np.int64).max()) + lnew
+    m = None if attn_mask is None else _array(attn_mask, "attn_mask", kinds=("f", "b"))
+    width = max(keys, 1, m.shape[-1] if m is not None and m.ndim >= 1 else 0)
+    seen = (_np.arange(width)[None, :] >= pad[:, None]).reshape(B, 1, 1, width)
+    if m is None:
+        return seen
+    if m.dtype == _np.bool_:
+        return _np.logical_and(m, seen)
+    widened = m.view(_np.int16).astype(_np.int32) << 16 if _is_bf16(attn_mask) else m
+    if _is_bf16(attn_mask):
+        widened = widened.view(_np.float32)
+    return _np.where(seen, _np.asarray(widened, _np.float32), _np.float32(-_np.inf)).astype(_np.float32)
+
+
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                            cache_seqlens=None, block_table=None, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
                            num_splits=0, return_softmax_lse=False, *, k_scale=None, v_scale=None, attn_mask=None,
-                           precision="f32", cache_batch_idx=None):
+                           precision="f32", cache_batch_idx=None, cache_leftpad=None):
     """Attention of new queries against a KV cache, FlashAttention's ``flash_attn_with_kvcache``.
 
     Layouts are FlashAttention's (sequence before heads): q [B, Lq, Hq, d]; k_cache, v_cache
@@ -901,8 +934,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     cached; not advanced by the call). ``cache_batch_idx`` int32 [B] (contiguous caches):
     the cache row each sequence reads and appends to, as in FlashAttention, so the cache
     may hold any number of rows (a row may serve several sequences, but not be appended
-    to twice in one call). FlashAttention's ``cache_leftpad`` is not taken: a padding
-    ``attn_mask`` [B, 1, 1, K] removes a sequence's leading rows instead. ``k``, ``v`` [B, Lnew, Hkv, d / dv] are written into the
+    to twice in one call). ``cache_leftpad`` int or int32 [B] (FlashAttention's): sequence
+    b's keys start at cache position cache_leftpad[b] (left-padded prompts); the rows before
+    it are removed by a boolean mask over the cache's positions, combined with
+    ``attn_mask`` (positions, causal alignment and rotary stay the cache's, as in
+    FlashAttention). ``k``, ``v`` [B, Lnew, Hkv, d / dv] are written into the
     cache in place at cache_seqlens (rotated by ``rotary_cos``/``rotary_sin`` [positions,
     rotary_dim / 2] if given: keys at their positions, queries at cache_seqlens + Lnew - Lq + i;
     ``rotary_interleaved`` pairs (0,1),(2,3)… else halves; computed in float32, and rotated
@@ -935,6 +971,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     dtype (or float16 by rotated float16 queries) widened, from twice that many queries. Returns out [B, Lq, Hq, dv] in q's
     dtype, and lse float32 [B, Hq, Lq] if ``return_softmax_lse``. NumPy or CPU torch alike.
     """
+    if cache_leftpad is not None:
+        attn_mask = _leftpad_mask(cache_leftpad, attn_mask, q, k, cache_seqlens)
     if alibi_slopes is None and attn_mask is None and k_scale is None and v_scale is None and cache_batch_idx is None:
         fast = _kvcache_fast(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits,
                              return_softmax_lse, precision, rotary_cos, rotary_sin, rotary_interleaved, window_size,

@@ -417,3 +417,42 @@ def test_cache_batch_idx_picks_each_sequences_row(rng, as_torch):
         attn.attention_with_kvcache(q, pool_k, pool_v, k, v, cache_seqlens=lens, cache_batch_idx=shared)
     with pytest.raises(attn.Error, match=r"cache.batch_idx\[2\] = 5 is out of range"):
         attn.attention_with_kvcache(q, pool_k, pool_v, cache_seqlens=lens, cache_batch_idx=np.array([0, 1, 5], np.int32))
+
+
+def test_cache_leftpad_removes_each_sequences_leading_rows(rng):
+    """cache_leftpad (FlashAttention's): sequence b's keys are cache positions
+    cache_leftpad[b] .. cache_seqlens[b] + Lnew - 1, still aligned at the end (causal,
+    bottom-right). Against the float64 reference on the same keys moved to the front of
+    a cache; combined with a boolean and an additive attn_mask; bad values raise."""
+    B, Hq, Hkv, d, cap, lq = 3, 4, 2, 16, 30, 3
+    k_cache = rng.uniform(-1, 1, (B, cap, Hkv, d)).astype(np.float32)
+    v_cache = rng.uniform(-1, 1, (B, cap, Hkv, d)).astype(np.float32)
+    q = rng.uniform(-1, 1, (B, lq, Hq, d)).astype(np.float32)
+    k = rng.uniform(-1, 1, (B, lq, Hkv, d)).astype(np.float32)
+    v = rng.uniform(-1, 1, (B, lq, Hkv, d)).astype(np.float32)
+    lens = np.array([12, 5, 20], np.int32)
+    pad = np.array([4, 0, 19], np.int32)
+    kc, vc = k_cache.copy(), v_cache.copy()
+    out, lse = attn.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, causal=True, cache_leftpad=pad,
+                                           return_softmax_lse=True)
+    total = lens + lq
+    moved_k, moved_v = np.zeros_like(kc), np.zeros_like(vc)
+    for b in range(B):
+        moved_k[b, : total[b] - pad[b]] = kc[b, pad[b]: total[b]]
+        moved_v[b, : total[b] - pad[b]] = vc[b, pad[b]: total[b]]
+    _check(q, out, lse, moved_k, moved_v, total - pad)
+    # Combined with attn_mask: a boolean one by "and", an additive one by -inf.
+    keep = rng.random((B, 1, 1, 25)) < 0.8
+    got = attn.attention_with_kvcache(q, kc, vc, cache_seqlens=total, causal=True, cache_leftpad=pad, attn_mask=keep)
+    both = keep & (np.arange(25)[None, None, None, :] >= pad[:, None, None, None])
+    np.testing.assert_array_equal(got, attn.attention_with_kvcache(q, kc, vc, cache_seqlens=total, causal=True,
+                                                                   attn_mask=both))
+    bias = rng.uniform(-1, 1, (1, Hq, lq, 25)).astype(np.float32)
+    got = attn.attention_with_kvcache(q, kc, vc, cache_seqlens=total, cache_leftpad=pad, attn_mask=torch.from_numpy(bias))
+    want = np.where(np.arange(25)[None, None, None, :] >= pad[:, None, None, None], bias, -np.inf).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(got), attn.attention_with_kvcache(q, kc, vc, cache_seqlens=total,
+                                                                               attn_mask=want))
+    with pytest.raises(ValueError, match="cache_leftpad"):
+        attn.attention_with_kvcache(q, kc, vc, cache_seqlens=total, cache_leftpad=np.array([0, 9, 0], np.int32))
+    with pytest.raises(ValueError, match="cache_leftpad"):
+        attn.attention_with_kvcache(q, kc, vc, cache_seqlens=total, cache_leftpad=np.array([0, 1], np.int32))
