@@ -50,9 +50,9 @@
 // rotated f16 queries) widened to f32 exactly, from twice the threshold (the widening
 // costs a copy per call), queries not in f32 widened and the output rounded once. A
 // paged cache whose pages lie apart, and every widened cache, is gathered a sequence
-// at a time into a contiguous buffer first. Staying on the decode kernel: quantized
-// caches under Precision::bf16 (whose integer passes are as fast); a forced
-// num_splits. The tiled kernels' packed copy (and a
+// at a time into a contiguous buffer first. Staying on the decode kernel: i8 caches
+// on its integer passes (under Precision::bf16, or read by bf16 queries), which are as
+// fast; a forced num_splits. The tiled kernels' packed copy (and a
 // gathered block) stays in buffers the calling thread keeps, so a call runs on them
 // in blocks of at most 64 MiB of keys and values (16k tokens of bf16 at Hkv = 8,
 // d = 128): a batch with more, sequence by sequence, a longer sequence block by block,
@@ -133,7 +133,9 @@ inline constexpr int kMaxKVSplits = 256;
 /// largest), where d and dv are multiples of 32 on AVX2/AVX-512 (vpdpwssd on CPUs with
 /// AVX512-VNNI) and the CPU does not take its AMX-INT8 tile path: on Zen 4, 0.67–0.84x
 /// the time of the f32 passes from DRAM, with errors ~1/100 of a plain bf16
-/// implementation's (docs/PERFORMANCE.md). A bf16 cache, where vdpbf16ps has the
+/// implementation's (docs/PERFORMANCE.md); bf16 queries take them whatever the
+/// precision (their output is bf16, rounded 2⁻⁹ of itself), f16 ones the exact passes.
+/// A bf16 cache, where vdpbf16ps has the
 /// FMA's rate (AMD Zen 4/5; d and dv multiples of 32), takes both products on it: f32
 /// queries rounded to bf16 (as attention() rounds f32 inputs) for Q·Kᵀ, and P·V with
 /// each pass's probabilities rounded to bf16 (FlashAttention's plain bf16 pipeline

@@ -962,7 +962,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     probabilities rounded to bf16 for P·V, as a plain bf16 implementation rounds them; other
     caches ignore it. bfloat16 queries on a bfloat16 cache take those products whatever
     ``precision`` says (bf16 inputs, as ``scaled_dot_product_attention`` treats them; the
-    output is bfloat16 anyway). Chunked prefill (Lq >= max(24, 128·Hkv/Hq), ``num_splits``
+    output is bfloat16 anyway), and on an int8 cache the integer ones. Chunked prefill (Lq >= max(24, 128·Hkv/Hq), ``num_splits``
     0) runs on ``scaled_dot_product_attention``'s tiled kernels, with their results for
     those inputs (16-bit: lse within 1e-4): a float cache read by queries of its dtype in
     place; float32 queries on a bfloat16 cache under precision="bf16" on the bf16 kernel;

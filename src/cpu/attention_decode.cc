@@ -928,6 +928,10 @@ void Decode(const DecodeProblem& p, int threads) {
   // Precision::bf16 lets i8 caches take both products on integers (kFixed16Target),
   // where d and dv are whole units; the score pass only for finite queries. Not
   // where the AMX-INT8 tiles run (their digits keep f32's accuracy at tile speed).
+  // bf16 queries take them whatever the precision: their output is rounded to bf16
+  // (2⁻⁹ of itself), and the fixed point errs by ~1e-4 of the output's largest, 1/100
+  // of a plain bf16 pipeline's error (docs/PERFORMANCE.md). f16 queries keep the f32
+  // passes: their output rounds 8× finer.
   Paths paths;
   paths.bf16_dot = bf16_dot;
   // bf16 caches: P·V on vdpbf16ps too, p rounded to bf16, for bf16 queries (bf16
@@ -937,8 +941,8 @@ void Decode(const DecodeProblem& p, int threads) {
   paths.bf16_pv = kPairs<T> && kBf16DotTarget && lowp_path() == LowpPath::avx512bf16 &&
                   (p.attn.precision == Precision::bf16 || p.q_dtype == DType::bf16);
   if constexpr (std::is_same_v<T, int8_t> && kFixed16Target) {
-    paths.fixed_pv = p.attn.precision == Precision::bf16 && !on_tiles && p.d % kFixedUnit == 0 &&
-                     p.dv % kFixedUnit == 0;
+    paths.fixed_pv = (p.attn.precision == Precision::bf16 || p.q_dtype == DType::bf16) && !on_tiles &&
+                     p.d % kFixedUnit == 0 && p.dv % kFixedUnit == 0;
     // d ≤ 512: a score's integer sum, at most d·32767·128, stays inside int32.
     paths.fixed_scores = paths.fixed_pv && p.d <= 512 && AllFinite(qs);
     paths.vnni = kFixed16Vnni && cpu_features().avx512_vnni;

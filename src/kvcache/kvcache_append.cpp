@@ -16,7 +16,11 @@
 namespace attn::detail {
 namespace {
 
-// Rotates the first rotary_dim entries of x (position pos) by the tables' angles.
+// Rotates the first rotary_dim entries of x (position pos) by the tables' angles, in
+// double: products of two floats are exact there, so each result is the float of one
+// correctly rounded sum, whether or not the compiler fuses it into an FMA, and a
+// float64 reference reproduces it bit for bit (a rotated bf16 query is then rounded to
+// bf16, where a result off by an ulp could round the other way).
 void rotate(const DecodeProblem& p, float* x, int64_t pos) {
   if (p.rot_cos == nullptr) return;
   const float* cs = p.rot_cos + pos * p.cos_row;
@@ -25,9 +29,9 @@ void rotate(const DecodeProblem& p, float* x, int64_t pos) {
   for (int j = 0; j < half; ++j) {
     float& a = x[p.rotary_interleaved ? 2 * j : j];
     float& b = x[p.rotary_interleaved ? 2 * j + 1 : j + half];
-    const float x0 = a, x1 = b;
-    a = x0 * cs[j] - x1 * sn[j];
-    b = x0 * sn[j] + x1 * cs[j];
+    const double x0 = a, x1 = b, c = cs[j], s = sn[j];
+    a = static_cast<float>(x0 * c - x1 * s);
+    b = static_cast<float>(x0 * s + x1 * c);
   }
 }
 

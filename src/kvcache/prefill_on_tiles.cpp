@@ -133,9 +133,13 @@ bool attention_prefill_on_tiles(const DecodeProblem& p, int threads) {
   // by prepare_queries); a quantized cache is dequantized to f32. Queries not in f32
   // are then widened, and the output rounded once at the end.
   const bool quantized = is_quantized_cache(p.cache_dtype);
-  // Not under Precision::bf16, where a quantized cache's integer passes are as fast
+  // Not where an i8 cache takes the decode kernel's integer passes (under
+  // Precision::bf16, or for bf16 queries; d and dv multiples of 32), which are as fast
   // (the route took 1.06–1.16× their time on Zen 4 at 64–256 queries).
-  if (quantized && p.attn.precision == Precision::bf16) return false;
+  if (p.cache_dtype == DType::i8 && (p.attn.precision == Precision::bf16 || p.q_dtype == DType::bf16) &&
+      p.d % 32 == 0 && p.dv % 32 == 0) {
+    return false;
+  }
   const bool rounded_f32 =
       p.q_dtype == DType::f32 && p.cache_dtype == DType::bf16 && p.attn.precision == Precision::bf16;
   const bool rotated_f16 = p.rot_cos != nullptr && p.q_dtype == DType::f16;

@@ -36,8 +36,9 @@ int kvcache_tiles_block_keys(int64_t bytes_per_key);
 /// tiled kernels and returns true, or returns false without touching an output when
 /// the call is not one they take: fewer queries than kvcache_tiles_from() (twice that
 /// where a bf16/f16 cache is widened to f32, below), a forced num_splits (the decode
-/// kernel's splits), or a quantized cache under Precision::bf16 (its integer passes are
-/// as fast). The kernel and its inputs:
+/// kernel's splits), or an i8 cache that the decode kernel reads on its integer passes
+/// (under Precision::bf16, or for bf16 queries; d and dv multiples of 32), which are as
+/// fast. The kernel and its inputs:
 ///   - queries and a cache of one float dtype: attention()'s kernel for that dtype,
 ///     the cache read in place (rotated bf16 queries are bf16 again: prepare_queries);
 ///   - f32 queries on a bf16 cache under Precision::bf16: the bf16 kernel, the queries
