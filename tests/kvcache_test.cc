@@ -1231,10 +1231,12 @@ TEST(KVCache, ChunkedPrefillRunsOnTheTiledKernels) {
   // sequence, a longer sequence block by block, each block a call placed at its keys'
   // positions, merged by their lse. Against float64, 1 against 2 threads, and the route
   // ran: contiguous f32 with ALiBi, a window and an f32 mask; shuffled bf16 pages with
-  // top-left causality, softcap and a boolean padding mask; an i8 cache without causality.
+  // top-left causality, softcap and a boolean padding mask; an i8 cache without causality;
+  // f32 queries on a bf16 cache under Precision::bf16 (the bf16 kernel, out f32); bf16
+  // queries on an f16 cache (widened to f32, from twice the threshold).
   for (const char* keys : {"37", "100"}) {
     const ScopedEnv blocks("ATTN_KVCACHE_TILES_BLOCK", keys);
-    for (int n = 0; n < 3; ++n) {
+    for (int n = 0; n < 5; ++n) {
       KvConfig g;
       g.B = 2, g.Hq = 8, g.Hkv = 2, g.d = g.dv = 64, g.Lq = g.Lnew = 40;
       g.cached = {300, 41};
@@ -1244,11 +1246,20 @@ TEST(KVCache, ChunkedPrefillRunsOnTheTiledKernels) {
         g.mask = Mask::boolean, g.mask_layout = MaskLayout::per_sequence_keys;
       }
       if (n == 2) g.page = 5, g.cache_dtype = DType::i8, g.causal = Causal::None, g.alibi = true, g.Lnew = 0;
+      if (n == 3) g.page = 16, g.cache_dtype = DType::bf16, g.precision = Precision::bf16, g.window = {90, -1};
+      if (n == 4) g.cache_dtype = DType::f16, g.q_dtype = DType::bf16, g.Lq = g.Lnew = 2 * detail::kvcache_tiles_from(4) + 1;
       const std::string name = std::string("blocks of ") + keys + " " + g.name();
       KvCase a(g, rng);
       KvCase two = a, decode = a;
       const Result on = run(a);
-      check_against_reference(a, on, name, 2e-5, nullptr, n == 1 ? 1e-4 : 0);
+      if (n == 3) {  // against float64 on the rounded queries, at bf16's tolerance
+        KvCase rounded = a;
+        float* q = reinterpret_cast<float*>(rounded.q.data());
+        for (size_t e = 0; e < rounded.q.size() / sizeof(float); ++e) q[e] = detail::bf16_to_f32(detail::f32_to_bf16(q[e]));
+        check_against_reference(rounded, on, name, 1.0 / 256, nullptr, 1e-4);
+      } else {
+        check_against_reference(a, on, name, 2e-5, nullptr, n == 1 ? 1e-4 : 0);
+      }
       Result t2;
       with_threads(2, [&] { t2 = run(two); });
       EXPECT_TRUE(same_result(on, t2)) << name << ": 2 threads differ";
