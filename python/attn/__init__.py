@@ -915,10 +915,8 @@ def _leftpad_mask(cache_leftpad, attn_mask, q, k, cache_seqlens):
         return seen
     if m.dtype == _np.bool_:
         return _np.logical_and(m, seen)
-    widened = m.view(_np.int16).astype(_np.int32) << 16 if _is_bf16(attn_mask) else m
-    if _is_bf16(attn_mask):
-        widened = widened.view(_np.float32)
-    return _np.where(seen, _np.asarray(widened, _np.float32), _np.float32(-_np.inf)).astype(_np.float32)
+    widened = attn_mask.detach().float().numpy() if _is_bf16(attn_mask) else m.astype(_np.float32)
+    return _np.where(seen, widened, _np.float32(-_np.inf)).astype(_np.float32)
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,

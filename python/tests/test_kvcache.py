@@ -447,11 +447,13 @@ def test_cache_leftpad_removes_each_sequences_leading_rows(rng):
     both = keep & (np.arange(25)[None, None, None, :] >= pad[:, None, None, None])
     np.testing.assert_array_equal(got, attn.attention_with_kvcache(q, kc, vc, cache_seqlens=total, causal=True,
                                                                    attn_mask=both))
-    bias = rng.uniform(-1, 1, (1, Hq, lq, 25)).astype(np.float32)
-    got = attn.attention_with_kvcache(q, kc, vc, cache_seqlens=total, cache_leftpad=pad, attn_mask=torch.from_numpy(bias))
-    want = np.where(np.arange(25)[None, None, None, :] >= pad[:, None, None, None], bias, -np.inf).astype(np.float32)
-    np.testing.assert_array_equal(np.asarray(got), attn.attention_with_kvcache(q, kc, vc, cache_seqlens=total,
-                                                                               attn_mask=want))
+    for mask_dtype in (torch.float32, torch.bfloat16):
+        bias = torch.from_numpy(rng.uniform(-1, 1, (1, Hq, lq, 25)).astype(np.float32)).to(mask_dtype)
+        got = attn.attention_with_kvcache(q, kc, vc, cache_seqlens=total, cache_leftpad=pad, attn_mask=bias)
+        want = np.where(np.arange(25)[None, None, None, :] >= pad[:, None, None, None], bias.float().numpy(),
+                        -np.inf).astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(got), attn.attention_with_kvcache(q, kc, vc, cache_seqlens=total,
+                                                                                   attn_mask=want))
     with pytest.raises(ValueError, match="cache_leftpad"):
         attn.attention_with_kvcache(q, kc, vc, cache_seqlens=total, cache_leftpad=np.array([0, 9, 0], np.int32))
     with pytest.raises(ValueError, match="cache_leftpad"):
