@@ -77,7 +77,8 @@ void attention_with_mods(const TensorView& q, const TensorView& k, const TensorV
   }
   // on_device: the call runs where q is (here the CPU), so that a device tensor among the
   // others is reported as a mix of devices.
-  const Problem p = make_problem("attention", q, k, v, out, options, lse, probs, mods, /*on_device=*/true);
+  const Problem p =
+      make_problem("attention", q, k, v, out, options, lse, probs, mods, /*on_device=*/true, wide_out(q, out));
   // A few queries per sequence (a decoding step given the whole past as k and v): the
   // decode kernel reads k and v in place, where the tiled kernels would pack them all.
   if (attention_few_queries(p, num_threads())) return;
@@ -152,7 +153,8 @@ void attention_reference_with_mods(const TensorView& q, const TensorView& k,
                                    const TensorView& v, const TensorView& out,
                                    const AttentionOptions& options, const TensorView& lse,
                                    const TensorView& probs, const UserMods* mods) {
-  const Problem p = make_problem("attention_reference", q, k, v, out, options, lse, probs, mods);
+  const Problem p =
+      make_problem("attention_reference", q, k, v, out, options, lse, probs, mods, false, wide_out(q, out));
   if (needs_widening(p, options)) {
     forward_widened(q, k, v, out, options, [&](auto& q32, auto& k32, auto& v32, auto& out32, auto& o) {
       attention_reference_with_mods(q32, k32, v32, out32, o, lse, probs, mods);
@@ -180,8 +182,8 @@ void attention_backward_with_mods(const TensorView& q, const TensorView& k, cons
   }
   // on_device: the call runs where q is (the CPU), so that a device tensor among the
   // others is reported as a mix of devices.
-  const BackwardProblem bp = make_backward_problem("attention_backward", q, k, v, out, lse, dout,
-                                                   dq, dk, dv, options, dbias, mods, /*on_device=*/true);
+  const BackwardProblem bp = make_backward_problem("attention_backward", q, k, v, out, lse, dout, dq, dk, dv, options,
+                                                   dbias, mods, /*on_device=*/true, false, wide_out(q, out));
   if (needs_widening(bp.fwd, options)) {
     // The kernels read f32 masks: a bf16/f16 mask is widened (one copy, read once per
     // tile), then the call starts again.
@@ -209,8 +211,8 @@ void attention_backward_reference_with_mods(const TensorView& q, const TensorVie
                                             const TensorView& dq, const TensorView& dk,
                                             const TensorView& dv, const AttentionOptions& options,
                                             const TensorView& dbias, const UserMods* mods) {
-  const BackwardProblem bp = make_backward_problem("attention_backward_reference", q, k, v, out,
-                                                   lse, dout, dq, dk, dv, options, dbias, mods);
+  const BackwardProblem bp = make_backward_problem("attention_backward_reference", q, k, v, out, lse, dout, dq, dk,
+                                                   dv, options, dbias, mods, false, false, wide_out(q, out));
   if (needs_widening(bp.fwd, options)) {
     backward_widened(q, k, v, out, dout, dq, dk, dv, options,
                      [&](auto& q32, auto& k32, auto& v32, auto& out32, auto& dout32, auto& dq32, auto& dk32,
@@ -258,7 +260,8 @@ size_t attention_workspace_bytes(const TensorView& q, const TensorView& k, const
                                  const TensorView& out, const AttentionOptions& options,
                                  int threads) {
   const detail::Problem p =
-      detail::make_problem("attention_workspace_bytes", q, k, v, out, options, {}, {}, nullptr);
+      detail::make_problem("attention_workspace_bytes", q, k, v, out, options, {}, {}, nullptr, false,
+                           detail::wide_out(q, out));
   // The bf16 kernels' packed operands replace the f32 copies (they decline only
   // inputs holding NaN or ±∞, which then take the portable path's copies).
   if (detail::lowp_kernel(p, options, detail::LowpPass::forward) != detail::LowpPath::f32) {
@@ -274,7 +277,8 @@ size_t attention_backward_workspace_bytes(const TensorView& q, const TensorView&
                                           const TensorView& dq, const TensorView& dk, const TensorView& dv,
                                           const AttentionOptions& options, int threads, const TensorView& dbias) {
   const detail::BackwardProblem bp = detail::make_backward_problem(
-      "attention_backward_workspace_bytes", q, k, v, out, lse, dout, dq, dk, dv, options, dbias, nullptr);
+      "attention_backward_workspace_bytes", q, k, v, out, lse, dout, dq, dk, dv, options, dbias, nullptr, false, false,
+      detail::wide_out(q, out));
   // The f32 kernel's bytes depend on the shapes only: it widens bf16/f16 rows (and
   // rounds f32 ones under Precision::bf16) as it packs them.
   const size_t f32_kernel = detail::attention_backward_workspace_bytes_cpu(bp.fwd, threads);

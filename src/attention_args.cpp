@@ -423,18 +423,23 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k, c
   return p;
 }
 
+bool wide_out(const TensorView& q, const TensorView& out) {
+  return !q.empty() && !out.empty() && (q.dtype() == DType::bf16 || q.dtype() == DType::f16) &&
+         out.dtype() == DType::f32;
+}
+
 BackwardProblem make_backward_problem(const char* fn, const TensorView& q, const TensorView& k,
                                       const TensorView& v, const TensorView& out,
                                       const TensorView& lse, const TensorView& dout,
                                       const TensorView& dq, const TensorView& dk,
                                       const TensorView& dv, const AttentionOptions& opt,
                                       const TensorView& dbias, const UserMods* mods, bool on_device,
-                                      bool grads_f32) {
+                                      bool grads_f32, bool out_f32) {
   Checker c(fn);
   if (on_device && !q.empty()) c.set_device(q.device(), "q");
   if (lse.empty()) c.fail("lse is required (the forward's logsumexp), got none");
   BackwardProblem bp;
-  bp.fwd = make_problem(fn, q, k, v, out, opt, lse, {}, mods, on_device);
+  bp.fwd = make_problem(fn, q, k, v, out, opt, lse, {}, mods, on_device, out_f32);
   const Problem& p = bp.fwd;
   const bool varlen = !opt.cu_seqlens_q.empty();
 

@@ -100,8 +100,12 @@ struct Problem {
   int64_t q_pos0 = 0, k_pos0 = 0;
   int h0 = 0, heads_total = 0;
   // out is f32 although dtype is bf16/f16: a placed call's partial result, merged
-  // before it is rounded. Both forward kernels (tiles and portable) honour it.
+  // before it is rounded, or the output before rounding that attention() was given
+  // room for (and that attention_backward() reads D = rowsum(dO ∘ O) from). Both
+  // forward kernels (tiles and portable) and both backward ones honour it.
   bool out_f32 = false;
+  /// The dtype out is stored in.
+  DType out_dtype() const { return out_f32 ? DType::f32 : dtype; }
   // What the caller allows for f32 inputs (AttentionOptions::precision).
   Precision precision = Precision::f32;
   /// f32 inputs that the bf16 tile kernels take as hi + lo pieces (Precision::bf16x3).
@@ -185,13 +189,19 @@ Problem make_problem(const char* fn, const TensorView& q, const TensorView& k,
 /// dq like q, dk like k, dv like v; dbias like the (additive) mask. `on_device` as
 /// make_problem's: every tensor on q's device. `grads_f32`: dq, dk and dv must be f32
 /// whatever the inputs' dtype (placed calls, BackwardProblem::grads_f32); else they
-/// have the inputs' dtype.
+/// have the inputs' dtype. `out_f32`: out is f32 for bf16/f16 inputs (the forward's
+/// output before rounding; dout keeps the inputs' dtype).
 BackwardProblem make_backward_problem(const char* fn, const TensorView& q, const TensorView& k,
                                       const TensorView& v, const TensorView& out,
                                       const TensorView& lse, const TensorView& dout,
                                       const TensorView& dq, const TensorView& dk,
                                       const TensorView& dv, const AttentionOptions& opt,
                                       const TensorView& dbias, const UserMods* mods,
-                                      bool on_device = false, bool grads_f32 = false);
+                                      bool on_device = false, bool grads_f32 = false, bool out_f32 = false);
+
+/// Whether a call on the CPU was given an f32 out for bf16/f16 inputs: the output
+/// before rounding, which attention() writes and attention_backward() reads D from
+/// (attention.hpp). Any other dtype pairing is left to the checks to report.
+bool wide_out(const TensorView& q, const TensorView& out);
 
 }  // namespace attn::detail

@@ -28,7 +28,15 @@
 // Dtypes: q, k, v and out (and dout, dq, dk, dv) share one dtype, f32, bf16 or f16;
 // mixing them is an error. lse and probs are f32 in every case; an additive mask is f32
 // or the inputs' dtype. bf16/f16 inputs are computed with f32 scores, softmax and
-// accumulation, and the outputs rounded once to the input dtype.
+// accumulation, and the outputs rounded once to the input dtype. One exception, on
+// the CPU: out may be f32 for bf16/f16 inputs. attention() then writes the output
+// before that rounding (rounding it to the inputs' dtype gives bitwise the output of a
+// call with a 16-bit out), and attention_backward() given it computes D = rowsum(dO ∘ O)
+// from it. FlashAttention and PyTorch take D from the rounded output; where a row's
+// softmax is sharply peaked, dO·v_j − D is a small difference of large terms and that
+// rounding (2⁻⁹ of O for bf16) can dominate dq and dk (seen: 0.5 relative error in dq
+// on a 3-key row, against 2e-3 with the f32 output). The Python autograd keeps the
+// f32 output for its backward so.
 // Memory: an output must not overlap an input or another output (attn::Error),
 // except that out may be exactly q, k or v (the same view); interleaved views
 // that share no element (q, k, v or dq, dk, dv sliced from one packed

@@ -248,6 +248,16 @@ def _like(x, template):
     return x
 
 
+def _narrowed(out32, template):
+    """A float32 output (a wide forward's) rounded to template's dtype (to nearest even,
+    as the kernels round), as a torch tensor or NumPy array like template."""
+    if _is_torch(template):
+        import torch
+        t = out32 if isinstance(out32, torch.Tensor) else torch.from_numpy(out32)
+        return t.to(template.dtype)
+    return out32.astype(template.dtype)
+
+
 _PRECISIONS = {"f32": 0, "bf16": 1, "bf16x3": 2}
 _ALIGNMENTS = {"top_left": 1, "bottom_right": 2}  # the kernels' causal codes (_causal_code)
 
@@ -309,7 +319,7 @@ def _lean_options(dropout_p, window, softcap, alibi_slopes, block_mask):
 
 
 def _forward_fast(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, seed, precision,
-                  return_lse):
+                  return_lse, wide=False):
     """The forward of a call with no option beyond these, on 4-D [B, H, L, d] inputs:
     (out like query, lse as a NumPy array or None, the kernels' q, k, v and mask
     arguments for _backward_fast), or None when the call is not such a call or the
@@ -318,7 +328,8 @@ def _forward_fast(query, key, value, attn_mask, is_causal, scale, enable_gqa, ca
     the kernel's call (~50 µs against ~5 on a Cascade Lake core), and
     its positional entry skips pybind11's matching of 25 keywords (~4 µs). A rejected
     call is left to the checked path, whose messages name the arguments in PyTorch's
-    terms (the kernels check before they write, and out is this call's own)."""
+    terms (the kernels check before they write, and out is this call's own). wide:
+    out in float32 for 16-bit inputs (as _run_forward's)."""
     if precision not in _PRECISIONS or causal_alignment not in _ALIGNMENTS:
         return None
     q, k, v = _fast_operand(query), _fast_operand(key), _fast_operand(value)
@@ -337,11 +348,11 @@ def _forward_fast(query, key, value, attn_mask, is_causal, scale, enable_gqa, ca
     out_shape = (q_shape[0], q_shape[1], q_shape[2], v_shape[3])
     bf16 = False
     if type(q) is _np.ndarray:
-        out = out_arg = _np.empty(out_shape, dtype=q.dtype)
+        out = out_arg = _np.empty(out_shape, dtype=_np.float32 if wide else q.dtype)
     else:
         torch, to_dlpack, is_bf16 = _torch_fast
         bf16 = is_bf16[query.dtype]
-        out = torch.empty(out_shape, dtype=query.dtype)
+        out = torch.empty(out_shape, dtype=torch.float32 if wide else query.dtype)
         out_arg = to_dlpack(out)
     lse = _np.empty(out_shape[:3], dtype=_np.float32) if return_lse else None
     try:
@@ -527,10 +538,11 @@ def _prepare_call(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
     return c
 
 
-def _run_forward(c, return_lse):
+def _run_forward(c, return_lse, wide=False):
     """The forward of a prepared call: out [..., Hq, L, dv] and lse [..., Hq, L] (or None)
-    as NumPy arrays."""
-    out = _np.empty(tuple(c.batch) + (c.hq, c.lq, c.dv), dtype=c.q.dtype)
+    as NumPy arrays. wide: out in float32 for 16-bit inputs, before its rounding
+    (_narrowed rounds it; attention_backward reads D from it)."""
+    out = _np.empty(tuple(c.batch) + (c.hq, c.lq, c.dv), dtype=_np.float32 if wide else c.q.dtype)
     out4 = out.reshape((c.q4.shape[0], c.hq, c.lq, c.dv))
     lse = _np.empty(tuple(c.batch) + (c.hq, c.lq), dtype=_np.float32) if return_lse else None
     _attn.forward(_bshd(c.q4), _bshd(c.k4), _bshd(c.v4), _bshd(out4),
@@ -575,7 +587,11 @@ def attention_backward(grad_out, query, key, value, out, lse, attn_mask=None, dr
 
     Takes grad_out (d loss / d out, shaped like out), the forward's inputs, its ``out`` and
     ``lse`` (``return_lse=True``), and the same options: with dropout_p > 0 the ``seed``
-    the forward used is required (ValueError without it).
+    the forward used is required (ValueError without it). For float16/bfloat16 inputs on
+    the CPU, ``out`` may be the float32 output before its rounding; D = rowsum(grad_out ·
+    out) is then taken from it, which keeps dq and dk near the exact gradient on sharply
+    peaked rows, where D from the rounded output (FlashAttention's and PyTorch's way)
+    can dominate their error. ``attn.torch`` keeps that output for its backward.
     Returns (dq, dk, dv) shaped like query, key, value; with grouped-query heads dk and dv
     sum over each group. With ``return_mask_grad=True`` and a float32 ``attn_mask``, also
     d loss / d attn_mask, summed over the mask's broadcast dimensions. ``precision`` as

@@ -12,7 +12,12 @@ into two bfloat16 pieces ("bf16x3", ~5e-6 relative error, about twice as fast on
 with AMX tiles), "medium" rounds to bfloat16. With
 ``dropout_p > 0`` the forward draws a seed (or takes ``seed``) and the backward reuses it.
 The backward is once-differentiable, as PyTorch's own fused attention kernels: asking
-for a second derivative raises instead of silently returning zero.
+for a second derivative raises instead of silently returning zero. bfloat16 and float16
+calls on the CPU keep their output before its rounding (float32, out's size again until
+the backward) and take the backward's D = rowsum(dO ∘ O) from it, not from the rounded
+output as FlashAttention and PyTorch do: on sharply peaked softmax rows that rounding
+otherwise dominates dq and dk (attn/attention.hpp, "Dtypes"). The returned output is
+the same either way. ``attn::sdpa``'s third output carries it (empty for other calls).
 
 With PyTorch 2.4 or later the forward and backward are also registered as
 ``torch.library`` custom operators, ``attn::sdpa`` and ``attn::sdpa_backward``, with fake
@@ -33,6 +38,13 @@ from torch.autograd.function import once_differentiable as _once_differentiable
 
 import attn as _attn
 
+# The 16-bit dtypes whose CPU calls keep a float32 output for the backward (_Attention).
+_NARROW = (_torch.bfloat16, _torch.float16)
+
+
+def _keeps_wide_out(query):
+    """Whether a call keeps its float32 output for the backward (_Attention's reason)."""
+    return query.dtype in _NARROW and not query.is_cuda
 
 class _Attention(_torch.autograd.Function):
     # A lean call (options _attn._lean_options takes, eager on plain CPU tensors, no
@@ -43,20 +55,26 @@ class _Attention(_torch.autograd.Function):
     # the checked call with its NumPy out and lse for the backward, which then
     # converts only grad_out. CUDA tensors (here with PyTorch older than 2.4, which
     # has no custom operators) take the public functions.
+    # bfloat16 and float16 calls on the CPU keep the output before its rounding (float32)
+    # for the backward, which takes D = rowsum(dO ∘ O) from it: D from the rounded output
+    # (FlashAttention's and PyTorch's way) can dominate dq and dk on sharply peaked rows
+    # (attn/attention.hpp, "Dtypes"). It costs out's size again in float32 until the
+    # backward.
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, options, lean):
         mask = None if attn_mask is None else attn_mask.detach()
         ctx.mask_is_float = attn_mask is not None and attn_mask.dtype == _torch.float32
         ctx.options = options
         ctx.lean_lse = None
+        wide = _keeps_wide_out(query)
         if lean:
             fast = _attn._forward_fast(query, key, value, mask, options["is_causal"], options["scale"],
                                        options["enable_gqa"], options["causal_alignment"], None,
-                                       options["precision"], True)
+                                       options["precision"], True, wide)
             if fast is not None:
                 out, ctx.lean_lse, ctx.lean_args = fast
                 ctx.save_for_backward(query, key, value, out, None, attn_mask)  # PyTorch's in-place checks
-                return out
+                return out.to(query.dtype) if wide else out
         if query.is_cuda:
             ctx.call = None
             out, lse = _attn.scaled_dot_product_attention(query.detach(), key.detach(), value.detach(), mask,
@@ -64,10 +82,11 @@ class _Attention(_torch.autograd.Function):
             ctx.save_for_backward(query, key, value, out, lse, attn_mask)
             return out
         call = _attn._prepare_call(query.detach(), key.detach(), value.detach(), mask, **options)
-        out, lse = _attn._run_forward(call, True)
+        out, lse = _attn._run_forward(call, True, wide)
         ctx.call, ctx.out, ctx.lse = call, out, lse
-        result = _attn._like(out, query)
-        ctx.save_for_backward(query, key, value, result, None, attn_mask)  # PyTorch's in-place checks
+        result = _attn._narrowed(out, query) if wide else _attn._like(out, query)
+        # PyTorch's in-place checks (the result shares ctx.out's memory unless wide)
+        ctx.save_for_backward(query, key, value, None if wide else result, None, attn_mask)
         return result
 
     @staticmethod
@@ -123,22 +142,32 @@ if _HAS_CUSTOM_OP:
                  alibi_slopes: _Optional[_torch.Tensor], dropout_p: float, is_causal: bool, scale: _Optional[float],
                  enable_gqa: bool, bottom_right: bool, window_left: int, window_right: int, softcap: float,
                  seed: int, block_table: _Optional[_torch.Tensor], block_tiles: _Optional[_torch.Tensor],
-                 block_q: int, block_k: int, precision: str) -> _Tuple[_torch.Tensor, _torch.Tensor]:
+                 block_q: int, block_k: int,
+                 precision: str) -> _Tuple[_torch.Tensor, _torch.Tensor, _torch.Tensor]:
+        # (out, lse, out_wide): out_wide is out before its rounding, float32, for 16-bit
+        # CPU calls (_Attention's reason; the backward reads D from it), else empty.
         # detached: the operator's autograd formula is registered below, and the generic
         # function would take inputs that require grad for a request for autograd
+        options = _call_options(dropout_p, is_causal, scale, enable_gqa, bottom_right, window_left, window_right,
+                                softcap, seed, block_table, block_tiles, block_q, block_k, precision, query, key)
+        if _keeps_wide_out(query):
+            call = _attn._prepare_call(query.detach(), key.detach(), value.detach(), _as_numpy_ready(attn_mask),
+                                       alibi_slopes=_as_numpy_ready(alibi_slopes), **options)
+            wide, lse = _attn._run_forward(call, True, True)
+            wide = _torch.from_numpy(wide)
+            return wide.to(query.dtype), _torch.from_numpy(lse), wide
         out, lse = _attn.scaled_dot_product_attention(
             query.detach(), key.detach(), value.detach(), _as_numpy_ready(attn_mask), return_lse=True,
-            alibi_slopes=_as_numpy_ready(alibi_slopes),
-            **_call_options(dropout_p, is_causal, scale, enable_gqa, bottom_right, window_left, window_right,
-                            softcap, seed, block_table, block_tiles, block_q, block_k, precision, query, key))
-        return out, lse
+            alibi_slopes=_as_numpy_ready(alibi_slopes), **options)
+        return out, lse, query.new_empty((0,), dtype=_torch.float32)
 
     @_sdpa_op.register_fake
     def _sdpa_fake(query, key, value, attn_mask, alibi_slopes, dropout_p, is_causal, scale, enable_gqa, bottom_right,
                    window_left, window_right, softcap, seed, block_table, block_tiles, block_q, block_k, precision):
         out = query.new_empty(query.shape[:-1] + (value.shape[-1],))
         lse = query.new_empty(query.shape[:-1], dtype=_torch.float32)
-        return out, lse
+        wide = out.new_empty(out.shape if _keeps_wide_out(query) else (0,), dtype=_torch.float32)
+        return out, lse, wide
 
     @_torch.library.custom_op("attn::sdpa_backward", mutates_args=())
     def _sdpa_backward_op(grad_out: _torch.Tensor, query: _torch.Tensor, key: _torch.Tensor, value: _torch.Tensor,
@@ -176,9 +205,10 @@ if _HAS_CUSTOM_OP:
         query, key, value, attn_mask, alibi_slopes = inputs[:5]
         ctx.options = inputs[5:]
         ctx.want_mask_grad = attn_mask is not None and attn_mask.dtype == _torch.float32 and attn_mask.requires_grad
-        ctx.save_for_backward(query, key, value, output[0], output[1], attn_mask, alibi_slopes)
+        out = output[2] if output[2].numel() else output[0]  # out_wide where the forward kept it
+        ctx.save_for_backward(query, key, value, out, output[1], attn_mask, alibi_slopes)
 
-    def _backward(ctx, grad_out, grad_lse):
+    def _backward(ctx, grad_out, grad_lse, grad_wide):
         query, key, value, out, lse, attn_mask, alibi_slopes = ctx.saved_tensors
         dq, dk, dv, dmask = _sdpa_backward_op(grad_out, query, key, value, out, lse, attn_mask, alibi_slopes,
                                               *ctx.options, ctx.want_mask_grad)
@@ -353,7 +383,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             table = _torch.from_numpy(block_mask.blocks)
             tiles = _torch.from_numpy(block_mask.tiles) if block_mask.tiles.shape[0] else None
             bq, bk = block_mask.block_size
-        out, _ = _sdpa_op(query, key, value, attn_mask, alibi_slopes, float(dropout_p), bool(is_causal),
+        out, _, _ = _sdpa_op(query, key, value, attn_mask, alibi_slopes, float(dropout_p), bool(is_causal),
                           None if scale is None else float(scale), bool(enable_gqa),
                           causal_alignment == "bottom_right", left, right, float(softcap or 0.0), int(seed or 0),
                           table, tiles, bq, bk, precision)

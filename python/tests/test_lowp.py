@@ -164,3 +164,46 @@ def test_attn_torch_precision_follows_float32_matmul_precision(rng, causal):
         assert _rel(a, b) < 5e-5
     with pytest.raises(ValueError, match="precision"):
         at.scaled_dot_product_attention(q, k, v, enable_gqa=True, precision="tf32")
+
+
+def _float64_grads(q, k, v, g, scale, causal):
+    """Gradients of softmax(q·kᵀ·scale)·v in float64 (torch autograd), bottom-right causal."""
+    q, k, v = (t.double().detach().requires_grad_(True) for t in (q, k, v))
+    s = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        lq, lk = s.shape[-2:]
+        s = s.masked_fill(torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq).logical_not(), float("-inf"))
+    (torch.softmax(s, -1) @ v).backward(g.double())
+    return q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("checked", [False, True])
+def test_autograd_takes_d_from_the_float32_output(rng, dtype, checked):
+    """attn.torch keeps a 16-bit call's float32 output for its backward's D = rowsum(dO ∘ O):
+    on sharply peaked rows dq and dk then stay near the float64 gradient, where D from
+    the rounded output (FlashAttention's and PyTorch's way, still attn.attention_backward's
+    given the rounded out) errs several times more. The returned output is the 16-bit
+    call's, bit for bit. checked: an option (a window) that the lean path does not take."""
+    lq, lk, d = 70, 200, 64
+    mk = lambda *s: torch.from_numpy(rng.uniform(-2, 2, s).astype(np.float32)).to(dtype)
+    q, k, v, g = mk(2, 2, lq, d), mk(2, 2, lk, d), mk(2, 2, lk, d), mk(2, 2, lq, d)
+    kw = dict(scale=1.0, is_causal=True, causal_alignment="bottom_right", window=(1000, 0) if checked else None)
+    qa, ka, va = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out = attn.torch.scaled_dot_product_attention(qa, ka, va, **kw)
+    out.backward(g)
+    plain, lse = attn.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)
+    assert torch.equal(out.detach(), plain)
+    narrow = attn.attention_backward(g, q, k, v, plain, lse, **kw)
+    want = _float64_grads(q, k, v, g, 1.0, True)
+    rel = lambda x, w: ((x.double() - w).norm() / w.norm()).item()
+    for got, old, w in ((qa.grad, narrow[0], want[0]), (ka.grad, narrow[1], want[1])):
+        floor = rel(w.to(dtype), w)  # the float64 gradient rounded to the dtype
+        assert rel(got, w) <= 3 * floor, (rel(got, w), floor)
+        assert rel(old, w) > 1.5 * rel(got, w), (rel(old, w), rel(got, w))
+    # attention_backward takes the float32 out too, with the same result.
+    wide = attn._forward_fast(q, k, v, None, True, 1.0, False, "bottom_right", None, "f32", False, True)[0]
+    assert wide.dtype == torch.float32 and torch.equal(wide.to(dtype), plain)
+    grads = attn.attention_backward(g, q, k, v, wide, lse, **kw)
+    for got, via in zip((qa.grad, ka.grad, va.grad), grads):
+        assert via.dtype == dtype and torch.equal(got, via)

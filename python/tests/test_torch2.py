@@ -23,7 +23,7 @@ def test_opcheck_forward_and_backward(rng):
     mask = torch.from_numpy(rng.uniform(-1, 1, (17, 23)).astype(np.float32)).requires_grad_(True)
     args = (q, k, v, mask, None, 0.0, True, None, True, True, 3, 0, 0.0, 0, None, None, 0, 0, "bf16x3")
     torch.library.opcheck(torch.ops.attn.sdpa.default, args)
-    out, lse = torch.ops.attn.sdpa(*args)
+    out, lse, _ = torch.ops.attn.sdpa(*args)
     g = torch.randn_like(out)
     bargs = (g, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), mask.detach(), None) + args[5:] + (True,)
     torch.library.opcheck(torch.ops.attn.sdpa_backward.default, bargs)
@@ -289,3 +289,26 @@ def test_varlen_under_torch_compile_has_no_graph_break_and_eager_gradients(rng):
         assert torch.equal(a, t.grad)
     explanation = torch._dynamo.explain(f)(q, k, v)
     assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+@needs_torch2
+def test_custom_op_keeps_the_float32_output_of_16_bit_calls(rng):
+    """attn::sdpa's third output is a bfloat16/float16 CPU call's float32 output before its
+    rounding (empty otherwise), which its autograd formula hands the backward for D, as
+    the eager path does: the two give the same gradients, bit for bit."""
+    q, k, v = _qkv(rng, lq=40, lk=50, d=32, dtype=torch.bfloat16)
+    args = (q, k, v, None, None, 0.0, True, 1.0, True, True, -1, -1, 0.0, 0, None, None, 0, 0, "f32")
+    torch.library.opcheck(torch.ops.attn.sdpa.default, args)
+    out, lse, wide = torch.ops.attn.sdpa(*args)
+    assert wide.dtype == torch.float32 and wide.shape == out.shape and torch.equal(wide.to(torch.bfloat16), out)
+    g = torch.from_numpy(rng.uniform(-1, 1, tuple(out.shape)).astype(np.float32)).to(torch.bfloat16)
+    out.backward(g)
+    via_op = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    attn.torch.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0, enable_gqa=True,
+                                            causal_alignment="bottom_right").backward(g)
+    for a, b in zip(via_op, (q.grad, k.grad, v.grad)):
+        assert torch.equal(a, b)
+    q32, k32, v32 = _qkv(rng, lq=4, lk=5, d=8)
+    assert torch.ops.attn.sdpa(q32, k32, v32, *args[3:])[2].numel() == 0

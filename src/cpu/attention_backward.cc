@@ -576,7 +576,7 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
                     dsum_base, turns.get(), turn_base, qt_first,  qt_last};
   const int n_rows = static_cast<int>(rows_items.size()), n_items = static_cast<int>(items.size()), n_stats = static_cast<int>(stats_items.size());
   RunOnThreads(nt, [&] {
-    float* const out_row = BwdScratch(pk.dp, pk.dvp).row;  // a bf16/f16 row of out, widened
+    float* const out_row = BwdScratch(pk.dp, pk.dvp).row;  // a bf16/f16 row of out, widened (or f32 out as is)
     // Phase 1: per query tile, D = rowsum(dO ∘ O) of each row; scale·Q and dO
     // packed (widened there from bf16/f16); the dQ sum zeroed.
 #pragma omp for schedule(static)
@@ -589,7 +589,7 @@ void BackwardF32(const BackwardProblem& bp, int threads) {
       for (int r = 0; r < rows; ++r) {
         const int i = i0 + r;
         float* gr = gpack + size_t(r) * pk.dvp;
-        const float* o = RowF32(p.dtype, p.out, seq.out_offset + h * p.out_head + int64_t{i} * p.out_row, p.dv, out_row);
+        const float* o = RowF32(p.out_dtype(), p.out, seq.out_offset + h * p.out_head + int64_t{i} * p.out_row, p.dv, out_row);
         const float* g = RowF32(p.dtype, bp.dout, seq.dout_offset + h * bp.dout_head + int64_t{i} * bp.dout_row, p.dv, gr);
         // The same fused multiply-adds, in the same order, as QkRows accumulates
         // dP = dO·Vᵀ: when a row has one visible key (O = v), dP − D is then 0

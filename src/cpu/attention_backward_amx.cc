@@ -219,14 +219,15 @@ ATTN_AMX bool PackQueryTile(const BwdAmxShared& sh, int b, int h, int qt, bf16* 
     const float lse = p.lse[seq.lse_offset + h * p.lse_h + int64_t{i} * p.lse_i];
     ok &= lse == -HUGE_VALF || (std::isfinite(lse) && std::fabs(lse) < kLseLimit);
     sh.lse[row] = lse;
-    // 16 columns at a time (masked past dv): g as packed (hi + lo is exact), O as stored.
+    // 16 columns at a time (masked past dv): g as packed (hi + lo is exact), O as stored
+    // (f32 where the caller kept the output before rounding).
     const int64_t o_at = seq.out_offset + h * p.out_head + int64_t{i} * p.out_row;
     __m512 sum = _mm512_setzero_ps();
     for (int c = 0; c < p.dv; c += 16) {
       const __mmask16 m = static_cast<__mmask16>(p.dv - c >= 16 ? 0xFFFFu : (1u << (p.dv - c)) - 1);
       __m512 gv = Bf16x16ToF32(_mm256_maskz_loadu_epi16(m, g + c));
       if (pieces == 2) gv = _mm512_add_ps(gv, Bf16x16ToF32(_mm256_maskz_loadu_epi16(m, g + dvp + c)));
-      sum = _mm512_fmadd_ps(gv, LoadAsF32(p.dtype, p.out, o_at + c, m), sum);
+      sum = _mm512_fmadd_ps(gv, LoadAsF32(p.out_dtype(), p.out, o_at + c, m), sum);
     }
     const float acc = _mm512_reduce_add_ps(sum);
     sh.dsum[row] = acc;
