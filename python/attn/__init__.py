@@ -710,10 +710,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     return result if len(result) > 1 else result[0]
 
 
-def _run_varlen_forward(c, return_lse):
+def _run_varlen_forward(c, return_lse, wide=False):
     """The forward of a prepared varlen call: out [total_q, Hq, dv] and lse [Hq, total_q]
-    (or None) as NumPy arrays."""
-    out = _np.empty((c.q.shape[0], c.q.shape[1], c.v.shape[2]), c.q.dtype)
+    (or None) as NumPy arrays; wide as _run_forward's."""
+    out = _np.empty((c.q.shape[0], c.q.shape[1], c.v.shape[2]), _np.float32 if wide else c.q.dtype)
     lse = _np.empty((c.q.shape[1], c.q.shape[0]), _np.float32) if return_lse else None
     _attn.forward(c.q, c.k, c.v, out, lse=lse, **c.options)
     return out, lse
@@ -743,6 +743,7 @@ def varlen_attention_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seql
     Takes grad_out (d loss / d out, [total_q, Hq, dv]), the forward's inputs, its ``out``
     and ``lse`` ([Hq, total_q] float32, ``return_lse=True``), and the same options; with
     dropout_p > 0 the ``seed`` the forward used is required (ValueError without it).
+    ``out`` may be float32 for 16-bit inputs, as for ``attention_backward``.
     Returns (dq, dk, dv) shaped like q, k, v, in their dtype; with grouped-query heads dk
     and dv sum over each group. Deterministic: identical for any number of threads.
     ``precision`` as for the forward; ``reference=True`` computes them with the float64

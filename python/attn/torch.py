@@ -223,16 +223,27 @@ if _HAS_CUSTOM_OP:
                    cu_seqlens_k: _torch.Tensor, max_seqlen_q: _Optional[int], max_seqlen_k: _Optional[int],
                    alibi_slopes: _Optional[_torch.Tensor], dropout_p: float, softmax_scale: _Optional[float],
                    causal: bool, window_left: int, window_right: int, softcap: float, seed: int,
-                   precision: str) -> _Tuple[_torch.Tensor, _torch.Tensor]:
-        return _attn.varlen_attention(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                   precision: str) -> _Tuple[_torch.Tensor, _torch.Tensor, _torch.Tensor]:
+        # (out, lse, out_wide), out_wide as attn::sdpa's
+        if _keeps_wide_out(q):
+            call = _attn._varlen_call(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                       max_seqlen_k, dropout_p, softmax_scale, causal, (window_left, window_right),
-                                      softcap, _as_numpy_ready(alibi_slopes), seed, return_lse=True,
-                                      precision=precision)
+                                      softcap, _as_numpy_ready(alibi_slopes), seed, False, precision)
+            wide, lse = _attn._run_varlen_forward(call, True, True)
+            wide = _torch.from_numpy(wide)
+            return wide.to(q.dtype), _torch.from_numpy(lse), wide
+        out, lse = _attn.varlen_attention(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          max_seqlen_k, dropout_p, softmax_scale, causal, (window_left, window_right),
+                                          softcap, _as_numpy_ready(alibi_slopes), seed, return_lse=True,
+                                          precision=precision)
+        return out, lse, q.new_empty((0,), dtype=_torch.float32)
 
     @_varlen_op.register_fake
     def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p,
                      softmax_scale, causal, window_left, window_right, softcap, seed, precision):
-        return q.new_empty(q.shape[:-1] + (v.shape[-1],)), q.new_empty((q.shape[1], q.shape[0]), dtype=_torch.float32)
+        out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+        wide = out.new_empty(out.shape if _keeps_wide_out(q) else (0,), dtype=_torch.float32)
+        return out, q.new_empty((q.shape[1], q.shape[0]), dtype=_torch.float32), wide
 
     @_torch.library.custom_op("attn::varlen_backward", mutates_args=())
     def _varlen_backward_op(grad_out: _torch.Tensor, q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor,
@@ -255,9 +266,10 @@ if _HAS_CUSTOM_OP:
 
     def _varlen_setup_context(ctx, inputs, output):
         ctx.options = inputs[5:]
-        ctx.save_for_backward(*inputs[:5], output[0], output[1])
+        out = output[2] if output[2].numel() else output[0]  # out_wide where the forward kept it
+        ctx.save_for_backward(*inputs[:5], out, output[1])
 
-    def _varlen_backward(ctx, grad_out, grad_lse):
+    def _varlen_backward(ctx, grad_out, grad_lse, grad_wide):
         q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
         dq, dk, dv = _varlen_backward_op(grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.options)
         return (dq, dk, dv) + (None,) * 13
@@ -397,14 +409,17 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 class _VarlenAttention(_torch.autograd.Function):
     # The checked call and the forward's NumPy out and lse are kept for the backward,
-    # which then converts only grad_out (as _Attention's checked path).
+    # which then converts only grad_out (as _Attention's checked path); 16-bit CPU calls
+    # keep their float32 output for D, as _Attention's do.
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, options):
         call = _attn._varlen_call(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, **options)
-        out, lse = _attn._run_varlen_forward(call, True)
+        wide = _keeps_wide_out(q)
+        out, lse = _attn._run_varlen_forward(call, True, wide)
         ctx.call, ctx.out, ctx.lse = call, out, lse
-        result = _attn._like(out, q)
-        ctx.save_for_backward(q, k, v, result)  # PyTorch's in-place checks
+        result = _attn._narrowed(out, q) if wide else _attn._like(out, q)
+        # PyTorch's in-place checks (the result shares ctx.out's memory unless wide)
+        ctx.save_for_backward(q, k, v, None if wide else result)
         return result
 
     @staticmethod
@@ -441,7 +456,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         left, right = (-1, -1) if window_size is None else (int(window_size[0]), int(window_size[1]))
         alibi = alibi_slopes if alibi_slopes is None or isinstance(alibi_slopes, _torch.Tensor) else \
             _torch.as_tensor(_np.asarray(alibi_slopes))
-        out, _ = _varlen_op(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, alibi, float(dropout_p),
+        out, _, _ = _varlen_op(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, alibi, float(dropout_p),
                             None if softmax_scale is None else float(softmax_scale), bool(causal), left, right,
                             float(softcap or 0.0), int(seed or 0), precision)
         return out

@@ -207,3 +207,26 @@ def test_autograd_takes_d_from_the_float32_output(rng, dtype, checked):
     grads = attn.attention_backward(g, q, k, v, wide, lse, **kw)
     for got, via in zip((qa.grad, ka.grad, va.grad), grads):
         assert via.dtype == dtype and torch.equal(got, via)
+
+
+def test_varlen_autograd_takes_d_from_the_float32_output(rng):
+    """attn.torch.varlen_attention keeps a bfloat16 call's float32 output for D, as
+    scaled_dot_product_attention does: its gradients are varlen_attention_backward's
+    given that output, bit for bit, and its output the 16-bit call's."""
+    lens = np.array([5, 1, 40, 17])
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
+    mk = lambda *s: torch.from_numpy(rng.uniform(-2, 2, s).astype(np.float32)).to(torch.bfloat16)
+    q, k, v, g = mk(63, 4, 32), mk(63, 2, 32), mk(63, 2, 32), mk(63, 4, 32)
+    qa, ka, va = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out = attn.torch.varlen_attention(qa, ka, va, cu, cu, causal=True)
+    out.backward(g)
+    plain, lse = attn.varlen_attention(q, k, v, cu, cu, causal=True, return_lse=True)
+    assert torch.equal(out.detach(), plain)
+    call = attn._varlen_call(q, k, v, cu, cu, None, None, 0.0, None, True, (-1, -1), 0.0, None, None, False)
+    wide = torch.from_numpy(attn._run_varlen_forward(call, False, True)[0])
+    assert wide.dtype == torch.float32 and torch.equal(wide.to(torch.bfloat16), plain)
+    grads = attn.varlen_attention_backward(g, q, k, v, wide, lse, cu, cu, causal=True)
+    for got, want in zip((qa.grad, ka.grad, va.grad), grads):
+        assert torch.equal(got, want)
+    narrow = attn.varlen_attention_backward(g, q, k, v, plain, lse, cu, cu, causal=True)
+    assert not torch.equal(narrow[0], grads[0])  # D from the rounded output differs

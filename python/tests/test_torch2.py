@@ -260,7 +260,7 @@ def test_varlen_opcheck_forward_and_backward(rng):
     q, k, v, cq, ck = _packed(rng)
     args = (q, k, v, cq, ck, 12, None, None, 0.0, None, True, 4, 0, 5.0, 0, "bf16x3")
     torch.library.opcheck(torch.ops.attn.varlen.default, args)
-    out, lse = torch.ops.attn.varlen(*args)
+    out, lse, _ = torch.ops.attn.varlen(*args)
     assert out.shape == (18, 4, 16) and lse.shape == (4, 18)
     g = torch.randn_like(out)
     bargs = (g, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach()) + args[3:]
@@ -312,3 +312,23 @@ def test_custom_op_keeps_the_float32_output_of_16_bit_calls(rng):
         assert torch.equal(a, b)
     q32, k32, v32 = _qkv(rng, lq=4, lk=5, d=8)
     assert torch.ops.attn.sdpa(q32, k32, v32, *args[3:])[2].numel() == 0
+
+
+@needs_torch2
+def test_varlen_custom_op_keeps_the_float32_output_of_16_bit_calls(rng):
+    """attn::varlen's third output as attn::sdpa's: the gradients through the operator
+    equal the eager path's, bit for bit."""
+    q, k, v, cq, ck = _packed(rng, grad=False)
+    q, k, v = (t.to(torch.bfloat16).requires_grad_(True) for t in (q, k, v))
+    args = (q, k, v, cq, ck, 12, None, None, 0.0, None, True, -1, -1, 0.0, 0, "f32")
+    torch.library.opcheck(torch.ops.attn.varlen.default, args)
+    out, lse, wide = torch.ops.attn.varlen(*args)
+    assert wide.dtype == torch.float32 and torch.equal(wide.to(torch.bfloat16), out)
+    g = torch.from_numpy(rng.uniform(-1, 1, tuple(out.shape)).astype(np.float32)).to(torch.bfloat16)
+    out.backward(g)
+    via_op = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    at.varlen_attention(q, k, v, cq, ck, causal=True).backward(g)
+    for a, b in zip(via_op, (q.grad, k.grad, v.grad)):
+        assert torch.equal(a, b)
