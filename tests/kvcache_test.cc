@@ -444,8 +444,8 @@ bool may_round_p_to_bf16(const KvConfig& c) {
 
 // The float64 reference on the logical keys and values (the cache after the call,
 // dequantized), sequence by sequence, with the queries rotated in double.
-// lse_tolerance: 0 = `tolerance`; attention()'s bf16/f16 tile kernels take 1e-4 (their
-// exponential errs by up to 8.6e-5, ample for P rounded to bf16).
+// lse_tolerance: 0 = `tolerance`; attention()'s bf16/f16 tile kernels take 1e-4 (set when
+// their exponential erred by up to 8.6e-5; 3.4e-6 since, bf16 queries' scores aside).
 void check_against_reference(const KvCase& kc, const Result& r, const std::string& name, double tolerance = 2e-5,
                              double* worst_seen = nullptr, double lse_tolerance = 0) {
   const KvConfig& c = kc.c;

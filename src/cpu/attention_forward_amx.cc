@@ -378,7 +378,7 @@ HWY_INLINE ATTN_AMX void StoreProbabilities(VF e0, VF e1, bf16* row, int c) {
 /// StoreProbabilities; or, with keep_f32, as f32 back into s, for dropout), the sums l
 /// ([kQ][kLanes], of the unrounded p) updated with alpha; between rows, the second
 /// half of `job` keeps the tile unit busy. kAccurate: Exp2Accurate (9e-8) for f32
-/// inputs taken as pieces, whose P keeps 16 bits; otherwise Exp2Probability (8.6e-5),
+/// inputs taken as pieces, whose P keeps 16 bits; otherwise Exp2Probability (3.4e-6),
 /// ample for P rounded to bf16 or f16.
 template <int kPieces, bool kAccurate = false>
 ATTN_AMX void Exponentials(float* s, int width, float mult, const float* m, const float* row_max,
