@@ -3,6 +3,7 @@
 // relative error over the normal range, its rounding into the subnormals, and the
 // exact values the kernels rely on (2^0 = 1, which tells them a row's max did not
 // move; 0 for −∞ and below 2^−150, which keeps removed keys out of P·V; NaN kept).
+// Also the bf16 kernels' exponential (Exp2Probability), where the CPU runs them.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "cpu/attention_forward.hpp"
+#include "cpu/attention_forward_amx.hpp"
 
 namespace attn::testing {
 namespace {
@@ -113,6 +115,39 @@ TEST(SoftmaxExp2, NeverAboveOne) {
     const std::vector<float> got = Exp2(x);
     for (size_t i = 0; i < x.size(); ++i) ASSERT_LE(got[i], 1.0f) << "x = " << x[i];
   });
+}
+
+// The bf16 kernels' exponential (Exp2Probability in src/cpu/amx_tiles-inl.h, AVX-512):
+// within 3.4e-6 over the normal range, exact at 2^0, continuous below every whole
+// number (a row's largest score gives x = ±a rounding residue: the degree-3 fit it
+// replaced returned 1 − 8.6e-5 for x = −tiny), 0 for −∞, NaN kept.
+TEST(ProbabilityExp2, WithinItsBoundAndContinuousAtWholeNumbers) {
+  std::vector<float> x;
+  std::mt19937_64 rng(99);
+  std::uniform_real_distribution<float> wide(-126.0f, 0.0f), narrow(-1.0f, 0.0f);
+  for (int i = 0; i < 100000; ++i) x.push_back(wide(rng)), x.push_back(narrow(rng));
+  for (int k = 0; k <= 125; ++k) {
+    for (float below : {1e-7f, 1e-6f, 1e-3f}) x.push_back(-static_cast<float>(k) - below);
+    x.push_back(-static_cast<float>(k));
+    x.push_back(std::nextafter(-static_cast<float>(k), -200.0f));
+  }
+  x.push_back(-std::numeric_limits<float>::denorm_min());
+  std::vector<float> got(x.size(), -1.0f);
+  if (!detail::probability_exp2(x.data(), got.data(), x.size())) GTEST_SKIP() << "this CPU does not run the bf16 kernels";
+  double worst = 0.0;
+  float worst_x = 0.0f;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const long double exact = std::exp2(static_cast<long double>(x[i]));
+    const double rel = static_cast<double>(std::fabs((got[i] - exact) / exact));
+    if (rel > worst) worst = rel, worst_x = x[i];
+  }
+  EXPECT_LE(worst, 3.6e-6) << "at x = " << worst_x;
+  const float special[] = {0.0f, -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()};
+  float out[3];
+  ASSERT_TRUE(detail::probability_exp2(special, out, 3));
+  EXPECT_EQ(out[0], 1.0f);
+  EXPECT_EQ(out[1], 0.0f);
+  EXPECT_TRUE(std::isnan(out[2]));
 }
 
 }  // namespace

@@ -829,15 +829,29 @@ size_t WorkspaceBytesImpl(const Problem& p, int threads) {
   return sizeof(bf16) * lay.total +
          sizeof(float) * static_cast<size_t>(std::max(1, threads)) * AmxScratch::Floats(lay.dvp, lay.pieces);
 }
+
+ATTN_AMX void ProbabilityExp2Impl(const float* x, float* out, size_t n) {
+  for (size_t i = 0; i < n; i += 16) {
+    const __mmask16 m = static_cast<__mmask16>(n - i >= 16 ? 0xFFFFu : (1u << (n - i)) - 1);
+    const VF e = Exp2Probability(VF{_mm512_maskz_loadu_ps(m, x + i)});
+    _mm512_mask_storeu_ps(out + i, m, e.raw);
+  }
+}
 #else
 bool ForwardAmxImpl(const Problem&, int, bool) { return false; }
 size_t WorkspaceBytesImpl(const Problem&, int) { return 0; }
+void ProbabilityExp2Impl(const float*, float*, size_t) {}
 #endif  // ATTN_AMX_KERNEL
 
 }  // namespace
 
 bool ForwardAmx(const Problem& p, int threads, bool tiles) { return ForwardAmxImpl(p, threads, tiles); }
 size_t AmxWorkspaceBytes(const Problem& p, int threads) { return WorkspaceBytesImpl(p, threads); }
+bool ProbabilityExp2(const float* x, float* out, size_t n) {
+  if (!ATTN_AMX_KERNEL) return false;
+  ProbabilityExp2Impl(x, out, n);
+  return true;
+}
 
 }  // namespace attn::detail::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
@@ -860,6 +874,16 @@ size_t attention_forward_amx_workspace_bytes(const Problem& p, int threads) {
 #else
   (void)p, (void)threads;
   return 0;
+#endif
+}
+
+bool probability_exp2(const float* x, float* out, size_t n) {
+#if defined(__x86_64__) && (HWY_TARGETS & HWY_AVX3)
+  const CpuFeatures& f = cpu_features();
+  return (f.avx512_bf16 || f.amx_bf16) && N_AVX3::ProbabilityExp2(x, out, n);
+#else
+  (void)x, (void)out, (void)n;
+  return false;
 #endif
 }
 

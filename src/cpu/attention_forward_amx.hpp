@@ -32,4 +32,8 @@ bool attention_forward_amx(const Problem& p, int threads, LowpPath path);
 /// per-thread score and output blocks; the same for either path).
 size_t attention_forward_amx_workspace_bytes(const Problem& p, int threads);
 
+/// out[i] = 2^x[i] by the bf16 kernels' exponential (Exp2Probability, amx_tiles-inl.h),
+/// for its tests; false, writing nothing, where this CPU does not run those kernels.
+bool probability_exp2(const float* x, float* out, size_t n);
+
 }  // namespace attn::detail
