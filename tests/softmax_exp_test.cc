@@ -24,6 +24,17 @@ std::vector<float> Exp2(const std::vector<float>& x) {
   return out;
 }
 
+/// The largest relative error of got[i] against 2^x[i] (long double), and where.
+double WorstRelativeError(const std::vector<float>& x, const std::vector<float>& got, float* worst_x) {
+  double worst = 0.0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const long double exact = std::exp2(static_cast<long double>(x[i]));
+    const double rel = static_cast<double>(std::fabs((got[i] - exact) / exact));
+    if (rel > worst) worst = rel, *worst_x = x[i];
+  }
+  return worst;
+}
+
 /// Runs `check` once per SIMD target, with dispatch forced to that target.
 template <class Check>
 void OnEveryTarget(const Check& check) {
@@ -56,13 +67,8 @@ TEST(SoftmaxExp2, RelativeErrorOverTheNormalRange) {
     }
     x.push_back(-1e-30f), x.push_back(-1e-7f), x.push_back(-std::numeric_limits<float>::denorm_min());
     const std::vector<float> got = Exp2(x);
-    double worst = 0.0;
     float worst_x = 0.0f;
-    for (size_t i = 0; i < x.size(); ++i) {
-      const long double exact = std::exp2(static_cast<long double>(x[i]));
-      const double rel = static_cast<double>(std::fabs((got[i] - exact) / exact));
-      if (rel > worst) worst = rel, worst_x = x[i];
-    }
+    const double worst = WorstRelativeError(x, got, &worst_x);
     std::printf("[ exp2     ] worst relative error %.3g at x = %.9g\n", worst, worst_x);
     EXPECT_LE(worst, kMaxRelativeError) << "at x = " << worst_x;
   });
@@ -134,13 +140,8 @@ TEST(ProbabilityExp2, WithinItsBoundAndContinuousAtWholeNumbers) {
   x.push_back(-std::numeric_limits<float>::denorm_min());
   std::vector<float> got(x.size(), -1.0f);
   if (!detail::probability_exp2(x.data(), got.data(), x.size())) GTEST_SKIP() << "this CPU does not run the bf16 kernels";
-  double worst = 0.0;
   float worst_x = 0.0f;
-  for (size_t i = 0; i < x.size(); ++i) {
-    const long double exact = std::exp2(static_cast<long double>(x[i]));
-    const double rel = static_cast<double>(std::fabs((got[i] - exact) / exact));
-    if (rel > worst) worst = rel, worst_x = x[i];
-  }
+  const double worst = WorstRelativeError(x, got, &worst_x);
   EXPECT_LE(worst, 3.6e-6) << "at x = " << worst_x;
   const float special[] = {0.0f, -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()};
   float out[3];
