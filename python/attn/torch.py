@@ -46,6 +46,7 @@ def _keeps_wide_out(query):
     """Whether a call keeps its float32 output for the backward (_Attention's reason)."""
     return query.dtype in _NARROW and not query.is_cuda
 
+
 class _Attention(_torch.autograd.Function):
     # A lean call (options _attn._lean_options takes, eager on plain CPU tensors, no
     # gradient wanted for the mask) runs on the kernels' positional entries
