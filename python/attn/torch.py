@@ -76,13 +76,14 @@ class _Attention(_torch.autograd.Function):
                 out, ctx.lean_lse, ctx.lean_args = fast
                 ctx.save_for_backward(query, key, value, out, None, attn_mask)  # PyTorch's in-place checks
                 return out.to(query.dtype) if wide else out
+        mask = _mask_rows(mask)
         if query.is_cuda:
             ctx.call = None
-            out, lse = _attn.scaled_dot_product_attention(query.detach(), key.detach(), value.detach(), mask,
+            out, lse = _attn.scaled_dot_product_attention(_rows(query), _rows(key), _rows(value), mask,
                                                           return_lse=True, **options)
             ctx.save_for_backward(query, key, value, out, lse, attn_mask)
             return out
-        call = _attn._prepare_call(query.detach(), key.detach(), value.detach(), mask, **options)
+        call = _attn._prepare_call(_rows(query), _rows(key), _rows(value), mask, **options)
         out, lse = _attn._run_forward(call, True, wide)
         ctx.call, ctx.out, ctx.lse = call, out, lse
         result = _attn._narrowed(out, query) if wide else _attn._like(out, query)
@@ -105,8 +106,8 @@ class _Attention(_torch.autograd.Function):
                 grads = _attn.attention_backward(grad_out.contiguous(), query.detach(), key.detach(), value.detach(),
                                                  out.detach(), ctx.lean_lse, mask, **o)
         elif ctx.call is None:
-            grads = _attn.attention_backward(grad_out.contiguous(), query.detach(), key.detach(), value.detach(), out,
-                                             lse, mask, return_mask_grad=want_mask, **ctx.options)
+            grads = _attn.attention_backward(grad_out.contiguous(), _rows(query), _rows(key), _rows(value), out,
+                                             lse, _mask_rows(mask), return_mask_grad=want_mask, **ctx.options)
         else:
             # out and lse are the forward's own, and autograd gives grad_out out's shape.
             grad = _attn._array(grad_out.contiguous(), "grad_out")
@@ -117,6 +118,25 @@ class _Attention(_torch.autograd.Function):
 
 def _as_numpy_ready(t):
     return None if t is None else t.detach()
+
+
+def _rows(t, broadcast_ok=False):
+    """t detached, or a copy of it whose last dimension is contiguous. attn's kernels read
+    rows of contiguous values, and its NumPy functions reject other layouts rather than
+    copy behind the caller's back; PyTorch's SDPA takes any layout (a transposed or
+    column-major view, a stepped slice), and so does this drop-in for it, at the cost of
+    one copy of such a tensor. broadcast_ok: a last dimension of stride 0 (a mask's
+    broadcast keys) is read as it is."""
+    if t is None:
+        return None
+    t = t.detach()
+    if t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1 or (broadcast_ok and t.stride(-1) == 0):
+        return t
+    return t.contiguous()
+
+
+def _mask_rows(m):
+    return _rows(m, broadcast_ok=True)
 
 
 _HAS_CUSTOM_OP = hasattr(_torch, "library") and hasattr(_torch.library, "custom_op")
@@ -152,13 +172,13 @@ if _HAS_CUSTOM_OP:
         options = _call_options(dropout_p, is_causal, scale, enable_gqa, bottom_right, window_left, window_right,
                                 softcap, seed, block_table, block_tiles, block_q, block_k, precision, query, key)
         if _keeps_wide_out(query):
-            call = _attn._prepare_call(query.detach(), key.detach(), value.detach(), _as_numpy_ready(attn_mask),
+            call = _attn._prepare_call(_rows(query), _rows(key), _rows(value), _mask_rows(attn_mask),
                                        alibi_slopes=_as_numpy_ready(alibi_slopes), **options)
             wide, lse = _attn._run_forward(call, True, True)
             wide = _torch.from_numpy(wide)
             return wide.to(query.dtype), _torch.from_numpy(lse), wide
         out, lse = _attn.scaled_dot_product_attention(
-            query.detach(), key.detach(), value.detach(), _as_numpy_ready(attn_mask), return_lse=True,
+            _rows(query), _rows(key), _rows(value), _mask_rows(attn_mask), return_lse=True,
             alibi_slopes=_as_numpy_ready(alibi_slopes), **options)
         return out, lse, query.new_empty((0,), dtype=_torch.float32)
 
@@ -179,7 +199,7 @@ if _HAS_CUSTOM_OP:
                           block_tiles: _Optional[_torch.Tensor], block_q: int, block_k: int, precision: str,
                           want_mask_grad: bool) -> _Tuple[_torch.Tensor, _torch.Tensor, _torch.Tensor, _torch.Tensor]:
         grads = _attn.attention_backward(
-            grad_out.contiguous(), query, key, value, out, lse, _as_numpy_ready(attn_mask),
+            grad_out.contiguous(), _rows(query), _rows(key), _rows(value), _rows(out), lse, _mask_rows(attn_mask),
             return_mask_grad=want_mask_grad, alibi_slopes=_as_numpy_ready(alibi_slopes),
             **_call_options(dropout_p, is_causal, scale, enable_gqa, bottom_right, window_left, window_right,
                             softcap, seed, block_table, block_tiles, block_q, block_k, precision, query, key))
@@ -190,8 +210,10 @@ if _HAS_CUSTOM_OP:
     def _sdpa_backward_fake(grad_out, query, key, value, out, lse, attn_mask, alibi_slopes, dropout_p, is_causal,
                             scale, enable_gqa, bottom_right, window_left, window_right, softcap, seed, block_table,
                             block_tiles, block_q, block_k, precision, want_mask_grad):
+        # contiguous, as the real gradients are whatever the inputs' layout (empty_like
+        # would copy a transposed input's strides, and opcheck finds the mismatch)
         dmask = attn_mask.new_empty(attn_mask.shape) if want_mask_grad else query.new_empty((0,))
-        return _torch.empty_like(query), _torch.empty_like(key), _torch.empty_like(value), dmask
+        return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dmask
 
     def _no_double_backward(ctx, *grads):
         raise RuntimeError("attn.torch's backward is once-differentiable (as PyTorch's fused attention): "
@@ -227,13 +249,13 @@ if _HAS_CUSTOM_OP:
                    precision: str) -> _Tuple[_torch.Tensor, _torch.Tensor, _torch.Tensor]:
         # (out, lse, out_wide), out_wide as attn::sdpa's
         if _keeps_wide_out(q):
-            call = _attn._varlen_call(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            call = _attn._varlen_call(_rows(q), _rows(k), _rows(v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                       max_seqlen_k, dropout_p, softmax_scale, causal, (window_left, window_right),
                                       softcap, _as_numpy_ready(alibi_slopes), seed, False, precision)
             wide, lse = _attn._run_varlen_forward(call, True, True)
             wide = _torch.from_numpy(wide)
             return wide.to(q.dtype), _torch.from_numpy(lse), wide
-        out, lse = _attn.varlen_attention(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        out, lse = _attn.varlen_attention(_rows(q), _rows(k), _rows(v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                           max_seqlen_k, dropout_p, softmax_scale, causal, (window_left, window_right),
                                           softcap, _as_numpy_ready(alibi_slopes), seed, return_lse=True,
                                           precision=precision)
@@ -254,14 +276,15 @@ if _HAS_CUSTOM_OP:
                             softmax_scale: _Optional[float], causal: bool, window_left: int, window_right: int,
                             softcap: float, seed: int,
                             precision: str) -> _Tuple[_torch.Tensor, _torch.Tensor, _torch.Tensor]:
-        return _attn.varlen_attention_backward(grad_out.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        return _attn.varlen_attention_backward(grad_out.contiguous(), _rows(q), _rows(k), _rows(v), _rows(out), lse,
+                                               cu_seqlens_q, cu_seqlens_k,
                                                max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                                                (window_left, window_right), softcap, _as_numpy_ready(alibi_slopes),
                                                seed, precision=precision)
 
     @_varlen_backward_op.register_fake
     def _varlen_backward_fake(grad_out, q, k, v, out, lse, *options):
-        return _torch.empty_like(q), _torch.empty_like(k), _torch.empty_like(v)
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous (_sdpa_backward_fake)
 
     _varlen_backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
@@ -357,7 +380,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     query [..., Hq, L, d], key [..., Hkv, S, d], value [..., Hkv, S, dv]: CPU tensors
     (float32, bfloat16, float16) or CUDA tensors (bfloat16, float16; see
     ``attn.cuda_status()``); returns [..., Hq, L, dv] on the same device. See ``attn.scaled_dot_product_attention`` for the
-    options (``block_mask``: an ``attn.BlockMask``). Gradients flow to query, key, value and
+    options (``block_mask``: an ``attn.BlockMask``). Any layout PyTorch's SDPA takes is
+    taken: one whose last dimension is not contiguous is read through a contiguous copy. Gradients flow to query, key, value and
     a float32 attn_mask. ``precision`` ("f32", "bf16" or "bf16x3"; float32 inputs only,
     forward and backward alike): None follows ``torch.get_float32_matmul_precision()``,
     "highest" → "f32", "high" → "bf16x3", "medium" → "bf16"."""
@@ -405,7 +429,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                        block_mask, precision)
     if traced or _needs_grad(query, key, value, attn_mask):
         return _Attention.apply(query, key, value, attn_mask, options, False)
-    return _attn.scaled_dot_product_attention(query, key, value, attn_mask, **options)
+    return _attn.scaled_dot_product_attention(_rows(query), _rows(key), _rows(value), _mask_rows(attn_mask), **options)
 
 
 class _VarlenAttention(_torch.autograd.Function):
@@ -414,7 +438,7 @@ class _VarlenAttention(_torch.autograd.Function):
     # keep their float32 output for D, as _Attention's do.
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, options):
-        call = _attn._varlen_call(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, **options)
+        call = _attn._varlen_call(_rows(q), _rows(k), _rows(v), cu_seqlens_q, cu_seqlens_k, **options)
         wide = _keeps_wide_out(q)
         out, lse = _attn._run_varlen_forward(call, True, wide)
         ctx.call, ctx.out, ctx.lse = call, out, lse
@@ -464,9 +488,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     if isinstance(alibi_slopes, _torch.Tensor):
         alibi_slopes = alibi_slopes.detach()
     if not _needs_grad(q, k, v):
-        return _attn.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                      softmax_scale, causal, window_size, softcap, alibi_slopes, seed,
-                                      precision=precision)
+        return _attn.varlen_attention(_rows(q), _rows(k), _rows(v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                      max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                                      alibi_slopes, seed, precision=precision)
     # (With dropout and no seed, the forward's _varlen_call draws one; the backward reuses that call.)
     options = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
                    softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,

@@ -116,3 +116,69 @@ def test_generic_function_on_tensors_that_require_grad_is_differentiable(rng):
     with pytest.warns(UserWarning, match="records no gradient"):
         out, lse = attn.scaled_dot_product_attention(q, k, v, return_lse=True)
     assert not out.requires_grad
+
+
+def _column_major(x):
+    """x's values in a layout whose last dimension is not contiguous (stride = its length)."""
+    return x.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grad", [True, False])
+def test_autograd_wrapper_takes_any_layout(rng, dtype, grad):
+    # PyTorch's SDPA takes any layout, and attn.torch is its drop-in (patch_sdpa puts it in
+    # modules' calls): a column-major, stepped or transposed view is read through a
+    # contiguous copy, with the numbers and gradients of that copy. (The NumPy functions
+    # reject such a layout with a message instead: test_errors_and_memory.)
+    def mk(*shape):
+        return torch.from_numpy(rand(rng, *shape)).to(dtype)
+
+    q = _column_major(mk(2, 4, 19, 16))
+    k = mk(2, 2, 23, 32)[..., ::2]  # stepped: stride 2
+    v = mk(2, 23, 2, 8).transpose(1, 2)  # [B, L, H, d] seen as [B, H, L, d]
+    mask = _column_major(torch.from_numpy(rand(rng, 19, 23)))
+    assert q.stride(-1) != 1 and k.stride(-1) != 1 and mask.stride(-1) != 1
+    g = mk(2, 4, 19, 8)
+
+    def run(q, k, v, mask):
+        leaves = [t.detach().requires_grad_(grad) for t in (q, k, v, mask)]
+        out = attn.torch.scaled_dot_product_attention(*leaves[:3], attn_mask=leaves[3], is_causal=False,
+                                                      enable_gqa=True)
+        if not grad:
+            return [out]
+        (out.float() * g.float()).sum().backward()
+        return [out] + [t.grad for t in leaves]
+
+    got = run(q, k, v, mask)
+    want = run(*(t.contiguous() for t in (q, k, v, mask)))
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dmask"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert torch.equal(a, b), name
+    # and the copy's numbers are attention's (float64, on the inputs as given)
+    ref, _ = reference(q.double(), k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1),
+                       mask=mask.double())
+    assert rel_err(got[0].detach().double(), ref) <= (1e-5 if dtype == torch.float32 else 2e-2)
+    # a broadcast mask row (stride 0) is read as it is, not copied
+    row = torch.from_numpy(rand(rng, 1, 1, 1, 23)).expand(2, 4, 19, 23)
+    assert torch.equal(attn.torch.scaled_dot_product_attention(q, k, v, attn_mask=row, enable_gqa=True),
+                       attn.torch.scaled_dot_product_attention(q, k, v, attn_mask=row.contiguous(), enable_gqa=True))
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_varlen_wrapper_takes_any_layout(rng, grad):
+    cu = torch.tensor([0, 5, 17], dtype=torch.int32)
+    q = _column_major(torch.from_numpy(rand(rng, 17, 2, 8)))
+    k = torch.from_numpy(rand(rng, 17, 2, 16))[..., ::2]
+    v = torch.from_numpy(rand(rng, 2, 17, 8)).transpose(0, 1)
+    g = torch.from_numpy(rand(rng, 17, 2, 8))
+
+    def run(q, k, v):
+        leaves = [t.detach().requires_grad_(grad) for t in (q, k, v)]
+        out = attn.torch.varlen_attention(*leaves, cu, cu, causal=True)
+        if not grad:
+            return [out]
+        (out * g).sum().backward()
+        return [out] + [t.grad for t in leaves]
+
+    for name, a, b in zip(("out", "dq", "dk", "dv"), run(q, k, v), run(q.contiguous(), k.contiguous(), v.contiguous())):
+        assert torch.equal(a, b), name

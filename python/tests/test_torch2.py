@@ -332,3 +332,67 @@ def test_varlen_custom_op_keeps_the_float32_output_of_16_bit_calls(rng):
     at.varlen_attention(q, k, v, cq, ck, causal=True).backward(g)
     for a, b in zip(via_op, (q.grad, k.grad, v.grad)):
         assert torch.equal(a, b)
+
+
+@needs_torch2
+def test_custom_ops_take_any_layout(rng):
+    # A traced graph hands the operators whatever layout its tensors have; as PyTorch's
+    # SDPA, they read a column-major or stepped view through a contiguous copy.
+    q, k, v = _qkv(rng, grad=False)
+    q = q.transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_(True)
+    k = torch.cat([k, k], -1)[..., ::2].detach().requires_grad_(True)
+    v.requires_grad_(True)
+    mask = torch.from_numpy(rng.uniform(-1, 1, (23, 17)).astype(np.float32)).t().requires_grad_(True)
+    args = (q, k, v, mask, None, 0.0, False, None, True, False, -1, -1, 0.0, 0, None, None, 0, 0, "f32")
+    torch.library.opcheck(torch.ops.attn.sdpa.default, args)
+    out, lse, _ = torch.ops.attn.sdpa(*args)
+    g = torch.randn_like(out)
+    bargs = ((g, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), mask.detach(), None) + args[5:]
+             + (True,))
+    torch.library.opcheck(torch.ops.attn.sdpa_backward.default, bargs)
+
+    def f(q, k, v, mask):
+        return at.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, precision="f32")
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    for t in (q, k, v, mask):
+        t.grad = None  # (opcheck's own runs leave gradients behind)
+    got = compiled(q, k, v, mask)
+    (got * g).sum().backward()
+    leaves = [t.detach().contiguous().requires_grad_(True) for t in (q, k, v, mask)]
+    want = f(*leaves)
+    (want * g).sum().backward()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for name, a, b in zip(("dq", "dk", "dv", "dmask"), (q, k, v, mask), leaves):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, msg=name)
+
+
+@needs_torch2
+def test_inductor_trains_a_model_whose_heads_are_transposed_views(rng):
+    # What nn.MultiheadAttention and most model code hand SDPA: q, k, v as [B, L, H, d]
+    # projections seen as [B, H, L, d]. Under the default backend (inductor) each
+    # operator's real outputs must have its fake outputs' strides, which inductor asserts:
+    # the backward's gradients once had the inputs' strides in the fake and contiguous
+    # ones in fact, and training failed there.
+    torch.manual_seed(int(rng.integers(2**31)))
+    B, L, H, d = 2, 16, 4, 16
+    x = torch.randn(B, L, 3 * H * d)
+    w = torch.randn(3 * H * d, 3 * H * d) * 0.05
+    cu = torch.tensor([0, 7, 16], dtype=torch.int32)
+
+    def loss(x, w):
+        qkv = (x @ w).view(B, L, 3, H, d)
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+        o = at.scaled_dot_product_attention(q, k, v, is_causal=True, precision="f32")
+        packed = qkv[0].transpose(0, 1)  # [3, L, H, d]: varlen's [total, H, d] rows
+        ov = at.varlen_attention(packed[0], packed[1], packed[2], cu, cu, causal=True, precision="f32")
+        return o.transpose(1, 2).square().sum() + ov.square().sum()
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w)]
+        fn(*leaves).backward()
+        return [t.grad for t in leaves]
+
+    torch._dynamo.reset()
+    for got, want in zip(grads(torch.compile(loss, fullgraph=True)), grads(loss)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
