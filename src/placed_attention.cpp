@@ -65,8 +65,9 @@ void attention_backward_placed(const TensorView& q, const TensorView& k, const T
   // The gradients stay f32 (contributions are summed before rounding): the kernels
   // write them so (grads_f32), and read bf16/f16 inputs where they pack them, as
   // attention_backward does, so no input is copied.
+  // out may be the f32 output of bf16/f16 inputs (wide_out): D is then read from it.
   BackwardProblem bp = make_backward_problem(fn, q, k, v, out, lse, dout, dq, dk, dv, options, {}, nullptr,
-                                             /*on_device=*/false, /*grads_f32=*/true);
+                                             /*on_device=*/false, /*grads_f32=*/true, wide_out(q, out));
   place(bp.fwd, where, fn);
   if (needs_widening(bp.fwd, options)) {
     if (const LowpPath path = lowp_kernel(bp.fwd, options, LowpPass::backward); path != LowpPath::f32) {

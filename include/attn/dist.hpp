@@ -105,13 +105,18 @@ struct Stats {
   double bytes_sent = 0;     // payload this rank sent
 };
 
-/// Ring attention forward (see the top of this file). out in q's dtype; lse optional.
+/// Ring attention forward (see the top of this file). out in q's dtype, or f32 for
+/// bf16/f16 inputs: the output before its rounding, as attention() takes it (rounding
+/// it gives the 16-bit out bit for bit), which the backward then reads D = rowsum(dO ∘ O)
+/// from, keeping dq and dk near the exact gradient on sharply peaked rows
+/// (attn/attention.hpp, "Dtypes"). lse optional.
 void ring_attention(MPI_Comm comm, const TensorView& q, const TensorView& k, const TensorView& v,
                     const TensorView& out, const AttentionOptions& options = {}, const TensorView& lse = {},
                     Layout layout = Layout::zigzag, Stats* stats = nullptr);
 
 /// Ring attention backward: given the forward's out and lse (this rank's rows) and
-/// dout = ∂L/∂out, writes dq, dk, dv (shaped like q, k, v, in their dtype) for this
+/// dout = ∂L/∂out (q's dtype; out as the forward's, either dtype), writes dq, dk, dv
+/// (shaped like q, k, v, in their dtype) for this
 /// rank's positions. The key/value blocks travel the ring again, with f32 gradient
 /// accumulators for their dk, dv, which return to their owner at the end.
 void ring_attention_backward(MPI_Comm comm, const TensorView& q, const TensorView& k, const TensorView& v,

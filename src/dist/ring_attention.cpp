@@ -83,7 +83,7 @@ void ring_attention(MPI_Comm comm, const TensorView& q, const TensorView& k, con
   AttentionOptions local = options;
   local.key_lengths = {};  // global lengths: checked by agree(), placed per block
   const World w = detail::agree(fn, comm, q, k, v, options, layout, [&] {
-    ::attn::detail::make_problem(fn, q, k, v, out, local, lse, {}, nullptr);
+    ::attn::detail::make_problem(fn, q, k, v, out, local, lse, {}, nullptr, false, ::attn::detail::wide_out(q, out));
   });
   const double start = now();
   Stats st;
@@ -163,7 +163,8 @@ void ring_attention_backward(MPI_Comm comm, const TensorView& q, const TensorVie
   AttentionOptions local = options;
   local.key_lengths = {};
   const World w = detail::agree(fn, comm, q, k, v, options, layout, [&] {
-    ::attn::detail::make_backward_problem(fn, q, k, v, out, lse, dout, dq, dk, dv, local, {}, nullptr);
+    ::attn::detail::make_backward_problem(fn, q, k, v, out, lse, dout, dq, dk, dv, local, {}, nullptr, false, false,
+                                          ::attn::detail::wide_out(q, out));
   });
   const double start = now();
   Stats st;

@@ -154,14 +154,14 @@ void ulysses_attention(MPI_Comm comm, const TensorView& q, const TensorView& k, 
   local.key_lengths = {};
   const World w = detail::agree(fn, comm, q, k, v, options, layout, [&] {
     check_heads(fn, q, k, comm);
-    ::attn::detail::make_problem(fn, q, k, v, out, local, lse, {}, nullptr);
+    ::attn::detail::make_problem(fn, q, k, v, out, local, lse, {}, nullptr, false, ::attn::detail::wide_out(q, out));
   });
   const double start = now();
   Stats st;
   const int R = w.ranks, r = w.rank;
   const int64_t B = q.size(0), Hq = q.size(2), Hkv = k.size(2), d = q.size(3), dv = v.size(3), L = w.length;
   const int64_t Lr = q.size(1);
-  const DType dt = q.dtype();
+  const DType dt = q.dtype(), od = out.dtype();  // od: f32 for a bf16/f16 call's unrounded out
   const Heads mine(Hq, Hkv, r, R);
   auto length = [&w](int p) { return w.local_lengths[static_cast<size_t>(p)]; };
 
@@ -205,17 +205,19 @@ void ulysses_attention(MPI_Comm comm, const TensorView& q, const TensorView& k, 
     where.h0 = static_cast<int>(mine.h0), where.heads_total = static_cast<int>(Hq);
     ::attn::detail::attention_placed(qv, kv, vv, ov, lv, slice_options(options, mine), where);
     // Rounded once here, to the output dtype: the owner only copies.
-    const TensorView ov_dt(detail::scratch<char>(7, static_cast<size_t>(B * L * mine.Hr * dv) * es), dt,
-                           {B, L, mine.Hr, dv});
-    ::attn::detail::from_f32_contiguous(ov.data_as<float>(), ov_dt);
+    const TensorView ov_dt = od == DType::f32 ? ov
+                                              : TensorView(detail::scratch<char>(7, static_cast<size_t>(bytes_of(
+                                                                                        {B, L, mine.Hr, dv}, od))),
+                                                           od, {B, L, mine.Hr, dv});
+    if (od != DType::f32) ::attn::detail::from_f32_contiguous(ov.data_as<float>(), ov_dt);
     st.compute_s += now() - c0;
     st.steps = 1;
 
     // Head slices → sequence slices: rank p gets its rows of my heads' out and lse.
     for (int p = 0; p < R; ++p) {
-      send[static_cast<size_t>(p)] = bytes_of({B, length(p), mine.Hr, dv}, dt) + bytes_of({B, mine.Hr, length(p)}, DType::f32);
+      send[static_cast<size_t>(p)] = bytes_of({B, length(p), mine.Hr, dv}, od) + bytes_of({B, mine.Hr, length(p)}, DType::f32);
       const Heads hs(Hq, Hkv, p, R);
-      recv[static_cast<size_t>(p)] = bytes_of({B, Lr, hs.Hr, dv}, dt) + bytes_of({B, hs.Hr, Lr}, DType::f32);
+      recv[static_cast<size_t>(p)] = bytes_of({B, Lr, hs.Hr, dv}, od) + bytes_of({B, hs.Hr, Lr}, DType::f32);
     }
     c0 = now();
     const Exchange back(send, recv);
@@ -230,9 +232,9 @@ void ulysses_attention(MPI_Comm comm, const TensorView& q, const TensorView& k, 
     for (int s = 0; s < R; ++s) {
       const Heads hs(Hq, Hkv, s, R);
       const char* at = back.from(s);
-      copy_view(TensorView(at, dt, {B, Lr, hs.Hr, dv}), narrow(out, 2, hs.h0, hs.Hr));
+      copy_view(TensorView(at, od, {B, Lr, hs.Hr, dv}), narrow(out, 2, hs.h0, hs.Hr));
       if (!lse.empty()) {
-        copy_view(TensorView(at + bytes_of({B, Lr, hs.Hr, dv}, dt), DType::f32, {B, hs.Hr, Lr}),
+        copy_view(TensorView(at + bytes_of({B, Lr, hs.Hr, dv}, od), DType::f32, {B, hs.Hr, Lr}),
                   narrow(lse, 1, hs.h0, hs.Hr));
       }
     }
@@ -250,14 +252,15 @@ void ulysses_attention_backward(MPI_Comm comm, const TensorView& q, const Tensor
   local.key_lengths = {};
   const World w = detail::agree(fn, comm, q, k, v, options, layout, [&] {
     check_heads(fn, q, k, comm);
-    ::attn::detail::make_backward_problem(fn, q, k, v, out, lse, dout, dq, dk, dv, local, {}, nullptr);
+    ::attn::detail::make_backward_problem(fn, q, k, v, out, lse, dout, dq, dk, dv, local, {}, nullptr, false, false,
+                                          ::attn::detail::wide_out(q, out));
   });
   const double start = now();
   Stats st;
   const int R = w.ranks, r = w.rank;
   const int64_t B = q.size(0), Hq = q.size(2), Hkv = k.size(2), d = q.size(3), Dv = v.size(3), L = w.length;
   const int64_t Lr = q.size(1);
-  const DType dt = q.dtype();
+  const DType dt = q.dtype(), od = out.dtype();  // od: f32 for a bf16/f16 call's unrounded out
   const Heads mine(Hq, Hkv, r, R);
   auto length = [&w](int p) { return w.local_lengths[static_cast<size_t>(p)]; };
 
@@ -265,9 +268,10 @@ void ulysses_attention_backward(MPI_Comm comm, const TensorView& q, const Tensor
   std::vector<int64_t> send(static_cast<size_t>(R)), recv(static_cast<size_t>(R));
   for (int s = 0; s < R; ++s) {
     const Heads hs(Hq, Hkv, s, R);
-    send[static_cast<size_t>(s)] = bytes_of({B, Lr, hs.Hr, d + 2 * Dv}, dt) + bytes_of({B, Lr, hs.Hk, d + Dv}, dt) +
-                                   bytes_of({B, hs.Hr, Lr}, DType::f32);
-    recv[static_cast<size_t>(s)] = bytes_of({B, length(s), mine.Hr, d + 2 * Dv}, dt) +
+    send[static_cast<size_t>(s)] = bytes_of({B, Lr, hs.Hr, d + Dv}, dt) + bytes_of({B, Lr, hs.Hr, Dv}, od) +
+                                   bytes_of({B, Lr, hs.Hk, d + Dv}, dt) + bytes_of({B, hs.Hr, Lr}, DType::f32);
+    recv[static_cast<size_t>(s)] = bytes_of({B, length(s), mine.Hr, d + Dv}, dt) +
+                                   bytes_of({B, length(s), mine.Hr, Dv}, od) +
                                    bytes_of({B, length(s), mine.Hk, d + Dv}, dt) +
                                    bytes_of({B, mine.Hr, length(s)}, DType::f32);
   }
@@ -294,7 +298,7 @@ void ulysses_attention_backward(MPI_Comm comm, const TensorView& q, const Tensor
     return TensorView(detail::scratch<char>(slot, static_cast<size_t>(bytes_of(shape, t))), t, shape);
   };
   const TensorView qv = buffer(2, {B, L, mine.Hr, d}, dt), kv = buffer(3, {B, L, mine.Hk, d}, dt),
-                   vv = buffer(4, {B, L, mine.Hk, Dv}, dt), ov = buffer(5, {B, L, mine.Hr, Dv}, dt),
+                   vv = buffer(4, {B, L, mine.Hk, Dv}, dt), ov = buffer(5, {B, L, mine.Hr, Dv}, od),
                    dov = buffer(6, {B, L, mine.Hr, Dv}, dt), lv = buffer(7, {B, mine.Hr, L}, DType::f32);
   for (int p = 0; p < R; ++p) {
     const char* at = ex.from(p);

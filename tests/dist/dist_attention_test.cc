@@ -54,6 +54,9 @@ struct Case {
   bool alibi = false, key_lengths = false;
   DType dtype = DType::f32;
   bool reference = false;  // also hold both against the float64 reference
+  bool wide_out = false;   // bf16/f16: out in f32 (the output before rounding; attention.hpp)
+  float lo = -1.5f, hi = 1.5f;  // the values' range
+  DType out_dtype() const { return wide_out ? DType::f32 : dtype; }
 };
 
 // Whole-sequence tensors (f32 values, exactly representable in the case's dtype)
@@ -64,7 +67,7 @@ struct Whole {
   std::vector<int32_t> key_lengths;
   Whole(const Case& cs, uint64_t salt) : c(cs) {
     std::mt19937_64 rng(g_seed * 0x9E3779B97F4A7C15ull + salt);
-    std::uniform_real_distribution<float> u(-1.5f, 1.5f);
+    std::uniform_real_distribution<float> u(c.lo, c.hi);
     q.resize(size_t(c.B) * c.L * c.Hq * c.d);
     k.resize(size_t(c.B) * c.L * c.Hkv * c.d);
     v.resize(size_t(c.B) * c.L * c.Hkv * c.dv);
@@ -120,7 +123,7 @@ struct Results {
 Results single_process(const Whole& w, bool reference) {
   const Case& c = w.c;
   Buf q(c.dtype, {c.B, c.L, c.Hq, c.d}), k(c.dtype, {c.B, c.L, c.Hkv, c.d}), v(c.dtype, {c.B, c.L, c.Hkv, c.dv}),
-      out(c.dtype, {c.B, c.L, c.Hq, c.dv}), dout(c.dtype, {c.B, c.L, c.Hq, c.dv}), dq(c.dtype, {c.B, c.L, c.Hq, c.d}),
+      out(c.out_dtype(), {c.B, c.L, c.Hq, c.dv}), dout(c.dtype, {c.B, c.L, c.Hq, c.dv}), dq(c.dtype, {c.B, c.L, c.Hq, c.d}),
       dk(c.dtype, {c.B, c.L, c.Hkv, c.d}), dv(c.dtype, {c.B, c.L, c.Hkv, c.dv});
   q.set(w.q), k.set(w.k), v.set(w.v), dout.set(w.dout);
   std::vector<float> lse(size_t(c.B) * c.Hq * c.L);
@@ -146,7 +149,7 @@ Results distributed(const Whole& w, Strategy s, Layout layout, dist::Stats* fwd_
   Buf k = local_of(w.k, c.dtype, {c.B, c.L, c.Hkv, c.d}, layout);
   Buf v = local_of(w.v, c.dtype, {c.B, c.L, c.Hkv, c.dv}, layout);
   Buf dout = local_of(w.dout, c.dtype, {c.B, c.L, c.Hq, c.dv}, layout);
-  Buf out(c.dtype, {c.B, Lr, c.Hq, c.dv}), dq(c.dtype, {c.B, Lr, c.Hq, c.d}), dk(c.dtype, {c.B, Lr, c.Hkv, c.d}),
+  Buf out(c.out_dtype(), {c.B, Lr, c.Hq, c.dv}), dq(c.dtype, {c.B, Lr, c.Hq, c.d}), dk(c.dtype, {c.B, Lr, c.Hkv, c.d}),
       dv(c.dtype, {c.B, Lr, c.Hkv, c.dv});
   Buf lse(DType::f32, {c.B, c.Hq, Lr});
   const AttentionOptions o = w.options();
@@ -299,6 +302,43 @@ TEST(DistAttention, Bf16) {
   c.opt.causal = Causal::TopLeft;
   c.reference = true;
   check_case(c, 9);
+}
+
+// bf16 with the f32 out (the output before rounding), as attention() takes it: the
+// backward reads D = rowsum(dO ∘ O) from it on every rank. On sharply peaked rows (scale
+// 1 on values in [−2, 2], d = 64) D from the rounded out dominates dq and dk; from the
+// f32 out they stay near the single call's, which is near the float64 gradient.
+TEST(DistAttention, Bf16WithTheF32Output) {
+  Case c;
+  c.name = "bf16, f32 out, peaked rows, causal";
+  c.dtype = DType::bf16;
+  c.L = 70, c.d = 64, c.dv = 32, c.lo = -2.0f, c.hi = 2.0f;
+  c.opt.scale = 1.0f;
+  c.opt.causal = Causal::TopLeft;
+  c.reference = true;
+  c.wide_out = true;
+  check_case(c, 14);
+
+  // Against the same calls with the rounded out: the f32 out must do clearly better.
+  Case rounded = c;
+  rounded.wide_out = false;
+  rounded.reference = false;
+  const Whole w(c, 14), w_rounded(rounded, 14);
+  const Results ref = single_process(w, true);
+  for (Strategy s : {Strategy::ring, Strategy::ulysses}) {
+    for (Layout layout : {Layout::zigzag, Layout::contiguous}) {
+      SCOPED_TRACE(std::string(name(s)) + ", " + name(layout) + ", " + std::to_string(world_size()) + " ranks");
+      const Results wide = distributed(w, s, layout), narrow = distributed(w_rounded, s, layout);
+      EXPECT_EQ(wide.lse, narrow.lse) << "the out's dtype changes nothing in the forward but the rounding";
+      for (size_t i = 0; i < wide.out.size(); ++i) {
+        ASSERT_EQ(detail::round_to_bf16(wide.out[i]), narrow.out[i]) << "element " << i;
+      }
+      const double dq_wide = rel(wide.dq, ref.dq, 1e-2), dq_narrow = rel(narrow.dq, ref.dq, 1e-2);
+      const double dk_wide = rel(wide.dk, ref.dk, 1e-2), dk_narrow = rel(narrow.dk, ref.dk, 1e-2);
+      EXPECT_LT(dq_wide * 1.5, dq_narrow) << dq_wide << " against " << dq_narrow;
+      EXPECT_LT(dk_wide * 1.5, dk_narrow) << dk_wide << " against " << dk_narrow;
+    }
+  }
 }
 
 TEST(DistAttention, FewerPositionsThanChunks) {
