@@ -226,6 +226,13 @@ std::vector<Hypothesis> AttentionSeq2Seq::beam_search(const TensorView& src, con
     auto normalised = [&](const Hypothesis& h) {
       return h.log_prob / std::pow(double(h.tokens.size() + 1), length_penalty);
     };
+    // The best normalised score a live hypothesis could still finish with: its
+    // log-probability only falls as it grows, so over the longest length it may reach
+    // (length_penalty ≥ 0) or the shortest (< 0).
+    auto best_reachable = [&](const Hypothesis& h) {
+      const double len = length_penalty >= 0 ? double(max_len + 1) : double(h.tokens.size() + 1);
+      return h.log_prob / std::pow(len, length_penalty);
+    };
     for (int64_t t = 0; t < max_len && !live.empty(); ++t) {
       std::vector<int32_t> y(static_cast<size_t>(beam), cfg_.bos_id);
       for (size_t k = 0; k < live.size(); ++k) y[k] = live[k].last;
@@ -261,10 +268,20 @@ std::vector<Hypothesis> AttentionSeq2Seq::beam_search(const TensorView& src, con
       }
       s = std::move(s_next);
       live = std::move(next);
-      // Stop once the best finished hypothesis beats every live one (scores only fall).
-      if (static_cast<int64_t>(finished.size()) >= beam) break;
+      // Stop once the best finished hypothesis is at least what any live one could still
+      // reach. (Stopping after `beam` finished ones, as some implementations do, could
+      // leave a better hypothesis unfinished.)
+      if (!finished.empty()) {
+        double best = -std::numeric_limits<double>::infinity();
+        for (const Hypothesis& h : finished) best = std::max(best, normalised(h));
+        if (std::all_of(live.begin(), live.end(), [&](const Beam& lb) { return best_reachable(lb.hyp) <= best; }))
+          live.clear();
+      }
     }
-    for (Beam& lb : live) finished.push_back(std::move(lb.hyp));  // reached max_len
+    // Live hypotheses left here reached max_len without eos: they compete as they are.
+    // (None is left unfinished short of max_len: a partial one would win on a
+    // log-probability its remaining tokens have not yet lowered.)
+    for (Beam& lb : live) finished.push_back(std::move(lb.hyp));
     auto best = std::max_element(finished.begin(), finished.end(), [&](const Hypothesis& a, const Hypothesis& c) {
       return normalised(a) < normalised(c);
     });

@@ -52,7 +52,9 @@ class AttentionSeq2Seq : public Module {
   /// Greedy decoding of each source (up to max_len tokens).
   std::vector<Hypothesis> greedy(const TensorView& src, const TensorView& src_lengths, int64_t max_len);
   /// Beam search with `beam` hypotheses per source; finished hypotheses are ranked by
-  /// log_prob / length^length_penalty (0 = raw log-probability).
+  /// log_prob / length^length_penalty (0 = raw log-probability; length counts eos). The
+  /// search ends when no live hypothesis could still beat the best finished one, or at
+  /// max_len; each result ended with eos (fewer than max_len tokens) or has max_len tokens.
   std::vector<Hypothesis> beam_search(const TensorView& src, const TensorView& src_lengths, int64_t beam,
                                       int64_t max_len, double length_penalty = 0.0);
 
