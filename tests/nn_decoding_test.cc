@@ -1,15 +1,18 @@
 // Incremental decoding in the nn modules on attn::attention_with_kvcache:
 // MultiheadAttention::forward_cached and the Transformer decoder's forward_cached
 // against their own full causal forward, for every cache storage (f32, bf16, f16, i8,
-// f8e4m3;
-// contiguous and paged with an odd page size); the traffic a decoding run costs
-// (each step reads the cache once and packs nothing); and the errors.
+// f8e4m3; contiguous and paged with an odd page size), in fixed cases and in random
+// ones (shapes, options, storage, chunks and masks drawn from the run's seed); the
+// traffic a decoding run costs (each step reads the cache once and packs nothing);
+// and the errors.
 #include <gtest/gtest.h>
 
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <cstdlib>
 #include <memory>
+#include <sstream>
 
 #include "attn/error.hpp"
 #include "attn/nn/multihead_attention.hpp"
@@ -330,6 +333,194 @@ TEST(Decoding, EachStepReadsTheCacheOnceAndPacksNothing) {
   detail::traffic().reset();
   attention(q, cache.k, cache.v, out);
   EXPECT_GE(detail::traffic().packed_bytes.load(), uint64_t(B) * Hkv * N * 2 * hd * sizeof(float));
+}
+
+// Random modules and calls: shapes (head dims 1 to 64, odd lengths, GQA and MQA), RoPE
+// style, window, bias, layout, cache storage (every dtype, contiguous or pages of any
+// size, spare capacity), the chunks the positions arrive in, and the masks (none,
+// padding and/or attn_mask, boolean or f32, 2-D or 3-D), drawn afresh from the run's
+// seed (ATTN_TEST_SEED reproduces a run; ATTN_DECODING_RANDOM_CASES sets how many per
+// test, 24 by default, for campaigns). Weights are ~U(±1/√fan_in), as trained models'
+// are, so the scores stay in the range where the caches' rounding is what the fixed
+// cases above bound.
+struct RandomDraw {
+  explicit RandomDraw(uint64_t salt) : rng(nn_rng(salt)) {}
+  int64_t below(int64_t n) { return int64_t(rng.next_u64() % uint64_t(n)); }
+  bool chance(int percent) { return below(100) < percent; }
+  template <class T>
+  T pick(std::initializer_list<T> xs) { return xs.begin()[below(int64_t(xs.size()))]; }
+  // Lengths summing to L, mostly short (decoding) with an occasional long chunk (prefill).
+  std::vector<int64_t> chunks(int64_t L) {
+    std::vector<int64_t> c;
+    for (int64_t left = L; left > 0;) {
+      const int64_t n = std::min(left, chance(70) ? 1 + below(3) : 1 + below(L));
+      c.push_back(n);
+      left -= n;
+    }
+    return c;
+  }
+  nn::KVCacheConfig storage(int64_t L) {
+    nn::KVCacheConfig s;
+    s.dtype = pick({DType::f32, DType::f32, DType::bf16, DType::f16, DType::i8, DType::f8e4m3});
+    s.page_size = chance(40) ? 0 : pick<int64_t>({1, 2, 3, 16}) + (chance(50) ? below(L + 2) : 0);
+    return s;
+  }
+  nn::Rng rng;
+};
+
+int random_cases() {
+  const char* env = std::getenv("ATTN_DECODING_RANDOM_CASES");
+  return env ? std::max(1, std::atoi(env)) : 24;
+}
+
+// Bars of the cached output against the f32 full forward, relative to its largest
+// magnitude, per storage dtype: the fixed cases' (storages() above) with room for
+// longer rows and wider heads.
+double storage_tol(DType dt) {
+  switch (dt) {
+    case DType::f32: return 2e-5;
+    case DType::f16: return 4e-3;
+    case DType::bf16: return 2e-2;
+    case DType::i8: return 3e-2;
+    default: return 1e-1;  // f8e4m3
+  }
+}
+
+void init_like_trained(nn::Module& m, nn::Rng& rng) {
+  for (auto& [name, p] : m.named_parameters()) {
+    const int64_t fan_in = p->shape.size() >= 2 ? p->shape.back() : 16;
+    init_uniform(*p, float(1.0 / std::sqrt(double(fan_in))), rng);
+  }
+}
+
+// A random mask over the positions of a [B, L] batch in PyTorch's sense: kind 0 none,
+// 1 boolean (true = ignore), 2 f32 (−∞ or small values); each position removed with
+// probability `percent`.
+Tensor random_mask(RandomDraw& d, int kind, std::vector<int64_t> shape, int percent) {
+  if (kind == 0) return Tensor();
+  Tensor m(kind == 1 ? DType::boolean : DType::f32, shape);
+  for (int64_t n = 0; n < m.numel(); ++n) {
+    const bool off = d.below(100) < percent;
+    if (kind == 1) m.data_as<uint8_t>()[n] = off;
+    else m.data_as<float>()[n] = off ? -INFINITY : d.rng.uniform(-0.5f, 0.5f);
+  }
+  return m;
+}
+
+TensorView view_or_empty(const Tensor& t) { return t.data() ? t.view() : TensorView(); }
+
+TEST(Decoding, RandomMultiheadAttentionCallsEqualTheFullForward) {
+  const int cases = random_cases();
+  for (int i = 0; i < cases; ++i) {
+    RandomDraw d(uint64_t(1000 + i));
+    nn::MultiheadAttentionConfig cfg;
+    const int64_t hd = d.pick<int64_t>({1, 2, 3, 4, 6, 8, 16, 18, 32, 64});
+    cfg.num_kv_heads = d.pick<int64_t>({1, 1, 2, 3});
+    cfg.num_heads = cfg.num_kv_heads * d.pick<int64_t>({1, 2, 4});
+    cfg.embed_dim = hd * cfg.num_heads;
+    cfg.batch_first = d.chance(50);
+    cfg.bias = d.chance(75);
+    cfg.rope = hd % 2 ? nn::RopeStyle::none : d.pick({nn::RopeStyle::none, nn::RopeStyle::half, nn::RopeStyle::interleaved});
+    const int64_t B = 1 + d.below(3), L = d.chance(20) ? 1 + d.below(3) : 4 + d.below(37);
+    if (d.chance(35)) cfg.window = {int(d.below(L + 1)), 0};
+    nn::MultiheadAttention mha(cfg, d.rng);
+    init_like_trained(mha, d.rng);
+    mha.eval();
+    const nn::KVCacheConfig st = d.storage(L);
+    const int64_t capacity = L + (d.chance(50) ? d.below(9) : 0), E = cfg.embed_dim, H = cfg.num_heads;
+    // Masks of the final length K ≥ L serve every step (forward_cached's contract).
+    const int64_t K = L + (d.chance(30) ? d.below(4) : 0);
+    const int kpm_kind = int(d.below(3)), am_kind = int(d.below(3));
+    const bool am_3d = d.chance(50);
+    Tensor kpm = random_mask(d, kpm_kind, {B, K}, d.pick({10, 30, 90}));
+    Tensor am = random_mask(d, am_kind, am_3d ? std::vector<int64_t>{B * H, L, K} : std::vector<int64_t>{L, K}, d.pick({10, 30}));
+    Tensor x = random_tensor(cfg.batch_first ? std::vector<int64_t>{B, L, E} : std::vector<int64_t>{L, B, E}, d.rng);
+    // forward() takes masks of exactly S = L columns: the first L of each.
+    auto first_columns = [&](const Tensor& m) {
+      if (!m.data()) return Tensor();
+      const auto& s = m.shape();
+      std::vector<int64_t> shape = s;
+      shape.back() = L;
+      Tensor out(m.dtype(), shape);
+      const int64_t rows = m.numel() / K, bytes = dtype_size(m.dtype());
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(static_cast<char*>(out.data()) + r * L * bytes, static_cast<const char*>(m.data()) + r * K * bytes, L * bytes);
+      return out;
+    };
+    const Tensor kpm_L = first_columns(kpm), am_L = first_columns(am);
+    Tensor full = mha.forward(x, x, x, view_or_empty(kpm_L), false, view_or_empty(am_L), true, /*is_causal=*/true).output;
+    nn::KVCache cache = mha.make_cache(B, capacity, st);
+    const std::vector<int64_t> chunks = d.chunks(L);
+    Tensor y = decode_in_chunks(x, cfg.batch_first, chunks, [&](const Tensor& chunk) {
+      const int64_t n = chunk.shape()[cfg.batch_first ? 1 : 0];
+      const Tensor rows = !am.data() ? Tensor() : mask_rows(am, cache.length, n);
+      return mha.forward_cached(chunk, cache, view_or_empty(kpm), view_or_empty(rows));
+    });
+    std::ostringstream what;
+    what << "case " << i << ": hd " << hd << " H " << H << "/" << cfg.num_kv_heads << " B " << B << " L " << L
+         << " capacity " << capacity << " K " << K << " window " << cfg.window.left << " rope " << int(cfg.rope)
+         << " bias " << cfg.bias << " batch_first " << cfg.batch_first << " storage " << dtype_name(st.dtype)
+         << " pages " << st.page_size << " masks " << kpm_kind << "/" << am_kind << (am_3d ? " 3-D" : "") << " chunks";
+    for (int64_t n : chunks) what << " " << n;
+    EXPECT_LT(max_rel_diff(y.data_as<float>(), full.data_as<float>(), y.numel()), storage_tol(st.dtype))
+        << what.str() << " " << seed_note();
+    for (int64_t n = 0; n < y.numel(); ++n) ASSERT_TRUE(std::isfinite(y.data_as<float>()[n])) << what.str() << " " << seed_note();
+    EXPECT_EQ(cache.length, L) << what.str();
+  }
+}
+
+TEST(Decoding, RandomTransformerDecodersEqualTheirFullForward) {
+  const int cases = random_cases();
+  for (int i = 0; i < cases; ++i) {
+    RandomDraw d(uint64_t(2000 + i));
+    nn::TransformerLayerConfig c;
+    const int64_t hd = d.pick<int64_t>({2, 3, 4, 8, 16});
+    c.num_kv_heads = d.pick<int64_t>({1, 2});
+    c.nhead = c.num_kv_heads * d.pick<int64_t>({1, 2, 3});
+    // A LayerNorm over fewer features amplifies rounding without bound (over 2 it
+    // outputs ±1 from the sign of a difference), so d_model ≥ 8.
+    while (hd * c.nhead < 8) c.nhead += c.num_kv_heads;
+    c.d_model = hd * c.nhead;
+    c.dim_feedforward = 1 + d.below(40);
+    c.batch_first = d.chance(50);
+    c.norm_first = d.chance(50);
+    c.activation = d.pick({nn::ActivationKind::relu, nn::ActivationKind::gelu});
+    c.rope = hd % 2 ? nn::RopeStyle::none : d.pick({nn::RopeStyle::none, nn::RopeStyle::half, nn::RopeStyle::interleaved});
+    const int64_t layers = 1 + d.below(3);
+    nn::TransformerDecoder dec(c, layers, /*final_norm=*/d.chance(60), d.rng);
+    init_like_trained(dec, d.rng);
+    dec.eval();
+    const int64_t B = 1 + d.below(3), T = 1 + d.below(24), S = 1 + d.below(24), E = c.d_model, H = c.nhead;
+    auto shape = [&](int64_t n) { return c.batch_first ? std::vector<int64_t>{B, n, E} : std::vector<int64_t>{n, B, E}; };
+    Tensor tgt = random_tensor(shape(T), d.rng), memory = random_tensor(shape(S), d.rng);
+    const int tgt_kpm_kind = int(d.below(3)), mem_kpm_kind = int(d.below(3)), tgt_mask_kind = int(d.below(3)),
+              mem_mask_kind = int(d.below(3));
+    Tensor tgt_kpm = random_mask(d, tgt_kpm_kind, {B, T}, 20), mem_kpm = random_mask(d, mem_kpm_kind, {B, S}, 30);
+    Tensor tgt_mask = random_mask(d, tgt_mask_kind, d.chance(50) ? std::vector<int64_t>{T, T} : std::vector<int64_t>{B * H, T, T}, 20);
+    Tensor mem_mask = random_mask(d, mem_mask_kind, d.chance(50) ? std::vector<int64_t>{T, S} : std::vector<int64_t>{B * H, T, S}, 20);
+    Tensor full = dec.forward(tgt, memory, view_or_empty(tgt_mask), view_or_empty(mem_mask), view_or_empty(tgt_kpm),
+                              view_or_empty(mem_kpm), /*tgt_is_causal=*/true);
+    const nn::KVCacheConfig st = d.storage(std::max(T, S));
+    std::vector<nn::DecoderLayerCache> caches = dec.make_cache(memory, T + d.below(4), st);
+    const std::vector<int64_t> chunks = d.chunks(T);
+    Tensor y = decode_in_chunks(tgt, c.batch_first, chunks, [&](const Tensor& chunk) {
+      const int64_t t0 = caches[0].self_attn.length, n = chunk.shape()[c.batch_first ? 1 : 0];
+      const Tensor tm = !tgt_mask.data() ? Tensor() : mask_rows(tgt_mask, t0, n);
+      const Tensor mm = !mem_mask.data() ? Tensor() : mask_rows(mem_mask, t0, n);
+      return dec.forward_cached(chunk, caches, view_or_empty(tgt_kpm), view_or_empty(mem_kpm), view_or_empty(tm),
+                                view_or_empty(mm));
+    });
+    std::ostringstream what;
+    what << "case " << i << ": hd " << hd << " H " << H << "/" << c.num_kv_heads << " layers " << layers << " ff "
+         << c.dim_feedforward << " B " << B << " T " << T << " S " << S << " rope " << int(c.rope) << " norm_first "
+         << c.norm_first << " batch_first " << c.batch_first << " storage " << dtype_name(st.dtype) << " pages "
+         << st.page_size << " masks " << tgt_kpm_kind << mem_kpm_kind << tgt_mask_kind << mem_mask_kind << " chunks";
+    for (int64_t n : chunks) what << " " << n;
+    // The layers' norms and residuals carry the caches' rounding through every layer.
+    EXPECT_LT(max_rel_diff(y.data_as<float>(), full.data_as<float>(), y.numel()), double(layers) * storage_tol(st.dtype))
+        << what.str() << " " << seed_note();
+    for (int64_t n = 0; n < y.numel(); ++n) ASSERT_TRUE(std::isfinite(y.data_as<float>()[n])) << what.str() << " " << seed_note();
+  }
 }
 
 TEST(Decoding, ErrorsNameTheArgument) {
