@@ -179,16 +179,33 @@ void LoadQueryTile(const Problem& p, int64_t q0, int rows, int rows_used, float*
   }
 }
 
+/// A packed panel of `bytes` bytes cut into one slice of cache lines per row block
+/// of a tile: what each block of the current phase requests for the next
+/// (SpreadPrefetch).
+struct PanelSlices {
+  const char* base = nullptr;
+  int lines = 0, per = 0;
+
+  PanelSlices() = default;
+  PanelSlices(const float* panel, size_t bytes, int blocks)
+      : base(reinterpret_cast<const char*>(panel)),
+        lines(static_cast<int>((bytes + 63) / 64)),
+        per((lines + std::max(blocks, 1) - 1) / std::max(blocks, 1)) {}
+  const char* Slice(int blk) const { return base == nullptr ? nullptr : base + size_t{64} * blk * per; }
+  int SliceLines(int blk) const { return std::clamp(lines - blk * per, 0, per); }
+};
+
 /// S for the tile plus modifiers and masks. Each block of kRowsPerBlock rows
 /// computes only the key vectors its rows' bands reach (on a causal diagonal,
 /// about 5/8 of the tile) and records that range for the P·V product; the other
 /// scores are −∞. Only the first rows_used rows (whole blocks) are written.
 void ScoreTile(const Problem& p, const Sequence& seq, const TileScratch& w, const float* kt,
-               const TilePlace& place, int rows_used) {
+               const TilePlace& place, int rows_used, const PanelSlices& prefetch = {}) {
   for (int r = 0, blk = 0; r < rows_used; r += kRowsPerBlock, ++blk) {
+    SpreadPrefetch pf(prefetch.Slice(blk), prefetch.SliceLines(blk), p.d);
     BlockKeyVectors(w.lo, w.hi, r, place.rows, place.j0, &w.first[blk], &w.count[blk]);
     QkRows(w.q + static_cast<size_t>(r) * p.d, p.d, kt, p.d, w.s + r * kBk, kBk, w.first[blk],
-           w.count[blk]);
+           w.count[blk], &pf);
   }
   ApplyScoreMods(p, seq, place, w.s, kBk, TileNeedsBand(place));
 }
@@ -224,23 +241,32 @@ void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int
     const TilePlace place{b, h, i0, rows, j0, std::min(kBk, seq.Lk - j0), w.lo, w.hi};
     // A tile the block mask removes whole adds nothing (as a tile of −∞ would not).
     if (BlockMaskCover(p, b, h, i0, rows, j0, place.cols) == Cover::kEmpty) continue;
-    ScoreTile(p, seq, w, kpack + static_cast<size_t>(t) * kBk * p.d, place, rows_used);
+    // Each phase requests the next one's panel (SpreadPrefetch): the products of
+    // Q·Kᵀ this tile's V, those of P·V the next K panel, or after the last tile this
+    // head's first again, which the next query tile (of the same head, in the order
+    // the tiles are dealt) starts on.
+    const int blocks = rows_used / kRowsPerBlock;
+    const float* vt = vpack + static_cast<size_t>(j0) * dvp;
+    const PanelSlices v_slices(vt, sizeof(float) * kBk * dvp, blocks);
+    const PanelSlices k_next_slices(kpack + static_cast<size_t>(t < t_last ? t + 1 : t_first) * kBk * p.d,
+                                    sizeof(float) * kBk * p.d, blocks);
+    ScoreTile(p, seq, w, kpack + static_cast<size_t>(t) * kBk * p.d, place, rows_used, v_slices);
     const bool careful = pl.VNonFinite(p, b, hk, t) != 0;
     if (careful) std::memcpy(w.kept, w.s, sizeof(float) * rows_used * kBk);
     if (!SoftmaxTile(w.s, kBk, rows_used, w.m, w.l, w.alpha, w.tmp)) continue;
     if (p.dropout_p > 0.0f) ApplyDropout(p, b, h, i0, rows, j0, w.s, kBk);
-    const float* vt = vpack + static_cast<size_t>(j0) * dvp;
     for (int r = 0, blk = 0; r < rows_used; r += kRowsPerBlock, ++blk) {
+      const int jb = w.first[blk] * kLanes, nk = w.count[blk] * kLanes;
+      SpreadPrefetch pf(k_next_slices.Slice(blk), k_next_slices.SliceLines(blk), nk * ((dvp + 4 * kLanes - 1) / (4 * kLanes)));
       // A block that saw no key of this tile kept its max: α = 1, nothing to add.
       if (w.count[blk] <= 0) continue;
-      const int jb = w.first[blk] * kLanes, nk = w.count[blk] * kLanes;
       if (careful) {
         PvRowsGated(w.s + r * kBk + jb, kBk, 1, w.kept + r * kBk + jb, kBk, 1, -HUGE_VALF,
                     vt + static_cast<size_t>(jb) * dvp, dvp, nk, w.alpha + r,
                     w.o + static_cast<size_t>(r) * dvp);
       } else {
         PvRows(w.s + r * kBk + jb, kBk, 1, vt + static_cast<size_t>(jb) * dvp, dvp, nk,
-               w.alpha + r, w.o + static_cast<size_t>(r) * dvp);
+               w.alpha + r, w.o + static_cast<size_t>(r) * dvp, &pf);
       }
     }
   }
