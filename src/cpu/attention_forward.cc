@@ -179,22 +179,6 @@ void LoadQueryTile(const Problem& p, int64_t q0, int rows, int rows_used, float*
   }
 }
 
-/// A packed panel of `bytes` bytes cut into one slice of cache lines per row block
-/// of a tile: what each block of the current phase requests for the next
-/// (SpreadPrefetch).
-struct PanelSlices {
-  const char* base = nullptr;
-  int lines = 0, per = 0;
-
-  PanelSlices() = default;
-  PanelSlices(const float* panel, size_t bytes, int blocks)
-      : base(reinterpret_cast<const char*>(panel)),
-        lines(static_cast<int>((bytes + 63) / 64)),
-        per((lines + std::max(blocks, 1) - 1) / std::max(blocks, 1)) {}
-  const char* Slice(int blk) const { return base == nullptr ? nullptr : base + size_t{64} * blk * per; }
-  int SliceLines(int blk) const { return std::clamp(lines - blk * per, 0, per); }
-};
-
 /// S for the tile plus modifiers and masks. Each block of kRowsPerBlock rows
 /// computes only the key vectors its rows' bands reach (on a causal diagonal,
 /// about 5/8 of the tile) and records that range for the P·V product; the other
@@ -257,7 +241,7 @@ void ForwardTile(const Problem& p, const PackLayout& pl, float* pack, int b, int
     if (p.dropout_p > 0.0f) ApplyDropout(p, b, h, i0, rows, j0, w.s, kBk);
     for (int r = 0, blk = 0; r < rows_used; r += kRowsPerBlock, ++blk) {
       const int jb = w.first[blk] * kLanes, nk = w.count[blk] * kLanes;
-      SpreadPrefetch pf(k_next_slices.Slice(blk), k_next_slices.SliceLines(blk), nk * ((dvp + 4 * kLanes - 1) / (4 * kLanes)));
+      SpreadPrefetch pf(k_next_slices.Slice(blk), k_next_slices.SliceLines(blk), PvSteps(dvp, nk));
       // A block that saw no key of this tile kept its max: α = 1, nothing to add.
       if (w.count[blk] <= 0) continue;
       if (careful) {

@@ -105,6 +105,22 @@ class SpreadPrefetch {
   int left_ = 0, gap_ = 0, countdown_ = 0;
 };
 
+/// A packed panel of `bytes` bytes cut into one slice of cache lines per row block
+/// of a tile: what each block of the current phase requests for the next, through
+/// a SpreadPrefetch of its own.
+struct PanelSlices {
+  const char* base = nullptr;
+  int lines = 0, per = 0;
+
+  PanelSlices() = default;
+  PanelSlices(const float* panel, size_t bytes, int blocks)
+      : base(reinterpret_cast<const char*>(panel)),
+        lines(static_cast<int>((bytes + 63) / 64)),
+        per((lines + std::max(blocks, 1) - 1) / std::max(blocks, 1)) {}
+  const char* Slice(int blk) const { return base == nullptr ? nullptr : base + size_t{64} * blk * per; }
+  int SliceLines(int blk) const { return std::clamp(lines - blk * per, 0, per); }
+};
+
 /// Key tiles covering lk keys, and query tiles covering lq queries.
 HWY_INLINE int KeyTiles(int lk) { return (lk + kBk - 1) / kBk; }
 HWY_INLINE int QueryTiles(int lq) { return (lq + kBq - 1) / kBq; }
@@ -189,6 +205,10 @@ HWY_INLINE void PvBlock(const float* HWY_RESTRICT a, size_t a_row, size_t a_inne
     for (int n = 0; n < NV; ++n) hn::Store(acc[r][n], df, o + r * o_ld + n * kLanes);
   }
 }
+
+/// Inner steps PvRows takes for `width` columns and nk inner steps: nk per block
+/// of up to 4 vectors of columns (what a SpreadPrefetch it steps should spread over).
+HWY_INLINE int PvSteps(int width, int nk) { return nk * ((width + 4 * kLanes - 1) / (4 * kLanes)); }
 
 /// O = α·O + A·B over all `width` columns (a multiple of kLanes; B and O have that
 /// row stride), for kRowsPerBlock rows and nk inner steps: columns in blocks of
