@@ -9,6 +9,8 @@
 //     P = e^(S − m_new), α = e^(m − m_new), l = α·l + rowsum(P)   SoftmaxTile
 //     O = α·O + P·V                   PvRows, V pre-packed as [Bk][dvp]
 //   out = O / l, lse = m + ln(l)      (rows with no visible key: 0 and −∞)
+// Q·Kᵀ requests this tile's V panel into L2 while it runs, P·V the next K panel
+// (SpreadPrefetch): at d = 128 one head's panels outgrow a 1.25 MiB L2.
 // Non-finite inputs give the float64 reference's answer (see attention.hpp): NaN
 // scores make their row NaN, removed keys never contribute — not even a NaN or
 // infinite value, which a plain P·V would turn into 0·NaN — so key tiles whose
