@@ -65,7 +65,8 @@ HWY_INLINE VF InRegister(VF v) {
 /// Prefetches `lines` cache lines from `next` into L2 (not L1, which the running
 /// product's own tiles fill), one every `steps / lines` calls of Step(): the forward
 /// asks for the next phase's packed panel (up to 32 KiB) while the current phase's
-/// products run. Unrequested, that panel is one the previous query tile pushed out
+/// products run, the backward for dO and the dQ sum of its tile pair (see
+/// BackwardTilePair). Unrequested, that panel is one the previous query tile pushed out
 /// of L2 (one head's K and V are 2 MiB at N = 2048, d = 128; Ice Lake's L2 is
 /// 1.25 MiB), and the first row block that reads it waits on L3 line by line: ~3.1×
 /// the time of the other blocks (rdtsc per block on a Xeon, family 6 model 106).
@@ -97,8 +98,7 @@ class SpreadPrefetch {
  private:
   HWY_INLINE void Issue() {
     __builtin_prefetch(next_, 0, 2);  // locality 2: prefetcht1, to L2
-    next_ += 64;
-    --left_;
+    if (--left_ > 0) next_ += 64;     // never past the last line asked for
   }
 
   const char* next_ = nullptr;
@@ -117,8 +117,9 @@ struct PanelSlices {
       : base(reinterpret_cast<const char*>(panel)),
         lines(static_cast<int>((bytes + 63) / 64)),
         per((lines + std::max(blocks, 1) - 1) / std::max(blocks, 1)) {}
-  const char* Slice(int blk) const { return base == nullptr ? nullptr : base + size_t{64} * blk * per; }
-  int SliceLines(int blk) const { return std::clamp(lines - blk * per, 0, per); }
+  /// nullptr past the panel's last line (a pointer there would point past it).
+  const char* Slice(int blk) const { return SliceLines(blk) == 0 ? nullptr : base + size_t{64} * blk * per; }
+  int SliceLines(int blk) const { return base == nullptr ? 0 : std::clamp(lines - blk * per, 0, per); }
 };
 
 /// Key tiles covering lk keys, and query tiles covering lq queries.
