@@ -75,7 +75,6 @@ HWY_INLINE VF InRegister(VF v) {
 /// measured the same way), which cancelled the gain.
 class SpreadPrefetch {
  public:
-  SpreadPrefetch() = default;
   SpreadPrefetch(const void* next, int lines, int steps)
       : next_(static_cast<const char*>(next)),
         left_(next == nullptr ? 0 : std::max(lines, 0)),
