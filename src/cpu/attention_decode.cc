@@ -587,12 +587,11 @@ void ComputeItem(const DecodeProblem& p, int dp, int dvp, const Item& it, const 
       for (int c = 0; fixed_pv && c < cols; c += kFixedPvKeys) {
         const int nk = std::min(kFixedPvKeys, cols - c);
         const int8_t* vi[kFixedPvKeys];
+        for (int k = 0; k < kFixedPvKeys; ++k) vi[k] = reinterpret_cast<const int8_t*>(vals0[c + (k < nk ? k : 0)]);
         for (int hh = 0; hh < it.heads; ++hh) {
           if (active[hh]) {
-            for (int k = 0; k < kFixedPvKeys; ++k)
-              vi[k] = reinterpret_cast<const int8_t*>(vals0[c + (k < nk ? k : 0)] + hh * p.v.head_stride);
-            PvKeysFixed16(paths.vnni, &w.s[static_cast<size_t>(hh) * rows_pad * kBk] + c, kBk, rows, vi, nk, p.dv,
-                          &w.o[static_cast<size_t>(hh) * rows * dvp], dvp, pv_ahead);
+            PvKeysFixed16(paths.vnni, &w.s[static_cast<size_t>(hh) * rows_pad * kBk] + c, kBk, rows, vi,
+                          hh * p.v.head_stride, nk, p.dv, &w.o[static_cast<size_t>(hh) * rows * dvp], dvp, pv_ahead);
           }
           for (int k = 0; request_values && k < nk; k += 8) prefetch_head(p.v, vals0, v_scale_at, hh, p.dv, c + k, std::min(8, nk - k));
         }

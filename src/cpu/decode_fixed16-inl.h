@@ -190,15 +190,15 @@ HWY_INLINE int Fixed16Column(int u) {
 }
 
 /// o[r] += unit_r·Σ_k n[r][k]·v_k for NR rows over the value rows vals[0 … 2·npairs)
-/// (the keys of one pass in pairs), dv a multiple of kFixedVec, o in Fixed16Column
+/// + head (the keys of one pass in pairs; head: the kv head's offset in a token row), dv a multiple of kFixedVec, o in Fixed16Column
 /// order. pairs[r·kFixedPvKeys/2 + j]: row r's integers for keys 2j and 2j+1 in the
 /// low and high 16 bits. Each pair of keys is one vpmaddwd per row and 16 columns.
 /// The integer sums are exact (at most 16·32767·128 in magnitude); one conversion
 /// and FMA per vector adds them to O.
 template <int NR, int kChunks, bool kVnni>
 HWY_INLINE void PvRowsFixed16Chunks(const int32_t* HWY_RESTRICT pairs, const float* HWY_RESTRICT unit, int npairs,
-                                    const int8_t* const* vals, int x, float* HWY_RESTRICT o, size_t o_ld,
-                                    int64_t ahead_bytes) {
+                                    const int8_t* const* vals, int64_t head, int x, float* HWY_RESTRICT o,
+                                    size_t o_ld, int64_t ahead_bytes) {
   const DF df;
   const DI32 di;
   const DI16 dw;
@@ -208,8 +208,8 @@ HWY_INLINE void PvRowsFixed16Chunks(const int32_t* HWY_RESTRICT pairs, const flo
   for (int r = 0; r < NR; ++r)
     for (int j = 0; j < 2 * kChunks; ++j) acc[r][j] = hn::Zero(di);
   for (int j = 0; j < npairs; ++j) {
-    const int8_t* a = vals[2 * j];
-    const int8_t* b = vals[2 * j + 1];
+    const int8_t* a = vals[2 * j] + head;
+    const int8_t* b = vals[2 * j + 1] + head;
     if constexpr (kPvAheadBytes > 0) {
       if (ahead_bytes > 0) {
         PrefetchLineL2(reinterpret_cast<const char*>(a + x) + ahead_bytes);
@@ -241,26 +241,31 @@ HWY_INLINE void PvRowsFixed16Chunks(const int32_t* HWY_RESTRICT pairs, const flo
 }
 
 template <int NR, bool kVnni>
-HWY_INLINE void PvRowsFixed16(const int32_t* pairs, const float* unit, int npairs, const int8_t* const* vals, int dv,
-                              float* o, size_t o_ld, int64_t ahead_bytes) {
+HWY_INLINE void PvRowsFixed16(const int32_t* pairs, const float* unit, int npairs, const int8_t* const* vals,
+                              int64_t head, int dv, float* o, size_t o_ld, int64_t ahead_bytes) {
   int x = 0;
   // Two chunks (64 columns) at once where 32 registers hold their 4·NR sums.
   if constexpr (kLanes == 16) {
     for (; x + 2 * kFixedVec <= dv; x += 2 * kFixedVec)
-      PvRowsFixed16Chunks<NR, 2, kVnni>(pairs, unit, npairs, vals, x, o, o_ld, ahead_bytes);
+      PvRowsFixed16Chunks<NR, 2, kVnni>(pairs, unit, npairs, vals, head, x, o, o_ld, ahead_bytes);
   }
-  for (; x < dv; x += kFixedVec) PvRowsFixed16Chunks<NR, 1, kVnni>(pairs, unit, npairs, vals, x, o, o_ld, ahead_bytes);
+  for (; x < dv; x += kFixedVec) {
+    PvRowsFixed16Chunks<NR, 1, kVnni>(pairs, unit, npairs, vals, head, x, o, o_ld, ahead_bytes);
+  }
 }
 
 /// o[r] += Σ_k w[r][k]·v_k for nk ≤ kFixedPvKeys keys of a block (w = p times the
 /// values' scales, removed keys' already 0; row stride ld) and every row, on
 /// PvRowsFixed16 (O in Fixed16Column order). vals: kFixedPvKeys pointers, those past
-/// nk any readable value row (their weights are 0). A row whose weights are not all
+/// nk any readable value row (their weights are 0), each plus `head` (the kv head's
+/// offset in a token row: the pointers are made once per pass, not once per head;
+/// made per head they cost ~7% of an i8 step, perf, Ice Lake Xeon). A row whose weights are not all
 /// finite (a NaN or ±∞ score or scale) takes them in f32, one product at a time, so
 /// NaN and ±∞ reach O as on the f32 pass.
 template <bool kVnni>
-HWY_INLINE void PvKeysFixed16Of(const float* HWY_RESTRICT w, size_t ld, int rows, const int8_t* const* vals, int nk,
-                                int dv, float* HWY_RESTRICT o, size_t o_ld, int64_t ahead_bytes) {
+HWY_INLINE void PvKeysFixed16Of(const float* HWY_RESTRICT w, size_t ld, int rows, const int8_t* const* vals,
+                                int64_t head, int nk, int dv, float* HWY_RESTRICT o, size_t o_ld,
+                                int64_t ahead_bytes) {
   const DF df;
   const hn::Rebind<int16_t, DF> dn;  // kLanes int16
   // Each row slot's integers, key by key as int16, read as int32 pairs of keys (the
@@ -287,7 +292,7 @@ HWY_INLINE void PvKeysFixed16Of(const float* HWY_RESTRICT w, size_t ld, int rows
       for (int k = 0; k < nk; ++k) {
         for (int u = 0; u < dv; ++u) {
           float& at = orow[u / kFixedVec * kFixedVec + Fixed16Column(u % kFixedVec)];
-          at = std::fma(wr[k], static_cast<float>(vals[k][u]), at);
+          at = std::fma(wr[k], static_cast<float>(vals[k][head + u]), at);
         }
       }
       std::fill(pr, pr + kFixedPvKeys / 2, 0);
@@ -304,30 +309,31 @@ HWY_INLINE void PvKeysFixed16Of(const float* HWY_RESTRICT w, size_t ld, int rows
   int r = 0;
   for (; r + 4 <= rows; r += 4) {
     for (int i = 0; i < 4; ++i) one_row(r + i, i);
-    PvRowsFixed16<4, kVnni>(pairs, unit, npairs, vals, dv, o + r * o_ld, o_ld, ahead_bytes);
+    PvRowsFixed16<4, kVnni>(pairs, unit, npairs, vals, head, dv, o + r * o_ld, o_ld, ahead_bytes);
   }
   const int left = rows - r;
   for (int i = 0; i < left; ++i) one_row(r + i, i);
   switch (left) {
-    case 3: PvRowsFixed16<3, kVnni>(pairs, unit, npairs, vals, dv, o + r * o_ld, o_ld, ahead_bytes); break;
-    case 2: PvRowsFixed16<2, kVnni>(pairs, unit, npairs, vals, dv, o + r * o_ld, o_ld, ahead_bytes); break;
-    case 1: PvRowsFixed16<1, kVnni>(pairs, unit, npairs, vals, dv, o + r * o_ld, o_ld, ahead_bytes); break;
+    case 3: PvRowsFixed16<3, kVnni>(pairs, unit, npairs, vals, head, dv, o + r * o_ld, o_ld, ahead_bytes); break;
+    case 2: PvRowsFixed16<2, kVnni>(pairs, unit, npairs, vals, head, dv, o + r * o_ld, o_ld, ahead_bytes); break;
+    case 1: PvRowsFixed16<1, kVnni>(pairs, unit, npairs, vals, head, dv, o + r * o_ld, o_ld, ahead_bytes); break;
     default: break;
   }
 }
 
 /// PvKeysFixed16Of on vpdpwssd where `vnni` (see MulPairsAdd).
-HWY_INLINE void PvKeysFixed16(bool vnni, const float* w, size_t ld, int rows, const int8_t* const* vals, int nk,
-                              int dv, float* o, size_t o_ld, int64_t ahead_bytes) {
+HWY_INLINE void PvKeysFixed16(bool vnni, const float* w, size_t ld, int rows, const int8_t* const* vals, int64_t head,
+                              int nk, int dv, float* o, size_t o_ld, int64_t ahead_bytes) {
   if (kFixed16Vnni && vnni) {
-    PvKeysFixed16Of<kFixed16Vnni>(w, ld, rows, vals, nk, dv, o, o_ld, ahead_bytes);
+    PvKeysFixed16Of<kFixed16Vnni>(w, ld, rows, vals, head, nk, dv, o, o_ld, ahead_bytes);
   } else {
-    PvKeysFixed16Of<false>(w, ld, rows, vals, nk, dv, o, o_ld, ahead_bytes);
+    PvKeysFixed16Of<false>(w, ld, rows, vals, head, nk, dv, o, o_ld, ahead_bytes);
   }
 }
 #else
 // Never called (kFixed16Target).
-inline void PvKeysFixed16(bool, const float*, size_t, int, const int8_t* const*, int, int, float*, size_t, int64_t) {}
+inline void PvKeysFixed16(bool, const float*, size_t, int, const int8_t* const*, int64_t, int, int, float*, size_t,
+                          int64_t) {}
 inline int Fixed16Column(int u) { return u; }
 #endif
 
