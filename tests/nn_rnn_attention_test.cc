@@ -72,6 +72,62 @@ TEST(AdditiveAttention, MatchesFloat64OnEverySimdTarget) {
   detail::force_simd_target(0);
 }
 
+// Shapes drawn per run (1 to 70 wide, source lengths 1 to 40, lengths from 0 to S or
+// absent, with and without bias), on every SIMD target: the vector loops' tails.
+TEST(AdditiveAttention, RandomShapesMatchFloat64) {
+  nn::Rng rng = nn_rng(74);
+  auto draw = [&](int64_t lo, int64_t hi) { return lo + static_cast<int64_t>(rng.next_u64() % (hi - lo + 1)); };
+  for (int64_t target : detail::simd_targets()) {
+    detail::force_simd_target(target);
+    for (int trial = 0; trial < 6; ++trial) {
+      const int64_t A = draw(1, 70), Dq = draw(1, 40), Dk = draw(1, 40), B = draw(1, 4), T = draw(1, 5), S = draw(1, 40);
+      const bool bias = rng.next_u64() % 2 == 0, all_visible = rng.next_u64() % 4 == 0;
+      SCOPED_TRACE(::testing::Message() << "target " << target << " A " << A << " Dq " << Dq << " Dk " << Dk << " B " << B
+                                      << " T " << T << " S " << S << " bias " << bias << " all " << all_visible);
+      nn::AdditiveAttention att(Dq, Dk, A, bias, rng);
+      if (att.bias) init_uniform(*att.bias, 0.5f, rng);
+      Tensor q = random_tensor({B, T, Dq}, rng), k = random_tensor({B, S, Dk}, rng);
+      std::vector<int32_t> lengths(B, static_cast<int32_t>(S));
+      if (!all_visible)
+        for (auto& n : lengths) n = static_cast<int32_t>(draw(0, S));
+      const TensorView len = all_visible ? TensorView() : TensorView(lengths.data(), DType::i32, {B});
+      auto out = att.forward(q, k, len);
+      auto score = [&](int64_t b, int64_t t, int64_t j) {
+        double e = 0;
+        for (int64_t a = 0; a < A; ++a) {
+          double u = att.bias ? att.bias->value[a] : 0.0;
+          for (int64_t i = 0; i < Dq; ++i) u += double(att.query_proj.value[a * Dq + i]) * q.data_as<float>()[(b * T + t) * Dq + i];
+          for (int64_t i = 0; i < Dk; ++i) u += double(att.key_proj.value[a * Dk + i]) * k.data_as<float>()[(b * S + j) * Dk + i];
+          e += att.v.value[a] * std::tanh(u);
+        }
+        return e;
+      };
+      std::vector<double> context, weights;
+      reference_attention(B, T, S, Dk, k.data_as<float>(), lengths, score, context, weights);
+      expect_near_all(out.context, context, 4e-6, "context");
+      expect_near_all(out.weights, weights, 4e-6, "weights");
+    }
+  }
+  detail::force_simd_target(0);
+  // Gradients on one drawn shape (small: finite differences run the forward per element).
+  const int64_t A = draw(1, 20), Dq = draw(1, 9), Dk = draw(1, 9), B = draw(1, 3), T = draw(1, 3), S = draw(1, 9);
+  SCOPED_TRACE(::testing::Message() << "gradients: A " << A << " Dq " << Dq << " Dk " << Dk << " B " << B << " T " << T
+                                  << " S " << S);
+  nn::AdditiveAttention att(Dq, Dk, A, true, rng);
+  init_uniform(*att.bias, 0.5f, rng);
+  Tensor q = random_tensor({B, T, Dq}, rng), k = random_tensor({B, S, Dk}, rng);
+  std::vector<int32_t> lengths(B);
+  for (auto& n : lengths) n = static_cast<int32_t>(draw(0, S));
+  const TensorView len(lengths.data(), DType::i32, {B});
+  std::pair<Tensor, Tensor> g;
+  auto slots = parameter_slots(att);
+  slots.push_back({"query", q.data_as<float>(), q.numel(), [&] { return g.first.data_as<float>(); }});
+  slots.push_back({"keys", k.data_as<float>(), k.numel(), [&] { return g.second.data_as<float>(); }});
+  att.zero_grad();
+  check_gradients([&] { return att.forward(q, k, len).context; }, [&](const Tensor& d) { g = att.backward(d); }, slots,
+                  rng);
+}
+
 TEST(AdditiveAttention, GradientsThroughSeveralStepsOnOneMemory) {
   nn::Rng rng = nn_rng(72);
   nn::AdditiveAttention att(6, 5, 19, true, rng);
@@ -110,6 +166,38 @@ TEST(AdditiveAttention, GradientsThroughSeveralStepsOnOneMemory) {
     for (int64_t c = 0; c < 5; ++c) EXPECT_EQ(dk.data_as<float>()[((1 * S) + j) * 5 + c], 0.0f);
 }
 
+// Float64 score e(b, t, j) of Luong attention's three forms, from the module's own
+// parameters; queries [B, T, Dq] and memory [B, S, Dk] as floats.
+double luong_score(nn::LuongAttention& att, const float* h, const float* hs, int64_t Dq, int64_t Dk) {
+  double s = 0;
+  if (att.score() == nn::LuongScore::dot) {
+    for (int64_t c = 0; c < Dk; ++c) s += double(h[c]) * hs[c];
+  } else if (att.score() == nn::LuongScore::general) {
+    for (int64_t r = 0; r < Dk; ++r) {
+      double wh = 0;
+      for (int64_t c = 0; c < Dq; ++c) wh += double(att.linear_in->value[r * Dq + c]) * h[c];
+      s += wh * hs[r];
+    }
+  } else {
+    const nn::Parameter* wq = nullptr;
+    const nn::Parameter* wk = nullptr;
+    const nn::Parameter* v = nullptr;
+    for (auto& [n, ptr] : att.named_parameters()) {
+      if (n == "query_proj.weight") wq = ptr;
+      if (n == "key_proj.weight") wk = ptr;
+      if (n == "v") v = ptr;
+    }
+    const int64_t A = v->numel();
+    for (int64_t a = 0; a < A; ++a) {
+      double u = 0;
+      for (int64_t c = 0; c < Dq; ++c) u += double(wq->value[a * Dq + c]) * h[c];
+      for (int64_t c = 0; c < Dk; ++c) u += double(wk->value[a * Dk + c]) * hs[c];
+      s += v->value[a] * std::tanh(u);
+    }
+  }
+  return s;
+}
+
 TEST(LuongAttention, EveryScoreMatchesFloat64AndHasGradients) {
   nn::Rng rng = nn_rng(73);
   for (auto score : {nn::LuongScore::dot, nn::LuongScore::general, nn::LuongScore::concat}) {
@@ -122,35 +210,7 @@ TEST(LuongAttention, EveryScoreMatchesFloat64AndHasGradients) {
     const float* qd = q.data_as<float>();
     const float* md = m.data_as<float>();
     auto e = [&](int64_t b, int64_t t, int64_t j) {
-      const float* h = qd + (b * T + t) * Dq;
-      const float* hs = md + (b * S + j) * Dk;
-      double s = 0;
-      if (score == nn::LuongScore::dot) {
-        for (int64_t c = 0; c < Dk; ++c) s += double(h[c]) * hs[c];
-      } else if (score == nn::LuongScore::general) {
-        for (int64_t r = 0; r < Dk; ++r) {
-          double wh = 0;
-          for (int64_t c = 0; c < Dq; ++c) wh += double(att.linear_in->value[r * Dq + c]) * h[c];
-          s += wh * hs[r];
-        }
-      } else {
-        const auto& p = att.named_parameters();
-        const nn::Parameter* wq = nullptr;
-        const nn::Parameter* wk = nullptr;
-        const nn::Parameter* v = nullptr;
-        for (auto& [n, ptr] : p) {
-          if (n == "query_proj.weight") wq = ptr;
-          if (n == "key_proj.weight") wk = ptr;
-          if (n == "v") v = ptr;
-        }
-        for (int64_t a = 0; a < 7; ++a) {
-          double u = 0;
-          for (int64_t c = 0; c < Dq; ++c) u += double(wq->value[a * Dq + c]) * h[c];
-          for (int64_t c = 0; c < Dk; ++c) u += double(wk->value[a * Dk + c]) * hs[c];
-          s += v->value[a] * std::tanh(u);
-        }
-      }
-      return s;
+      return luong_score(att, qd + (b * T + t) * Dq, md + (b * S + j) * Dk, Dq, Dk);
     };
     std::vector<double> context, weights;
     reference_attention(B, T, S, Dk, md, lengths, e, context, weights);
@@ -164,6 +224,66 @@ TEST(LuongAttention, EveryScoreMatchesFloat64AndHasGradients) {
         for (int64_t c = 0; c < Dq; ++c) pre += double(att.linear_out.value[o * (Dk + Dq) + Dk + c]) * qd[r * Dq + c];
         EXPECT_NEAR(out.attentional.data_as<float>()[r * Dq + o], std::tanh(pre), 2e-6);
       }
+    std::pair<Tensor, Tensor> g;
+    auto slots = parameter_slots(att);
+    slots.push_back({"queries", q.data_as<float>(), q.numel(), [&] { return g.first.data_as<float>(); }});
+    slots.push_back({"memory", m.data_as<float>(), m.numel(), [&] { return g.second.data_as<float>(); }});
+    att.zero_grad();
+    check_gradients([&] { return att.forward(q, m, len).attentional; }, [&](const Tensor& d) { g = att.backward(d); },
+                    slots, rng);
+  }
+}
+
+// Every score form on shapes drawn per run, every SIMD target, lengths from 0 to S
+// or absent; gradients on one small drawn shape per form.
+TEST(LuongAttention, RandomShapesMatchFloat64) {
+  nn::Rng rng = nn_rng(75);
+  auto draw = [&](int64_t lo, int64_t hi) { return lo + static_cast<int64_t>(rng.next_u64() % (hi - lo + 1)); };
+  for (auto score : {nn::LuongScore::dot, nn::LuongScore::general, nn::LuongScore::concat}) {
+    for (int64_t target : detail::simd_targets()) {
+      detail::force_simd_target(target);
+      for (int trial = 0; trial < 3; ++trial) {
+        const int64_t Dq = draw(1, 40), Dk = score == nn::LuongScore::dot ? Dq : draw(1, 40), A = draw(1, 30);
+        const int64_t B = draw(1, 4), T = draw(1, 6), S = draw(1, 40);
+        const bool all_visible = rng.next_u64() % 4 == 0;
+        SCOPED_TRACE(::testing::Message() << "score " << static_cast<int>(score) << " target " << target << " Dq " << Dq
+                                        << " Dk " << Dk << " A " << A << " B " << B << " T " << T << " S " << S);
+        nn::LuongAttention att(Dq, Dk, score, rng, A);
+        Tensor q = random_tensor({B, T, Dq}, rng), m = random_tensor({B, S, Dk}, rng);
+        std::vector<int32_t> lengths(B, static_cast<int32_t>(S));
+        if (!all_visible)
+          for (auto& n : lengths) n = static_cast<int32_t>(draw(0, S));
+        const TensorView len = all_visible ? TensorView() : TensorView(lengths.data(), DType::i32, {B});
+        auto out = att.forward(q, m, len);
+        const float* qd = q.data_as<float>();
+        const float* md = m.data_as<float>();
+        std::vector<double> context, weights;
+        reference_attention(B, T, S, Dk, md, lengths,
+                            [&](int64_t b, int64_t t, int64_t j) {
+                              return luong_score(att, qd + (b * T + t) * Dq, md + (b * S + j) * Dk, Dq, Dk);
+                            },
+                            context, weights);
+        expect_near_all(out.context, context, 4e-6, "context");
+        expect_near_all(out.weights, weights, 4e-6, "weights");
+        for (int64_t r = 0; r < B * T; ++r)
+          for (int64_t o = 0; o < Dq; ++o) {
+            double pre = 0;
+            for (int64_t c = 0; c < Dk; ++c) pre += double(att.linear_out.value[o * (Dk + Dq) + c]) * context[r * Dk + c];
+            for (int64_t c = 0; c < Dq; ++c) pre += double(att.linear_out.value[o * (Dk + Dq) + Dk + c]) * qd[r * Dq + c];
+            ASSERT_NEAR(out.attentional.data_as<float>()[r * Dq + o], std::tanh(pre), 4e-6) << seed_note();
+          }
+      }
+    }
+    detail::force_simd_target(0);
+    const int64_t Dq = draw(1, 8), Dk = score == nn::LuongScore::dot ? Dq : draw(1, 8), A = draw(1, 9);
+    const int64_t B = draw(1, 3), T = draw(1, 3), S = draw(1, 8);
+    SCOPED_TRACE(::testing::Message() << "gradients: score " << static_cast<int>(score) << " Dq " << Dq << " Dk " << Dk
+                                    << " A " << A << " B " << B << " T " << T << " S " << S);
+    nn::LuongAttention att(Dq, Dk, score, rng, A);
+    Tensor q = random_tensor({B, T, Dq}, rng), m = random_tensor({B, S, Dk}, rng);
+    std::vector<int32_t> lengths(B);
+    for (auto& n : lengths) n = static_cast<int32_t>(draw(0, S));
+    const TensorView len(lengths.data(), DType::i32, {B});
     std::pair<Tensor, Tensor> g;
     auto slots = parameter_slots(att);
     slots.push_back({"queries", q.data_as<float>(), q.numel(), [&] { return g.first.data_as<float>(); }});
