@@ -1,10 +1,13 @@
 // Positional information: sinusoidal table values, learned positions' gradient,
-// RoPE against complex multiplication in float64 (both pairings), its relative-
-// position property and backward, ALiBi slopes for any head count.
+// RoPE against complex multiplication in float64 (both pairings; drawn shapes, far
+// positions, concurrent calls), its relative-position property and backward, ALiBi
+// slopes for any head count.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <complex>
+#include <cstring>
+#include <thread>
 
 #include "attn/error.hpp"
 #include "attn/nn/positional.hpp"
@@ -85,6 +88,97 @@ TEST(Rope, MatchesComplexRotationForBothPairings) {
       rope.apply_backward(y, offset);  // the inverse rotation restores x
       EXPECT_LT(max_rel_diff(y.data_as<float>(), x.data_as<float>(), x.numel()), 1e-6);
     }
+}
+
+// Drawn head sizes, rotary widths, layouts ([B, L, H, d] or [B, H, L, d] storage) and
+// offsets, from 0 to far past the cached positions (10¹²): each row against the
+// float64 rotation, and the backward restores the input.
+TEST(Rope, DrawnShapesAndPositionsMatchComplexRotation) {
+  nn::Rng rng = nn_rng(36);
+  auto draw = [&](int64_t lo, int64_t hi) { return lo + static_cast<int64_t>(rng.next_u64() % (hi - lo + 1)); };
+  const int64_t offsets[] = {0, 3, nn::RotaryEmbedding::kCachedPositions - 2, 100003, 50000000, 1000000000000};
+  for (int trial = 0; trial < 24; ++trial) {
+    const auto style = trial % 2 == 0 ? nn::RopeStyle::interleaved : nn::RopeStyle::half;
+    const int64_t d = draw(1, 70), rot = 2 * draw(d >= 2 ? 1 : 0, d / 2), B = draw(1, 3), L = draw(1, 9), H = draw(1, 4);
+    const int64_t offset = offsets[trial % 6] + draw(0, 5);
+    const double base = trial % 3 == 0 ? 500.0 : 10000.0;
+    const bool heads_outer = rng.next_u64() % 2 == 0;
+    SCOPED_TRACE(::testing::Message() << "d " << d << " rot " << rot << " B " << B << " L " << L << " H " << H
+                                      << " offset " << offset << " heads_outer " << heads_outer << " " << seed_note());
+    if (rot == 0) continue;  // style none or d = 1: nothing rotates (covered by the constructor)
+    nn::RotaryEmbedding rope(d, style, base, rot);
+    Tensor x = random_tensor({B, L, H, d}, rng);
+    // The same values in the drawn storage order, seen as [B, L, H, d].
+    const std::vector<int64_t> strides = heads_outer ? std::vector<int64_t>{H * L * d, d, L * d, 1}
+                                                     : std::vector<int64_t>{L * H * d, H * d, d, 1};
+    Tensor y(DType::f32, {B * L * H * d});
+    auto at = [&](int64_t b, int64_t l, int64_t h) { return b * strides[0] + l * strides[1] + h * strides[2]; };
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t h = 0; h < H; ++h)
+          std::memcpy(y.data_as<float>() + at(b, l, h), x.data_as<float>() + ((b * L + l) * H + h) * d, d * sizeof(float));
+    const TensorView yv(y.data(), DType::f32, {B, L, H, d}, strides);
+    rope.apply(yv, offset);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t h = 0; h < H; ++h) {
+          auto ref = rope_ref(x.data_as<float>() + ((b * L + l) * H + h) * d, d, rot, style, offset + l, base);
+          for (int64_t c = 0; c < d; ++c) ASSERT_NEAR(y.data_as<float>()[at(b, l, h) + c], ref[c], 2e-6) << "column " << c;
+        }
+    rope.apply_backward(yv, offset);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t c = 0; c < d; ++c)
+            ASSERT_NEAR(y.data_as<float>()[at(b, l, h) + c], x.data_as<float>()[((b * L + l) * H + h) * d + c], 2e-6);
+  }
+}
+
+// Rows past the cached positions are made per call with the same values the table
+// holds: a call straddling the end of the cache rotates its first rows bitwise as a
+// call inside it does.
+TEST(Rope, RowsPastTheCacheEqualTheCachedOnes) {
+  nn::Rng rng = nn_rng(37);
+  const int64_t d = 64, edge = nn::RotaryEmbedding::kCachedPositions - 3;
+  nn::RotaryEmbedding rope(d, nn::RopeStyle::half);
+  Tensor x = random_tensor({1, 6, 2, d}, rng);
+  Tensor inside = nn::clone(x), across = nn::clone(x);
+  rope.apply(TensorView(inside.data(), DType::f32, {1, 3, 2, d}), edge);  // positions edge … edge + 2: cached
+  rope.apply(across, edge);                                               // edge … edge + 5: made per call
+  EXPECT_EQ(std::memcmp(inside.data(), across.data(), 3 * 2 * d * sizeof(float)), 0);
+  // One token far out: only its rows are made (a table of every position before
+  // 10¹¹ would need ~50 TB).
+  Tensor one = random_tensor({1, 1, 1, d}, rng);
+  rope.apply(one, 100000000000);
+}
+
+// One object, several threads, positions that make each grow the shared table: every
+// thread's result equals the one-thread result bitwise.
+TEST(Rope, ConcurrentCallsOnOneObject) {
+  nn::Rng rng = nn_rng(38);
+  const int64_t d = 32, L = 37;
+  nn::RotaryEmbedding shared(d, nn::RopeStyle::interleaved), serial(d, nn::RopeStyle::interleaved);
+  constexpr int kThreads = 4, kCalls = 60;
+  std::vector<Tensor> inputs, want;
+  for (int i = 0; i < kThreads * kCalls; ++i) {
+    inputs.push_back(random_tensor({1, L, 2, d}, rng));
+    want.push_back(nn::clone(inputs.back()));
+    serial.apply(want.back(), int64_t{i} * 97);
+  }
+  std::vector<Tensor> got(inputs.size());
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int c = 0; c < kCalls; ++c) {
+        const int i = c * kThreads + t;  // offsets rise in every thread
+        got[i] = nn::clone(inputs[i]);
+        shared.apply(got[i], int64_t{i} * 97);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (size_t i = 0; i < got.size(); ++i)
+    ASSERT_EQ(std::memcmp(got[i].data(), want[i].data(), want[i].numel() * sizeof(float)), 0) << "call " << i;
 }
 
 TEST(Rope, ScoresDependOnRelativePositionOnly) {

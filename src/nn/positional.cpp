@@ -1,6 +1,8 @@
 // Sinusoidal and learned positions, RoPE, ALiBi slopes.
 #include "attn/nn/positional.hpp"
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstring>
 
@@ -91,20 +93,36 @@ RotaryEmbedding::RotaryEmbedding(int64_t head_dim, RopeStyle style, double base,
     throw Error("RotaryEmbedding: rotary_dim must be even and ≤ head_dim (" + std::to_string(head_dim) + "), got " +
                 std::to_string(rotary_dim_));
   if (!(base > 1.0)) throw Error("RotaryEmbedding: base must be > 1, got " + std::to_string(base));
+  for (int64_t p = 0; p < rotary_dim_ / 2; ++p) inv_freq_.push_back(std::pow(base_, -2.0 * double(p) / double(rotary_dim_)));
 }
 
-void RotaryEmbedding::ensure_table(int64_t positions) const {
+void RotaryEmbedding::fill_rows(int64_t first, int64_t n, Table& t, int64_t at) const {
   const int64_t half = rotary_dim_ / 2;
-  const int64_t have = half == 0 ? 0 : static_cast<int64_t>(cos_.size()) / half;
-  if (positions <= have) return;
-  cos_.resize(static_cast<size_t>(positions * half));
-  sin_.resize(static_cast<size_t>(positions * half));
-  for (int64_t pos = have; pos < positions; ++pos)
+  for (int64_t pos = first; pos < first + n; ++pos)
     for (int64_t p = 0; p < half; ++p) {
-      const double angle = double(pos) * std::pow(base_, -2.0 * double(p) / double(rotary_dim_));
-      cos_[pos * half + p] = static_cast<float>(std::cos(angle));
-      sin_[pos * half + p] = static_cast<float>(std::sin(angle));
+      const double angle = double(pos) * inv_freq_[p];
+      t.cos[(at + pos - first) * half + p] = static_cast<float>(std::cos(angle));
+      t.sin[(at + pos - first) * half + p] = static_cast<float>(std::sin(angle));
     }
+}
+
+std::shared_ptr<const RotaryEmbedding::Table> RotaryEmbedding::table_through(int64_t end) const {
+  std::shared_ptr<const Table> have = std::atomic_load(&table_);
+  if (have != nullptr && have->positions >= end) return have;
+  // Grow by doubling (capped), keeping the rows made so far. Two threads may both
+  // grow it; each publishes a complete table, and either is correct.
+  const int64_t half = rotary_dim_ / 2, old = have != nullptr ? have->positions : 0;
+  auto grown = std::make_shared<Table>();
+  grown->positions = std::min(kCachedPositions, std::max(end, 2 * old));
+  grown->cos.resize(static_cast<size_t>(grown->positions * half));
+  grown->sin.resize(grown->cos.size());
+  if (have != nullptr) {
+    std::copy(have->cos.begin(), have->cos.end(), grown->cos.begin());
+    std::copy(have->sin.begin(), have->sin.end(), grown->sin.begin());
+  }
+  fill_rows(old, grown->positions - old, *grown, old);
+  std::atomic_store(&table_, std::shared_ptr<const Table>(grown));
+  return grown;
 }
 
 void RotaryEmbedding::rotate(const TensorView& x, int64_t offset, float sign) const {
@@ -114,7 +132,26 @@ void RotaryEmbedding::rotate(const TensorView& x, int64_t offset, float sign) co
                 "] with a contiguous last dimension, got " + x.describe());
   if (offset < 0) throw Error("RotaryEmbedding: positions_offset must be ≥ 0");
   const int64_t B = x.size(0), L = x.size(1), H = x.size(2), half = rotary_dim_ / 2;
-  ensure_table(offset + L);
+  if (L == 0) return;
+  if (offset > INT64_MAX - L) throw Error("RotaryEmbedding: positions_offset + L overflows int64");
+  // The rows of positions [offset, offset + L): from the shared table, or made for
+  // this call where they lie past it (the same values either way).
+  std::shared_ptr<const Table> shared;
+  Table own;
+  const float* cos_rows;
+  const float* sin_rows;
+  if (offset + L <= kCachedPositions) {
+    shared = table_through(offset + L);
+    cos_rows = shared->cos.data() + offset * half;
+    sin_rows = shared->sin.data() + offset * half;
+  } else {
+    own.positions = L;
+    own.cos.resize(static_cast<size_t>(L * half));
+    own.sin.resize(own.cos.size());
+    fill_rows(offset, L, own, 0);
+    cos_rows = own.cos.data();
+    sin_rows = own.sin.data();
+  }
   float* base = x.data_as<float>();
   // The pair (a, b) of plane p becomes (a·cos − b·sin, a·sin + b·cos); sign = −1
   // rotates back (the transpose of a rotation is its inverse), which is the backward.
@@ -122,8 +159,8 @@ void RotaryEmbedding::rotate(const TensorView& x, int64_t offset, float sign) co
   const int64_t step = style_ == RopeStyle::half ? 1 : 2;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t l = 0; l < L; ++l) {
-      const float* c = cos_.data() + (offset + l) * half;
-      const float* s = sin_.data() + (offset + l) * half;
+      const float* c = cos_rows + l * half;
+      const float* s = sin_rows + l * half;
       for (int64_t h = 0; h < H; ++h) {
         float* row = base + b * x.stride(0) + l * x.stride(1) + h * x.stride(2);
         for (int64_t p = 0; p < half; ++p) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "attn/nn/module.hpp"
@@ -56,7 +57,11 @@ enum class RopeStyle {
 /// Rotary position embedding (Su et al. 2021). Plane p of a head of position `pos` is
 /// rotated by angle pos·base^(−2p/rotary_dim); only the first `rotary_dim` dimensions
 /// (even, ≤ head_dim) rotate, the rest pass through. Rotations preserve norms and make
-/// q_m·k_n depend on m − n only. Tables are computed in double and cached per position.
+/// q_m·k_n depend on m − n only. Angles are computed in double; the cos/sin rows of
+/// positions below kCachedPositions are cached (shared, immutable once made, so apply
+/// may run on one object from several threads at once), and rows past them are made
+/// per call for that call's positions only: decoding at position 10⁶ costs the rows
+/// it rotates, not a table of every position before it.
 class RotaryEmbedding {
  public:
   RotaryEmbedding(int64_t head_dim, RopeStyle style, double base = 10000.0, int64_t rotary_dim = -1);
@@ -70,14 +75,27 @@ class RotaryEmbedding {
   RopeStyle style() const { return style_; }
   int64_t rotary_dim() const { return rotary_dim_; }
 
+  /// Positions whose cos/sin rows are cached (at rotary_dim 128: 16 MiB when full).
+  static constexpr int64_t kCachedPositions = 32768;
+
  private:
+  struct Table {  // cos and sin of positions [0, positions): [positions, rotary_dim/2]
+    int64_t positions = 0;
+    std::vector<float> cos, sin;
+  };
   void rotate(const TensorView& x, int64_t offset, float sign) const;
-  void ensure_table(int64_t positions) const;
+  /// A table holding at least positions [0, end) (end ≤ kCachedPositions).
+  std::shared_ptr<const Table> table_through(int64_t end) const;
+  /// cos/sin rows of positions [first, first + n) into t (positions = n).
+  void fill_rows(int64_t first, int64_t n, Table& t, int64_t at) const;
 
   int64_t head_dim_, rotary_dim_;
   RopeStyle style_;
   double base_;
-  mutable std::vector<float> cos_, sin_;  // [positions, rotary_dim/2]
+  std::vector<double> inv_freq_;  // base^(−2p/rotary_dim), per plane p
+  // Replaced, never changed in place (std::atomic_load/atomic_store): a reader keeps
+  // the table it loaded for as long as it rotates with it.
+  mutable std::shared_ptr<const Table> table_;
 };
 
 /// ALiBi slopes for `num_heads` heads (Press et al. 2022): for a power of two n,
