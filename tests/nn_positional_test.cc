@@ -40,6 +40,10 @@ TEST(Sinusoidal, AddsByPositionInBothLayouts) {
         EXPECT_FLOAT_EQ(y.data_as<float>()[(a * 3 + b) * 6 + c], xv + table.data_as<float>()[(5 + b) * 6 + c]);
         EXPECT_FLOAT_EQ(z.data_as<float>()[(a * 3 + b) * 6 + c], xv + table.data_as<float>()[(5 + a) * 6 + c]);
       }
+  // Positions past the table, including an offset whose sum with L overflows int64.
+  EXPECT_NO_THROW(bf.forward(x, 17));
+  EXPECT_THROW(bf.forward(x, -1), Error);
+  EXPECT_THROW(bf.forward(x, INT64_MAX - 1), Error);
   EXPECT_THROW(bf.forward(x, 18), Error);  // positions 18..20 exceed max_len 20
 }
 

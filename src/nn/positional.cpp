@@ -30,9 +30,10 @@ void for_each_position(const TensorView& x, bool batch_first, int64_t offset, in
                        F&& f) {
   if (x.rank() != 3) throw Error(std::string(what) + ": expected a rank-3 tensor, got " + x.describe());
   const int64_t B = batch_first ? x.size(0) : x.size(1), L = batch_first ? x.size(1) : x.size(0);
-  if (offset < 0 || offset + L > max_len)
-    throw Error(std::string(what) + ": positions " + std::to_string(offset) + "…" + std::to_string(offset + L - 1) +
-                " exceed max_len " + std::to_string(max_len));
+  // offset > max_len − L rather than offset + L > max_len: no overflow near INT64_MAX.
+  if (offset < 0 || offset > max_len - L)
+    throw Error(std::string(what) + ": " + std::to_string(L) + " positions from " + std::to_string(offset) +
+                " exceed max_len " + std::to_string(max_len) + " (offset must be in [0, max_len − L])");
   const int64_t dim = x.size(2);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t l = 0; l < L; ++l) f((batch_first ? b * L + l : l * B + b) * dim, offset + l);
