@@ -105,6 +105,64 @@ TEST(MultiheadAttention, KvCacheDecodingEqualsTheFullCausalForward) {
     }
 }
 
+// Drawn head counts and sizes (GQA groups 1–3, odd head sizes without RoPE), lengths,
+// capacities, windows, page sizes (contiguous or paged), cache dtypes and chunkings of
+// the positions: decoding chunk by chunk equals the full causal forward (f32 caches
+// to f32 rounding, the others to their own rounding of K and V).
+TEST(MultiheadAttention, KvCacheDecodingOnDrawnShapes) {
+  nn::Rng rng = nn_rng(46);
+  auto draw = [&](int64_t lo, int64_t hi) { return lo + static_cast<int64_t>(rng.next_u64() % (hi - lo + 1)); };
+  for (int trial = 0; trial < 10; ++trial) {
+    const auto rope = static_cast<nn::RopeStyle>(draw(0, 2));
+    const int64_t Hkv = draw(1, 3), H = Hkv * draw(1, 3);
+    const int64_t hd = rope == nn::RopeStyle::none ? draw(1, 20) : 2 * draw(1, 10), E = H * hd;
+    const int64_t B = draw(1, 3), L = draw(1, 40), capacity = L + draw(0, 5), page = draw(0, 1) ? draw(1, 17) : 0;
+    const bool batch_first = draw(0, 1) == 1;
+    auto cfg = config(E, H, Hkv, batch_first);
+    cfg.rope = rope;
+    if (draw(0, 1)) cfg.window = {draw(0, L), 0};
+    SCOPED_TRACE(::testing::Message() << "H " << H << " Hkv " << Hkv << " hd " << hd << " B " << B << " L " << L
+                                      << " capacity " << capacity << " page " << page << " rope " << int(rope)
+                                      << " window " << cfg.window.left << " batch_first " << batch_first << " "
+                                      << seed_note());
+    nn::MultiheadAttention mha(cfg, rng);
+    randomize(mha, rng);
+    mha.eval();
+    Tensor x = random_tensor({B, L, E}, rng);  // read as [L, B, E] when !batch_first
+    TensorView xv(x.data(), DType::f32, batch_first ? std::vector<int64_t>{B, L, E} : std::vector<int64_t>{L, B, E});
+    Tensor full = mha.forward(xv, xv, xv, {}, false, {}, true, /*is_causal=*/true).output;
+    nn::KVCacheConfig storage;
+    storage.page_size = page;
+    // f32 caches most often; 16-bit and i8 ones round K and V, so their bar is their rounding's.
+    const DType dtypes[] = {DType::f32, DType::f32, DType::bf16, DType::f16, DType::i8};
+    storage.dtype = dtypes[draw(0, 4)];
+    const double tol = storage.dtype == DType::f32    ? 2e-5
+                       : storage.dtype == DType::f16  ? 4e-3
+                       : storage.dtype == DType::bf16 ? 3e-2
+                                                      : 8e-2;  // i8: 1/254 of each row's largest, before the softmax
+    SCOPED_TRACE(::testing::Message() << "cache " << dtype_name(storage.dtype));
+    nn::KVCache cache = mha.make_cache(B, capacity, storage);
+    for (int64_t t0 = 0; t0 < L;) {
+      const int64_t n = std::min(L - t0, draw(1, 8));
+      Tensor chunk(DType::f32, batch_first ? std::vector<int64_t>{B, n, E} : std::vector<int64_t>{n, B, E});
+      auto src_row = [&](int64_t b, int64_t t) { return batch_first ? b * L + t0 + t : (t0 + t) * B + b; };
+      auto dst_row = [&](int64_t b, int64_t t) { return batch_first ? b * n + t : t * B + b; };
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < n; ++t)
+          std::memcpy(chunk.data_as<float>() + dst_row(b, t) * E, x.data_as<float>() + src_row(b, t) * E,
+                      sizeof(float) * E);
+      Tensor y = mha.forward_cached(chunk, cache);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < n; ++t)
+          ASSERT_LT(max_rel_diff(y.data_as<float>() + dst_row(b, t) * E, full.data_as<float>() + src_row(b, t) * E, E),
+                    tol)
+              << "position " << t0 + t << " of sequence " << b;
+      t0 += n;
+    }
+    EXPECT_EQ(cache.length, L);
+  }
+}
+
 TEST(MultiheadAttention, GradientsWithEveryFeature) {
   nn::Rng rng = nn_rng(43);
   auto cfg = config(16, 4, 2, /*batch_first=*/false);

@@ -42,6 +42,20 @@ void expect_near_all(const Tensor& got, const std::vector<double>& want, double 
     ASSERT_NEAR(got.data_as<float>()[i], want[i], tol * scale) << what << " element " << i << " " << seed_note();
 }
 
+// Float64 score v·tanh(W_q·q + W_k·k + b) of additive attention, from the module's
+// own parameters, for one query row q [Dq] and one key row k [Dk].
+double additive_score(const nn::AdditiveAttention& att, const float* q, const float* k) {
+  const int64_t A = att.attn_dim(), Dq = att.query_dim(), Dk = att.key_dim();
+  double e = 0;
+  for (int64_t a = 0; a < A; ++a) {
+    double u = att.bias ? att.bias->value[a] : 0.0;
+    for (int64_t i = 0; i < Dq; ++i) u += double(att.query_proj.value[a * Dq + i]) * q[i];
+    for (int64_t i = 0; i < Dk; ++i) u += double(att.key_proj.value[a * Dk + i]) * k[i];
+    e += att.v.value[a] * std::tanh(u);
+  }
+  return e;
+}
+
 TEST(AdditiveAttention, MatchesFloat64OnEverySimdTarget) {
   nn::Rng rng = nn_rng(71);
   for (int64_t target : detail::simd_targets()) {
@@ -54,14 +68,7 @@ TEST(AdditiveAttention, MatchesFloat64OnEverySimdTarget) {
       const std::vector<int32_t> lengths{7, 3, 0};
       auto out = att.forward(q, k, TensorView(lengths.data(), DType::i32, {B}));
       auto score = [&](int64_t b, int64_t t, int64_t j) {
-        double e = 0;
-        for (int64_t a = 0; a < A; ++a) {
-          double u = att.bias ? att.bias->value[a] : 0.0;
-          for (int64_t i = 0; i < Dq; ++i) u += double(att.query_proj.value[a * Dq + i]) * q.data_as<float>()[(b * T + t) * Dq + i];
-          for (int64_t i = 0; i < Dk; ++i) u += double(att.key_proj.value[a * Dk + i]) * k.data_as<float>()[(b * S + j) * Dk + i];
-          e += att.v.value[a] * std::tanh(u);
-        }
-        return e;
+        return additive_score(att, q.data_as<float>() + (b * T + t) * Dq, k.data_as<float>() + (b * S + j) * Dk);
       };
       std::vector<double> context, weights;
       reference_attention(B, T, S, Dk, k.data_as<float>(), lengths, score, context, weights);
@@ -80,10 +87,12 @@ TEST(AdditiveAttention, RandomShapesMatchFloat64) {
   for (int64_t target : detail::simd_targets()) {
     detail::force_simd_target(target);
     for (int trial = 0; trial < 6; ++trial) {
-      const int64_t A = draw(1, 70), Dq = draw(1, 40), Dk = draw(1, 40), B = draw(1, 4), T = draw(1, 5), S = draw(1, 40);
+      const int64_t A = draw(1, 70), Dq = draw(1, 40), Dk = draw(1, 40);
+      const int64_t B = draw(1, 4), T = draw(1, 5), S = draw(1, 40);
       const bool bias = rng.next_u64() % 2 == 0, all_visible = rng.next_u64() % 4 == 0;
-      SCOPED_TRACE(::testing::Message() << "target " << target << " A " << A << " Dq " << Dq << " Dk " << Dk << " B " << B
-                                      << " T " << T << " S " << S << " bias " << bias << " all " << all_visible);
+      SCOPED_TRACE(::testing::Message() << "target " << target << " A " << A << " Dq " << Dq << " Dk " << Dk
+                                        << " B " << B << " T " << T << " S " << S << " bias " << bias << " all "
+                                        << all_visible);
       nn::AdditiveAttention att(Dq, Dk, A, bias, rng);
       if (att.bias) init_uniform(*att.bias, 0.5f, rng);
       Tensor q = random_tensor({B, T, Dq}, rng), k = random_tensor({B, S, Dk}, rng);
@@ -93,14 +102,7 @@ TEST(AdditiveAttention, RandomShapesMatchFloat64) {
       const TensorView len = all_visible ? TensorView() : TensorView(lengths.data(), DType::i32, {B});
       auto out = att.forward(q, k, len);
       auto score = [&](int64_t b, int64_t t, int64_t j) {
-        double e = 0;
-        for (int64_t a = 0; a < A; ++a) {
-          double u = att.bias ? att.bias->value[a] : 0.0;
-          for (int64_t i = 0; i < Dq; ++i) u += double(att.query_proj.value[a * Dq + i]) * q.data_as<float>()[(b * T + t) * Dq + i];
-          for (int64_t i = 0; i < Dk; ++i) u += double(att.key_proj.value[a * Dk + i]) * k.data_as<float>()[(b * S + j) * Dk + i];
-          e += att.v.value[a] * std::tanh(u);
-        }
-        return e;
+        return additive_score(att, q.data_as<float>() + (b * T + t) * Dq, k.data_as<float>() + (b * S + j) * Dk);
       };
       std::vector<double> context, weights;
       reference_attention(B, T, S, Dk, k.data_as<float>(), lengths, score, context, weights);
@@ -198,6 +200,20 @@ double luong_score(nn::LuongAttention& att, const float* h, const float* hs, int
   return s;
 }
 
+// Luong's attentional vector h̃ = tanh(W_c·[c; h]) of `rows` rows against float64,
+// from the float64 contexts c [rows, Dk] and the queries h [rows, Dq].
+void expect_attentional(nn::LuongAttention& att, const Tensor& got, const std::vector<double>& context,
+                        const float* h, int64_t rows, int64_t Dq, int64_t Dk, double tol) {
+  const auto& w = att.linear_out.value;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t o = 0; o < Dq; ++o) {
+      double pre = 0;
+      for (int64_t c = 0; c < Dk; ++c) pre += double(w[o * (Dk + Dq) + c]) * context[r * Dk + c];
+      for (int64_t c = 0; c < Dq; ++c) pre += double(w[o * (Dk + Dq) + Dk + c]) * h[r * Dq + c];
+      ASSERT_NEAR(got.data_as<float>()[r * Dq + o], std::tanh(pre), tol) << "row " << r << " " << seed_note();
+    }
+}
+
 TEST(LuongAttention, EveryScoreMatchesFloat64AndHasGradients) {
   nn::Rng rng = nn_rng(73);
   for (auto score : {nn::LuongScore::dot, nn::LuongScore::general, nn::LuongScore::concat}) {
@@ -216,14 +232,7 @@ TEST(LuongAttention, EveryScoreMatchesFloat64AndHasGradients) {
     reference_attention(B, T, S, Dk, md, lengths, e, context, weights);
     expect_near_all(out.context, context, 2e-6, "context");
     expect_near_all(out.weights, weights, 2e-6, "weights");
-    // h̃ = tanh(W_c·[c; h])
-    for (int64_t r = 0; r < B * T; ++r)
-      for (int64_t o = 0; o < Dq; ++o) {
-        double pre = 0;
-        for (int64_t c = 0; c < Dk; ++c) pre += double(att.linear_out.value[o * (Dk + Dq) + c]) * context[r * Dk + c];
-        for (int64_t c = 0; c < Dq; ++c) pre += double(att.linear_out.value[o * (Dk + Dq) + Dk + c]) * qd[r * Dq + c];
-        EXPECT_NEAR(out.attentional.data_as<float>()[r * Dq + o], std::tanh(pre), 2e-6);
-      }
+    expect_attentional(att, out.attentional, context, qd, B * T, Dq, Dk, 2e-6);
     std::pair<Tensor, Tensor> g;
     auto slots = parameter_slots(att);
     slots.push_back({"queries", q.data_as<float>(), q.numel(), [&] { return g.first.data_as<float>(); }});
@@ -265,13 +274,7 @@ TEST(LuongAttention, RandomShapesMatchFloat64) {
                             context, weights);
         expect_near_all(out.context, context, 4e-6, "context");
         expect_near_all(out.weights, weights, 4e-6, "weights");
-        for (int64_t r = 0; r < B * T; ++r)
-          for (int64_t o = 0; o < Dq; ++o) {
-            double pre = 0;
-            for (int64_t c = 0; c < Dk; ++c) pre += double(att.linear_out.value[o * (Dk + Dq) + c]) * context[r * Dk + c];
-            for (int64_t c = 0; c < Dq; ++c) pre += double(att.linear_out.value[o * (Dk + Dq) + Dk + c]) * qd[r * Dq + c];
-            ASSERT_NEAR(out.attentional.data_as<float>()[r * Dq + o], std::tanh(pre), 4e-6) << seed_note();
-          }
+        expect_attentional(att, out.attentional, context, qd, B * T, Dq, Dk, 4e-6);
       }
     }
     detail::force_simd_target(0);
