@@ -56,6 +56,21 @@ double additive_score(const nn::AdditiveAttention& att, const float* q, const fl
   return e;
 }
 
+// The module's forward of queries q [B, T, Dq] over keys k [B, S, Dk] (visible keys:
+// `lengths`, passed to the module as `len`, which may be absent) against float64.
+void expect_additive_matches(nn::AdditiveAttention& att, const Tensor& q, const Tensor& k,
+                             const std::vector<int32_t>& lengths, const TensorView& len, double tol) {
+  const int64_t B = q.shape()[0], T = q.shape()[1], S = k.shape()[1], Dq = att.query_dim(), Dk = att.key_dim();
+  auto out = att.forward(q, k, len);
+  auto score = [&](int64_t b, int64_t t, int64_t j) {
+    return additive_score(att, q.data_as<float>() + (b * T + t) * Dq, k.data_as<float>() + (b * S + j) * Dk);
+  };
+  std::vector<double> context, weights;
+  reference_attention(B, T, S, Dk, k.data_as<float>(), lengths, score, context, weights);
+  expect_near_all(out.context, context, tol, "context");
+  expect_near_all(out.weights, weights, tol, "weights");
+}
+
 TEST(AdditiveAttention, MatchesFloat64OnEverySimdTarget) {
   nn::Rng rng = nn_rng(71);
   for (int64_t target : detail::simd_targets()) {
@@ -66,14 +81,7 @@ TEST(AdditiveAttention, MatchesFloat64OnEverySimdTarget) {
       const int64_t B = 3, T = 2, S = 7;
       Tensor q = random_tensor({B, T, Dq}, rng), k = random_tensor({B, S, Dk}, rng);
       const std::vector<int32_t> lengths{7, 3, 0};
-      auto out = att.forward(q, k, TensorView(lengths.data(), DType::i32, {B}));
-      auto score = [&](int64_t b, int64_t t, int64_t j) {
-        return additive_score(att, q.data_as<float>() + (b * T + t) * Dq, k.data_as<float>() + (b * S + j) * Dk);
-      };
-      std::vector<double> context, weights;
-      reference_attention(B, T, S, Dk, k.data_as<float>(), lengths, score, context, weights);
-      expect_near_all(out.context, context, 2e-6, "context");
-      expect_near_all(out.weights, weights, 2e-6, "weights");
+      expect_additive_matches(att, q, k, lengths, TensorView(lengths.data(), DType::i32, {B}), 2e-6);
     }
   }
   detail::force_simd_target(0);
@@ -100,14 +108,7 @@ TEST(AdditiveAttention, RandomShapesMatchFloat64) {
       if (!all_visible)
         for (auto& n : lengths) n = static_cast<int32_t>(draw(0, S));
       const TensorView len = all_visible ? TensorView() : TensorView(lengths.data(), DType::i32, {B});
-      auto out = att.forward(q, k, len);
-      auto score = [&](int64_t b, int64_t t, int64_t j) {
-        return additive_score(att, q.data_as<float>() + (b * T + t) * Dq, k.data_as<float>() + (b * S + j) * Dk);
-      };
-      std::vector<double> context, weights;
-      reference_attention(B, T, S, Dk, k.data_as<float>(), lengths, score, context, weights);
-      expect_near_all(out.context, context, 4e-6, "context");
-      expect_near_all(out.weights, weights, 4e-6, "weights");
+      expect_additive_matches(att, q, k, lengths, len, 4e-6);
     }
   }
   detail::force_simd_target(0);
@@ -214,6 +215,18 @@ void expect_attentional(nn::LuongAttention& att, const Tensor& got, const std::v
     }
 }
 
+// Finite differences of the attentional output against backward, for the
+// parameters, the queries and the memory.
+void check_luong_gradients(nn::LuongAttention& att, Tensor& q, Tensor& m, const TensorView& len, nn::Rng& rng) {
+  std::pair<Tensor, Tensor> g;
+  auto slots = parameter_slots(att);
+  slots.push_back({"queries", q.data_as<float>(), q.numel(), [&] { return g.first.data_as<float>(); }});
+  slots.push_back({"memory", m.data_as<float>(), m.numel(), [&] { return g.second.data_as<float>(); }});
+  att.zero_grad();
+  check_gradients([&] { return att.forward(q, m, len).attentional; }, [&](const Tensor& d) { g = att.backward(d); },
+                  slots, rng);
+}
+
 TEST(LuongAttention, EveryScoreMatchesFloat64AndHasGradients) {
   nn::Rng rng = nn_rng(73);
   for (auto score : {nn::LuongScore::dot, nn::LuongScore::general, nn::LuongScore::concat}) {
@@ -233,13 +246,7 @@ TEST(LuongAttention, EveryScoreMatchesFloat64AndHasGradients) {
     expect_near_all(out.context, context, 2e-6, "context");
     expect_near_all(out.weights, weights, 2e-6, "weights");
     expect_attentional(att, out.attentional, context, qd, B * T, Dq, Dk, 2e-6);
-    std::pair<Tensor, Tensor> g;
-    auto slots = parameter_slots(att);
-    slots.push_back({"queries", q.data_as<float>(), q.numel(), [&] { return g.first.data_as<float>(); }});
-    slots.push_back({"memory", m.data_as<float>(), m.numel(), [&] { return g.second.data_as<float>(); }});
-    att.zero_grad();
-    check_gradients([&] { return att.forward(q, m, len).attentional; }, [&](const Tensor& d) { g = att.backward(d); },
-                    slots, rng);
+    check_luong_gradients(att, q, m, len, rng);
   }
 }
 
@@ -287,13 +294,7 @@ TEST(LuongAttention, RandomShapesMatchFloat64) {
     std::vector<int32_t> lengths(B);
     for (auto& n : lengths) n = static_cast<int32_t>(draw(0, S));
     const TensorView len(lengths.data(), DType::i32, {B});
-    std::pair<Tensor, Tensor> g;
-    auto slots = parameter_slots(att);
-    slots.push_back({"queries", q.data_as<float>(), q.numel(), [&] { return g.first.data_as<float>(); }});
-    slots.push_back({"memory", m.data_as<float>(), m.numel(), [&] { return g.second.data_as<float>(); }});
-    att.zero_grad();
-    check_gradients([&] { return att.forward(q, m, len).attentional; }, [&](const Tensor& d) { g = att.backward(d); },
-                    slots, rng);
+    check_luong_gradients(att, q, m, len, rng);
   }
 }
 
