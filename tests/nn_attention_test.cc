@@ -120,7 +120,7 @@ TEST(MultiheadAttention, KvCacheDecodingOnDrawnShapes) {
     const bool batch_first = draw(0, 1) == 1;
     auto cfg = config(E, H, Hkv, batch_first);
     cfg.rope = rope;
-    if (draw(0, 1)) cfg.window = {draw(0, L), 0};
+    if (draw(0, 1)) cfg.window = {static_cast<int>(draw(0, L)), 0};
     SCOPED_TRACE(::testing::Message() << "H " << H << " Hkv " << Hkv << " hd " << hd << " B " << B << " L " << L
                                       << " capacity " << capacity << " page " << page << " rope " << int(rope)
                                       << " window " << cfg.window.left << " batch_first " << batch_first << " "

@@ -190,11 +190,11 @@ HWY_INLINE int Fixed16Column(int u) {
 }
 
 /// o[r] += unit_r·Σ_k n[r][k]·v_k for NR rows over the value rows vals[0 … 2·npairs)
-/// + head (the keys of one pass in pairs; head: the kv head's offset in a token row), dv a multiple of kFixedVec, o in Fixed16Column
-/// order. pairs[r·kFixedPvKeys/2 + j]: row r's integers for keys 2j and 2j+1 in the
-/// low and high 16 bits. Each pair of keys is one vpmaddwd per row and 16 columns.
-/// The integer sums are exact (at most 16·32767·128 in magnitude); one conversion
-/// and FMA per vector adds them to O.
+/// + head (the keys of one pass in pairs; head: the kv head's offset in a token row),
+/// dv a multiple of kFixedVec, o in Fixed16Column order. pairs[r·kFixedPvKeys/2 + j]:
+/// row r's integers for keys 2j and 2j+1 in the low and high 16 bits. Each pair of
+/// keys is one vpmaddwd per row and 16 columns. The integer sums are exact (at most
+/// 16·32767·128 in magnitude); one conversion and FMA per vector adds them to O.
 template <int NR, int kChunks, bool kVnni>
 HWY_INLINE void PvRowsFixed16Chunks(const int32_t* HWY_RESTRICT pairs, const float* HWY_RESTRICT unit, int npairs,
                                     const int8_t* const* vals, int64_t head, int x, float* HWY_RESTRICT o,
@@ -258,10 +258,10 @@ HWY_INLINE void PvRowsFixed16(const int32_t* pairs, const float* unit, int npair
 /// values' scales, removed keys' already 0; row stride ld) and every row, on
 /// PvRowsFixed16 (O in Fixed16Column order). vals: kFixedPvKeys pointers, those past
 /// nk any readable value row (their weights are 0), each plus `head` (the kv head's
-/// offset in a token row: the pointers are made once per pass, not once per head;
-/// made per head they cost ~7% of an i8 step, perf, Ice Lake Xeon). A row whose weights are not all
-/// finite (a NaN or ±∞ score or scale) takes them in f32, one product at a time, so
-/// NaN and ±∞ reach O as on the f32 pass.
+/// offset in a token row, so that the caller makes the pointers once per pass, not
+/// once per head). A row whose weights are not all finite (a NaN or ±∞ score or
+/// scale) takes them in f32, one product at a time, so NaN and ±∞ reach O as on the
+/// f32 pass.
 template <bool kVnni>
 HWY_INLINE void PvKeysFixed16Of(const float* HWY_RESTRICT w, size_t ld, int rows, const int8_t* const* vals,
                                 int64_t head, int nk, int dv, float* HWY_RESTRICT o, size_t o_ld,

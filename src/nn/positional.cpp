@@ -2,8 +2,8 @@
 #include "attn/nn/positional.hpp"
 
 #include <algorithm>
-#include <climits>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 
 #include "attn/error.hpp"
@@ -94,7 +94,8 @@ RotaryEmbedding::RotaryEmbedding(int64_t head_dim, RopeStyle style, double base,
     throw Error("RotaryEmbedding: rotary_dim must be even and ≤ head_dim (" + std::to_string(head_dim) + "), got " +
                 std::to_string(rotary_dim_));
   if (!(base > 1.0)) throw Error("RotaryEmbedding: base must be > 1, got " + std::to_string(base));
-  for (int64_t p = 0; p < rotary_dim_ / 2; ++p) inv_freq_.push_back(std::pow(base_, -2.0 * double(p) / double(rotary_dim_)));
+  for (int64_t p = 0; p < rotary_dim_ / 2; ++p)
+    inv_freq_.push_back(std::pow(base_, -2.0 * double(p) / double(rotary_dim_)));
 }
 
 void RotaryEmbedding::fill_rows(int64_t first, int64_t n, Table& t, int64_t at) const {

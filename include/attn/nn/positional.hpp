@@ -86,7 +86,7 @@ class RotaryEmbedding {
   void rotate(const TensorView& x, int64_t offset, float sign) const;
   /// A table holding at least positions [0, end) (end ≤ kCachedPositions).
   std::shared_ptr<const Table> table_through(int64_t end) const;
-  /// cos/sin rows of positions [first, first + n) into t (positions = n).
+  /// The cos/sin rows of positions [first, first + n) into t's rows [at, at + n).
   void fill_rows(int64_t first, int64_t n, Table& t, int64_t at) const;
 
   int64_t head_dim_, rotary_dim_;
