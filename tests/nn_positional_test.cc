@@ -103,7 +103,8 @@ TEST(Rope, DrawnShapesAndPositionsMatchComplexRotation) {
   const int64_t offsets[] = {0, 3, nn::RotaryEmbedding::kCachedPositions - 2, 100003, 50000000, 1000000000000};
   for (int trial = 0; trial < 24; ++trial) {
     const auto style = trial % 2 == 0 ? nn::RopeStyle::interleaved : nn::RopeStyle::half;
-    const int64_t d = draw(1, 70), rot = 2 * draw(d >= 2 ? 1 : 0, d / 2), B = draw(1, 3), L = draw(1, 9), H = draw(1, 4);
+    const int64_t d = draw(1, 70), rot = 2 * draw(d >= 2 ? 1 : 0, d / 2);
+    const int64_t B = draw(1, 3), L = draw(1, 9), H = draw(1, 4);
     const int64_t offset = offsets[trial % 6] + draw(0, 5);
     const double base = trial % 3 == 0 ? 500.0 : 10000.0;
     const bool heads_outer = rng.next_u64() % 2 == 0;
@@ -120,14 +121,16 @@ TEST(Rope, DrawnShapesAndPositionsMatchComplexRotation) {
     for (int64_t b = 0; b < B; ++b)
       for (int64_t l = 0; l < L; ++l)
         for (int64_t h = 0; h < H; ++h)
-          std::memcpy(y.data_as<float>() + at(b, l, h), x.data_as<float>() + ((b * L + l) * H + h) * d, d * sizeof(float));
+          std::memcpy(y.data_as<float>() + at(b, l, h), x.data_as<float>() + ((b * L + l) * H + h) * d,
+                      d * sizeof(float));
     const TensorView yv(y.data(), DType::f32, {B, L, H, d}, strides);
     rope.apply(yv, offset);
     for (int64_t b = 0; b < B; ++b)
       for (int64_t l = 0; l < L; ++l)
         for (int64_t h = 0; h < H; ++h) {
           auto ref = rope_ref(x.data_as<float>() + ((b * L + l) * H + h) * d, d, rot, style, offset + l, base);
-          for (int64_t c = 0; c < d; ++c) ASSERT_NEAR(y.data_as<float>()[at(b, l, h) + c], ref[c], 2e-6) << "column " << c;
+          for (int64_t c = 0; c < d; ++c)
+            ASSERT_NEAR(y.data_as<float>()[at(b, l, h) + c], ref[c], 2e-6) << "column " << c;
         }
     rope.apply_backward(yv, offset);
     for (int64_t b = 0; b < B; ++b)
