@@ -61,6 +61,107 @@ TEST(TransformerDecoder, GradientsAndCrossWeights) {
   }
 }
 
+/// A layer configuration drawn for the shape tests below: 1–4 heads of 2, 4 or 6
+/// dims, d_model ≥ 6 (with 4 features, a row whose LayerNorm input has a tiny variance
+/// amplified gradients ~100× and curved the loss enough to miss by 1–15% at a step of
+/// 3e-3, shrinking to 0 with the step: seed 13 once), a kv-head count dividing the heads, any RoPE pairing, both norm
+/// placements and layouts. GELU only: ReLU's kink sits inside a finite difference's
+/// step for some drawn values.
+nn::TransformerLayerConfig drawn_config(nn::Rng& rng) {
+  nn::TransformerLayerConfig c;
+  for (;;) {
+    c.nhead = 1 + static_cast<int64_t>(rng.next_u64() % 4);
+    c.d_model = c.nhead * 2 * (1 + static_cast<int64_t>(rng.next_u64() % 3));
+    if (c.d_model >= 6) break;
+  }
+  std::vector<int64_t> divisors;
+  for (int64_t k = 1; k <= c.nhead; ++k)
+    if (c.nhead % k == 0) divisors.push_back(k);
+  c.num_kv_heads = divisors[rng.next_u64() % divisors.size()];
+  c.rope = static_cast<nn::RopeStyle>(rng.next_u64() % 3);
+  c.dim_feedforward = 3 + static_cast<int64_t>(rng.next_u64() % 6);
+  c.activation = rng.next_u64() % 2 ? nn::ActivationKind::gelu : nn::ActivationKind::gelu_tanh;
+  c.batch_first = rng.next_u64() % 2;
+  c.norm_first = rng.next_u64() % 2;
+  return c;
+}
+
+std::string describe(const nn::TransformerLayerConfig& c, int64_t B, int64_t L) {
+  return "d_model " + std::to_string(c.d_model) + ", heads " + std::to_string(c.nhead) + "/" +
+         std::to_string(c.num_kv_heads) + " kv, rope " + std::to_string(static_cast<int>(c.rope)) + ", ff " +
+         std::to_string(c.dim_feedforward) + ", batch_first " + std::to_string(c.batch_first) + ", norm_first " +
+         std::to_string(c.norm_first) + ", B " + std::to_string(B) + ", L " + std::to_string(L) + " (" + seed_note() +
+         ")";
+}
+
+/// [B, L] boolean key padding (true = ignore), each key out with probability 1/4:
+/// whole rows may go, whose outputs are then defined (DESIGN.md) and constant.
+Tensor drawn_padding(int64_t B, int64_t L, nn::Rng& rng) {
+  Tensor m(DType::boolean, {B, L});
+  for (int64_t i = 0; i < B * L; ++i) m.data_as<bool>()[i] = rng.next_u64() % 4 == 0;
+  return m;
+}
+
+/// The input's shape in the layer's layout.
+std::vector<int64_t> layout(const nn::TransformerLayerConfig& c, int64_t B, int64_t L) {
+  return c.batch_first ? std::vector<int64_t>{B, L, c.d_model} : std::vector<int64_t>{L, B, c.d_model};
+}
+
+/// The drawn tests' absolute floor: an f32 forward's rounding over a few dozen outputs
+/// moves a central difference at a step of 3e-3 by up to ~1e-4 per element, ~4e-4 over
+/// 24 of them, which sank slots with gradients of ~1e-2 (a cross-attention query norm
+/// against two memory positions) under the default 1e-4. A wrong formula misses by
+/// O(|gradient|), and other draws give the same slot gradients far above the floor.
+constexpr double kDrawnAtol = 1e-3;
+
+TEST(TransformerEncoder, GradientsOnDrawnShapes) {
+  nn::Rng rng = nn_rng(54);
+  const int64_t lengths[] = {1, 2, 3, 5, 7};
+  for (int draw = 0; draw < 8; ++draw) {
+    const nn::TransformerLayerConfig c = drawn_config(rng);
+    const int64_t B = 1 + static_cast<int64_t>(rng.next_u64() % 3), L = lengths[rng.next_u64() % 5];
+    const int64_t layers = 1 + static_cast<int64_t>(rng.next_u64() % 2);
+    const bool final_norm = rng.next_u64() % 2, causal = rng.next_u64() % 2, padded = rng.next_u64() % 2;
+    SCOPED_TRACE(describe(c, B, L) + ", layers " + std::to_string(layers) + ", causal " + std::to_string(causal) +
+                 ", padded " + std::to_string(padded));
+    nn::TransformerEncoder enc(c, layers, final_norm, rng);
+    enc.eval();
+    Tensor x = random_tensor(layout(c, B, L), rng);
+    Tensor padding = padded ? drawn_padding(B, L, rng) : Tensor();
+    Tensor dx;
+    auto slots = parameter_slots(enc);
+    slots.push_back({"src", x.data_as<float>(), x.numel(), [&] { return dx.data_as<float>(); }});
+    enc.zero_grad();
+    check_gradients([&] { return enc.forward(x, {}, padded ? TensorView(padding) : TensorView(), causal); },
+                    [&](const Tensor& g) { dx = enc.backward(g); }, slots, rng, 3e-3f, 1e-2, kDrawnAtol);
+  }
+}
+
+TEST(TransformerDecoder, GradientsOnDrawnShapes) {
+  nn::Rng rng = nn_rng(55);
+  const int64_t lengths[] = {1, 2, 3, 5, 7};
+  for (int draw = 0; draw < 8; ++draw) {
+    const nn::TransformerLayerConfig c = drawn_config(rng);
+    const int64_t B = 1 + static_cast<int64_t>(rng.next_u64() % 3);
+    const int64_t T = lengths[rng.next_u64() % 5], S = lengths[rng.next_u64() % 5];
+    const bool causal = rng.next_u64() % 2, padded = rng.next_u64() % 2;
+    SCOPED_TRACE(describe(c, B, T) + ", S " + std::to_string(S) + ", causal " + std::to_string(causal) +
+                 ", memory padded " + std::to_string(padded));
+    nn::TransformerDecoderLayer dec(c, rng);
+    dec.eval();
+    Tensor tgt = random_tensor(layout(c, B, T), rng), mem = random_tensor(layout(c, B, S), rng);
+    Tensor padding = padded ? drawn_padding(B, S, rng) : Tensor();
+    nn::DecoderGrads g;
+    auto slots = parameter_slots(dec);
+    slots.push_back({"tgt", tgt.data_as<float>(), tgt.numel(), [&] { return g.dtgt.data_as<float>(); }});
+    slots.push_back({"memory", mem.data_as<float>(), mem.numel(), [&] { return g.dmemory.data_as<float>(); }});
+    dec.zero_grad();
+    check_gradients(
+        [&] { return dec.forward(tgt, mem, {}, {}, {}, padded ? TensorView(padding) : TensorView(), causal); },
+        [&](const Tensor& dy) { g = dec.backward(dy); }, slots, rng, 3e-3f, 1e-2, kDrawnAtol);
+  }
+}
+
 TEST(TransformerLayers, DropoutIsReproducibleForASeedAndOffInEval) {
   nn::Rng rng = nn_rng(53);
   auto c = small(false);
