@@ -4,7 +4,7 @@
 // Highway target (hence the toggling include guard, as in Highway's skeleton).
 //
 // Tile geometry (N = floats per vector: 16 on AVX-512, 8 on AVX2, 4 on SSE4):
-//   Bk = 4·N keys per tile; Bq = 8·kRowsPerBlock queries per tile.
+//   Bk = 4·N keys per tile; Bq = 16·kRowsPerBlock queries per tile (64 on AVX-512, 48 on AVX2).
 //   K is pre-packed per key tile as a [d][Bk] panel, so one row of the panel is
 //   4 vectors and S's register tile is kRowsPerBlock rows × 4 vectors.
 //   V is pre-packed as [Bk][dvp] (dvp = dv rounded up to N), zero padded.
