@@ -186,6 +186,80 @@ TEST(MultiheadAttention, GradientsWithEveryFeature) {
                   [&](const Tensor& dy) { g = mha.backward(dy); }, slots, rng);
 }
 
+/// A boolean (true = remove) or additive f32 tensor of this shape, entries drawn:
+/// whole rows of keys may go, whose queries then output out_proj.bias.
+Tensor drawn_mask(std::vector<int64_t> shape, bool boolean, nn::Rng& rng) {
+  if (!boolean) return random_tensor(std::move(shape), rng, -2.0f, 2.0f);
+  Tensor m(DType::boolean, std::move(shape));
+  for (int64_t i = 0; i < m.numel(); ++i) m.data_as<uint8_t>()[i] = rng.next_u64() % 4 == 0;
+  return m;
+}
+
+// Every feature drawn at once, 12 calls per run: 1–4 heads of 1–5 dimensions (RoPE of
+// either pairing where they are even), kv heads dividing the heads, key and value
+// widths of their own, with or without bias, either layout or unbatched, a window,
+// causal or not, key padding and an attention mask of [L, S] or [B·H, L, S], each
+// boolean or additive, lengths 1–7 — and every parameter's and input's gradient
+// checked by central differences.
+TEST(MultiheadAttention, GradientsOnDrawnShapes) {
+  nn::Rng rng = nn_rng(47);
+  const int64_t lengths[] = {1, 2, 3, 5, 7};
+  auto pick = [&](int64_t n) { return static_cast<int64_t>(rng.next_u64() % n); };
+  for (int draw = 0; draw < 12; ++draw) {
+    const int64_t H = 1 + pick(4), hd = 1 + pick(5), E = H * hd;
+    std::vector<int64_t> divisors;
+    for (int64_t k = 1; k <= H; ++k)
+      if (H % k == 0) divisors.push_back(k);
+    auto cfg = config(E, H, divisors[pick(divisors.size())], pick(2) == 1);
+    cfg.kdim = pick(2) ? 0 : 1 + pick(7);
+    cfg.vdim = pick(2) ? 0 : 1 + pick(7);
+    cfg.bias = pick(3) != 0;
+    cfg.rope = hd % 2 == 0 ? static_cast<nn::RopeStyle>(pick(3)) : nn::RopeStyle::none;
+    if (pick(3) == 0) cfg.window = Window{static_cast<int>(pick(4)), pick(2) ? -1 : static_cast<int>(pick(3))};
+    const bool unbatched = pick(6) == 0;
+    const int64_t B = unbatched ? 1 : 1 + pick(3), L = lengths[pick(5)], S = lengths[pick(5)];
+    const bool causal = pick(2), need_weights = pick(2), average = pick(2);
+    const int padding = static_cast<int>(pick(3)), mask = static_cast<int>(pick(5));  // 0: none
+    const int64_t kd = cfg.kdim ? cfg.kdim : E, vd = cfg.vdim ? cfg.vdim : E;
+    SCOPED_TRACE("E " + std::to_string(E) + ", heads " + std::to_string(H) + "/" + std::to_string(cfg.num_kv_heads) +
+                 " kv, kdim " + std::to_string(kd) + ", vdim " + std::to_string(vd) + ", bias " +
+                 std::to_string(cfg.bias) + ", rope " + std::to_string(static_cast<int>(cfg.rope)) + ", window " +
+                 std::to_string(cfg.window.left) + "/" + std::to_string(cfg.window.right) + ", batch_first " +
+                 std::to_string(cfg.batch_first) + ", unbatched " + std::to_string(unbatched) + ", B " +
+                 std::to_string(B) + ", L " + std::to_string(L) + ", S " + std::to_string(S) + ", causal " +
+                 std::to_string(causal) + ", padding " + std::to_string(padding) + ", mask " + std::to_string(mask) +
+                 " (" + seed_note() + ")");
+    nn::MultiheadAttention mha(cfg, rng);
+    randomize(mha, rng);
+    mha.eval();
+    auto shape = [&](int64_t len, int64_t width) {
+      if (unbatched) return std::vector<int64_t>{len, width};
+      return cfg.batch_first ? std::vector<int64_t>{B, len, width} : std::vector<int64_t>{len, B, width};
+    };
+    Tensor q = random_tensor(shape(L, E), rng), k = random_tensor(shape(S, kd), rng),
+           v = random_tensor(shape(S, vd), rng);
+    Tensor kpm = padding == 0 ? Tensor()
+                              : drawn_mask(unbatched ? std::vector<int64_t>{S} : std::vector<int64_t>{B, S}, padding == 1,
+                                           rng);
+    Tensor am = mask == 0   ? Tensor()
+                : mask <= 2 ? drawn_mask({L, S}, mask == 1, rng)
+                            : drawn_mask({B * H, L, S}, mask == 3, rng);
+    nn::MultiheadAttentionGrads g;
+    auto slots = parameter_slots(mha);
+    slots.push_back({"query", q.data_as<float>(), q.numel(), [&] { return g.dquery.data_as<float>(); }});
+    slots.push_back({"key", k.data_as<float>(), k.numel(), [&] { return g.dkey.data_as<float>(); }});
+    slots.push_back({"value", v.data_as<float>(), v.numel(), [&] { return g.dvalue.data_as<float>(); }});
+    mha.zero_grad();
+    check_gradients(
+        [&] {
+          return mha.forward(q, k, v, padding ? TensorView(kpm) : TensorView(), need_weights,
+                             mask ? TensorView(am) : TensorView(), average, causal)
+              .output;
+        },
+        [&](const Tensor& dy) { g = mha.backward(dy); }, slots, rng, 3e-3f, 1e-2, 1e-3);
+  }
+}
+
 TEST(MultiheadAttention, WeightsAreDistributionsAndAverageOverHeads) {
   nn::Rng rng = nn_rng(44);
   nn::MultiheadAttention mha(config(8, 2), rng);
