@@ -238,9 +238,8 @@ TEST(MultiheadAttention, GradientsOnDrawnShapes) {
     };
     Tensor q = random_tensor(shape(L, E), rng), k = random_tensor(shape(S, kd), rng),
            v = random_tensor(shape(S, vd), rng);
-    Tensor kpm = padding == 0 ? Tensor()
-                              : drawn_mask(unbatched ? std::vector<int64_t>{S} : std::vector<int64_t>{B, S}, padding == 1,
-                                           rng);
+    const std::vector<int64_t> kpm_shape = unbatched ? std::vector<int64_t>{S} : std::vector<int64_t>{B, S};
+    Tensor kpm = padding == 0 ? Tensor() : drawn_mask(kpm_shape, padding == 1, rng);
     Tensor am = mask == 0   ? Tensor()
                 : mask <= 2 ? drawn_mask({L, S}, mask == 1, rng)
                             : drawn_mask({B * H, L, S}, mask == 3, rng);
