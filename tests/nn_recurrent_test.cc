@@ -2,6 +2,8 @@
 // layers, errors. PyTorch parity of the layers is in nn_parity_test.
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include "attn/error.hpp"
 #include "attn/nn/recurrent.hpp"
 #include "nn_test_util.hpp"
@@ -97,6 +99,72 @@ TEST(RecurrentLayers, GradientsWithLengthsAndDropoutOff) {
     for (int k = 0; k < 8; ++k) EXPECT_EQ(out.output.data_as<float>()[(2 * 5 + 3) * 8 + k], 0.0f);
     g = rnn.backward(random_tensor({3, 5, 8}, rng));
     for (int k = 0; k < 3; ++k) EXPECT_EQ(g.dinput.data_as<float>()[(1 * 5 + 4) * 3 + k], 0.0f);
+  }
+}
+
+// GRU and LSTM stacks drawn whole, 10 per run: 1–5 inputs, 1–6 hidden units, 1–3 layers,
+// with or without bias, either layout, one or two directions, batches of 1–3, 1–7 steps,
+// variable lengths or none, given or zero initial states. The loss reads the output and
+// the final states, so every parameter's, the input's and the initial states' gradients
+// are checked, through dh_n and dc_n too.
+TEST(RecurrentLayers, GradientsOnDrawnShapes) {
+  nn::Rng rng = nn_rng(65);
+  const int64_t steps[] = {1, 2, 3, 5, 7};
+  auto pick = [&](int64_t n) { return static_cast<int64_t>(rng.next_u64() % n); };
+  for (int draw = 0; draw < 10; ++draw) {
+    const auto kind = pick(2) ? nn::RecurrentLayers::Kind::gru : nn::RecurrentLayers::Kind::lstm;
+    const bool lstm = kind == nn::RecurrentLayers::Kind::lstm;
+    nn::RecurrentConfig rc;
+    rc.input_size = 1 + pick(5);
+    rc.hidden_size = 1 + pick(6);
+    rc.num_layers = 1 + pick(3);
+    rc.bias = pick(3) != 0;
+    rc.batch_first = pick(2);
+    rc.bidirectional = pick(2);
+    const int64_t B = 1 + pick(3), L = steps[pick(5)], D = rc.bidirectional ? 2 : 1;
+    const bool with_lengths = pick(2), with_h0 = pick(2), with_c0 = lstm && pick(2);
+    SCOPED_TRACE(std::string(lstm ? "LSTM" : "GRU") + ", input " + std::to_string(rc.input_size) + ", hidden " +
+                 std::to_string(rc.hidden_size) + ", layers " + std::to_string(rc.num_layers) + ", bias " +
+                 std::to_string(rc.bias) + ", batch_first " + std::to_string(rc.batch_first) + ", directions " +
+                 std::to_string(D) + ", B " + std::to_string(B) + ", L " + std::to_string(L) + ", lengths " +
+                 std::to_string(with_lengths) + ", h0 " + std::to_string(with_h0) + ", c0 " +
+                 std::to_string(with_c0) + " (" + seed_note() + ")");
+    nn::RecurrentLayers rnn(kind, rc, rng);
+    rnn.eval();
+    Tensor x = random_tensor(rc.batch_first ? std::vector<int64_t>{B, L, rc.input_size}
+                                            : std::vector<int64_t>{L, B, rc.input_size},
+                             rng);
+    const std::vector<int64_t> state_shape{rc.num_layers * D, B, rc.hidden_size};
+    Tensor h0 = random_tensor(state_shape, rng), c0 = random_tensor(state_shape, rng);
+    std::vector<int32_t> lengths(B);
+    for (auto& n : lengths) n = static_cast<int32_t>(1 + pick(L));
+    const TensorView lengths_view = with_lengths ? TensorView(lengths.data(), DType::i32, {B}) : TensorView();
+    const int64_t out_n = B * L * D * rc.hidden_size, state_n = h0.numel();
+    // Output, h_n and (LSTM) c_n, flattened into one tensor for the loss.
+    auto forward = [&] {
+      nn::RecurrentOutput o = rnn.forward(x, with_h0 ? TensorView(h0) : TensorView(),
+                                          with_c0 ? TensorView(c0) : TensorView(), lengths_view);
+      Tensor all(DType::f32, {out_n + (lstm ? 2 : 1) * state_n});
+      float* at = all.data_as<float>();
+      std::memcpy(at, o.output.data(), sizeof(float) * out_n);
+      std::memcpy(at + out_n, o.h_n.data(), sizeof(float) * state_n);
+      if (lstm) std::memcpy(at + out_n + state_n, o.c_n.data(), sizeof(float) * state_n);
+      return all;
+    };
+    nn::RecurrentGrads g;
+    auto backward = [&](const Tensor& dall) {
+      const float* d = dall.data_as<float>();
+      const std::vector<int64_t> out_shape = rc.batch_first ? std::vector<int64_t>{B, L, D * rc.hidden_size}
+                                                            : std::vector<int64_t>{L, B, D * rc.hidden_size};
+      g = rnn.backward(TensorView(d, DType::f32, out_shape), TensorView(d + out_n, DType::f32, state_shape),
+                       lstm ? TensorView(d + out_n + state_n, DType::f32, state_shape) : TensorView());
+    };
+    auto slots = parameter_slots(rnn);
+    slots.push_back({"input", x.data_as<float>(), x.numel(), [&] { return g.dinput.data_as<float>(); }});
+    if (with_h0) slots.push_back({"h0", h0.data_as<float>(), h0.numel(), [&] { return g.dh0.data_as<float>(); }});
+    if (with_c0) slots.push_back({"c0", c0.data_as<float>(), c0.numel(), [&] { return g.dc0.data_as<float>(); }});
+    rnn.zero_grad();
+    check_gradients(forward, backward, slots, rng, 3e-3f, 1e-2, 1e-3);
   }
 }
 
