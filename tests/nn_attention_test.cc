@@ -24,6 +24,17 @@ void randomize(nn::Module& m, nn::Rng& rng) {
   for (auto& [name, p] : m.named_parameters()) init_uniform(*p, 0.5f, rng);
 }
 
+/// The gradient slots of every parameter of `mha` and of its inputs q, k and v, whose
+/// analytic gradients its backward leaves in g.
+std::vector<GradSlot> slots_with_inputs(nn::MultiheadAttention& mha, Tensor& q, Tensor& k, Tensor& v,
+                                        nn::MultiheadAttentionGrads& g) {
+  auto slots = parameter_slots(mha);
+  slots.push_back({"query", q.data_as<float>(), q.numel(), [&g] { return g.dquery.data_as<float>(); }});
+  slots.push_back({"key", k.data_as<float>(), k.numel(), [&g] { return g.dkey.data_as<float>(); }});
+  slots.push_back({"value", v.data_as<float>(), v.numel(), [&g] { return g.dvalue.data_as<float>(); }});
+  return slots;
+}
+
 TEST(MultiheadAttention, GroupedQueryEqualsRepeatedKeyValueHeads) {
   nn::Rng rng = nn_rng(41);
   const int64_t E = 16, H = 4, Hkv = 2, hd = 4, B = 2, L = 5, S = 7;
@@ -177,10 +188,7 @@ TEST(MultiheadAttention, GradientsWithEveryFeature) {
   for (int64_t i = 0; i < B * S; ++i) kpm.data_as<uint8_t>()[i] = (i % S) == 5 && i >= S;  // pad the last key of b=1
   Tensor am = random_tensor({L, S}, rng);  // additive
   nn::MultiheadAttentionGrads g;
-  auto slots = parameter_slots(mha);
-  slots.push_back({"query", q.data_as<float>(), q.numel(), [&] { return g.dquery.data_as<float>(); }});
-  slots.push_back({"key", k.data_as<float>(), k.numel(), [&] { return g.dkey.data_as<float>(); }});
-  slots.push_back({"value", v.data_as<float>(), v.numel(), [&] { return g.dvalue.data_as<float>(); }});
+  auto slots = slots_with_inputs(mha, q, k, v, g);
   mha.zero_grad();
   check_gradients([&] { return mha.forward(q, k, v, kpm, false, am, true, true).output; },
                   [&](const Tensor& dy) { g = mha.backward(dy); }, slots, rng);
@@ -244,10 +252,7 @@ TEST(MultiheadAttention, GradientsOnDrawnShapes) {
                 : mask <= 2 ? drawn_mask({L, S}, mask == 1, rng)
                             : drawn_mask({B * H, L, S}, mask == 3, rng);
     nn::MultiheadAttentionGrads g;
-    auto slots = parameter_slots(mha);
-    slots.push_back({"query", q.data_as<float>(), q.numel(), [&] { return g.dquery.data_as<float>(); }});
-    slots.push_back({"key", k.data_as<float>(), k.numel(), [&] { return g.dkey.data_as<float>(); }});
-    slots.push_back({"value", v.data_as<float>(), v.numel(), [&] { return g.dvalue.data_as<float>(); }});
+    auto slots = slots_with_inputs(mha, q, k, v, g);
     mha.zero_grad();
     check_gradients(
         [&] {
