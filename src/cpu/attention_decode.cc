@@ -225,7 +225,7 @@ enum class ColumnOrder { kNatural, kPairs, kFixed16 };
 /// tiles under Precision::bf16), calls alternating 8 and 32 keys in one process, B = 1
 /// and 8, 8k and 32k keys, pages of 16 and contiguous, 1 and 2 threads: 32 keys
 /// 0.93–1.01x the time of 8 for those passes (0.93–0.96x from DRAM on 1 thread); for
-/// i8 and bf16 on the f32 passes 16 and 32 keys took 1.02–1.06x, so Intel keeps 8 there.
+/// i8 and bf16 on the f32 passes 16 and 32 keys took 1.01–1.06x, so Intel keeps 8 there.
 constexpr int kMostPrefetchKeys = HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL ? 32 : 8;
 template <typename T>
 int PrefetchKeys(const Paths& paths) {
